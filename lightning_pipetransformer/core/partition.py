@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["optimal_partition", "stage_costs", "boundaries"]
+__all__ = ["optimal_partition", "stage_costs", "boundaries", "compress_pipe_len"]
 
 Balance = tuple[int, ...]
 
@@ -76,3 +76,33 @@ def stage_costs(costs: Sequence[float], balance: Sequence[int]) -> tuple[float, 
         raise ValueError(f"Balance {tuple(balance)} does not split {len(costs)} blocks into non-empty stages.")
     edges = boundaries(balance)
     return tuple(float(sum(costs[a:b])) for a, b in zip(edges[:-1], edges[1:]))
+
+
+def compress_pipe_len(
+    costs: Sequence[float],
+    pipe_len: int,
+    devices_per_node: int,
+    budget: float,
+) -> int:
+    """AutoPipe's compression rule: halve the pipeline while it still fits the budget.
+
+    Starting from ``pipe_len``, try ``K -> K/2`` repeatedly while ``K/2`` is a whole number that
+    divides ``devices_per_node`` and the optimal partition's largest stage at ``K/2`` costs no
+    more than ``budget`` (the paper uses the largest stage cost at the start of training, so a
+    shorter pipeline is never slower per micro-batch than the initial one).
+
+    ``costs`` are the per-block costs *after* weighting frozen blocks.
+    """
+    if pipe_len < 1 or devices_per_node % pipe_len != 0:
+        raise ValueError(
+            f"The pipeline length {pipe_len} must divide the {devices_per_node} devices per node."
+        )
+    k = pipe_len
+    while k % 2 == 0:
+        half = k // 2
+        if devices_per_node % half != 0 or half > len(costs):
+            break
+        if max(stage_costs(costs, optimal_partition(costs, half))) > budget * (1 + 1e-9):
+            break
+        k = half
+    return k
