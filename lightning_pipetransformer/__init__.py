@@ -1,6 +1,15 @@
 """lightning-pipetransformer: PipeTransformer (ICML 2021) for PyTorch Lightning.
 
-Importing this package registers the ``"pipetransformer"`` strategy name with Lightning.
+Public API:
+
+* :class:`AutoFreeze` - a callback that freezes a model's leading blocks progressively
+  (works under single-device, DDP and the ``"pipetransformer"`` strategy).
+* :func:`find_block_stack` / :class:`BlockStack` - how the package sees a model: ``pre``
+  modules, a stack of repeated blocks, ``post`` modules.
 """
 
+from .autofreeze import AutoFreeze
+from .core.discovery import BlockStack, BlockStackError, find_block_stack
+
+__all__ = ["AutoFreeze", "BlockStack", "BlockStackError", "find_block_stack"]
 __version__ = "0.1.0.dev0"

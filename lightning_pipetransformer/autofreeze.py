@@ -1,0 +1,321 @@
+"""AutoFreeze: progressive freezing of a model's leading blocks, as a Lightning callback.
+
+Works alone under single-device and DDP-family strategies (plain progressive freezing: the
+frozen prefix runs forward only and leaves DDP's gradient all-reduce), and under
+``strategy="pipetransformer"``, which it signals to repartition the pipeline.
+
+When things happen (every rank runs the same code on the same numbers, so decisions agree):
+
+* every optimizer step (``on_before_optimizer_step``: gradients are final, after DDP averaging
+  and gradient accumulation, and unscaled under AMP): add each active block's gradient norm to
+  an on-device running sum. No host sync per step; only the ``"paper"`` rule pays for this.
+* at the start of every ``freeze_every_n_epochs``-th epoch: decide the new frozen count ``F``,
+  freeze, and tell the strategy (DDP's wrapper is rebuilt so frozen parameters leave the
+  gradient buckets; the pipeline strategy repartitions).
+* at the end of every epoch: log ``autofreeze/num_frozen``.
+
+Deciding at epoch *start* (not end) makes resuming exact wherever the checkpoint was written
+(at validation end or train-epoch end): the gradient sums of the finished epoch are part of the
+callback state, and the decision for the next epoch is taken after loading it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .core.discovery import BlockStack
+from .core.freeze_rules import ExplicitSchedule, geometric_num_frozen, paper_num_frozen, validate_alpha
+from .core.freezing import apply_freeze, ensure_frozen_eval, frozen_parameters
+from .module_stack import block_stack_of
+
+__all__ = ["AutoFreeze"]
+
+Rule = Literal["paper", "schedule"]
+
+#: A strategy that implements this method is told about every freeze (the pipeline strategy).
+STRATEGY_HOOK = "on_autofreeze"
+
+
+class AutoFreeze(Callback):
+    """Freeze a model's leading Transformer blocks progressively while it trains.
+
+    Args:
+        alpha: fraction of the still-active blocks frozen per freeze step, ``0 < alpha < 1``.
+            1/3 freezes a 12-block stack as 0, 4, 7, 9, 10, 11, ... over the steps.
+        rule: ``"paper"`` (default): the geometric step ``F + alpha (L - F)`` is an upper bound and
+            the freeze stops at the active block with the smallest gradient norm over the last
+            interval, so a block still learning fast is not frozen just because the schedule says
+            so. ``"schedule"``: the geometric step alone, a fixed plan, as the official
+            PipeTransformer code ran; no gradient norms are measured. See
+            :mod:`lightning_pipetransformer.core.freeze_rules`.
+        schedule: an explicit plan, ``{epoch: num_frozen}`` (a step function) or a callable
+            ``epoch -> num_frozen``. Overrides ``rule`` and ``alpha``; for reproducible experiments.
+        layers: the block container's attribute path relative to the LightningModule (e.g.
+            ``"model.bert.encoder.layer"``), the container, or a ``BlockStack``. Default: the module's
+            ``configure_block_stack()`` hook if it has one, else automatic discovery.
+        pre: attribute paths of the modules that run before the blocks, if registration order
+            does not tell (see :mod:`lightning_pipetransformer.core.discovery`).
+        freeze_every_n_epochs: epochs between freeze points. The first freeze point is the start
+            of epoch ``freeze_every_n_epochs``: the first interval always trains the whole model.
+        min_active: blocks that are never frozen. ``0`` lets the whole stack freeze (the head
+            after it still trains).
+        freeze_embeddings: freeze the modules before the stack (embeddings) together with the
+            first block. Keep ``True`` to let AutoCache skip them.
+    """
+
+    def __init__(
+        self,
+        alpha: float = 1 / 3,
+        rule: Rule = "paper",
+        schedule: Mapping[int, int] | Callable[[int], int] | None = None,
+        layers: str | nn.Module | BlockStack | None = None,
+        pre: Sequence[str] | None = None,
+        freeze_every_n_epochs: int = 1,
+        min_active: int = 1,
+        freeze_embeddings: bool = True,
+    ) -> None:
+        super().__init__()
+        self.alpha = validate_alpha(alpha)
+        if rule not in ("paper", "schedule"):
+            raise ValueError(f"rule must be 'paper' or 'schedule', got {rule!r}.")
+        if isinstance(freeze_every_n_epochs, bool) or not isinstance(freeze_every_n_epochs, int) or freeze_every_n_epochs < 1:
+            raise ValueError(f"freeze_every_n_epochs must be a positive int, got {freeze_every_n_epochs!r}.")
+        if isinstance(min_active, bool) or not isinstance(min_active, int) or min_active < 0:
+            raise ValueError(f"min_active must be an int >= 0, got {min_active!r}.")
+        self.rule: Rule = rule
+        self.schedule = ExplicitSchedule(schedule) if schedule is not None else None
+        self.layers = layers
+        self.pre = list(pre) if pre is not None else None
+        self.freeze_every_n_epochs = freeze_every_n_epochs
+        self.min_active = min_active
+        self.freeze_embeddings = freeze_embeddings
+
+        self.stack: BlockStack | None = None
+        self.num_frozen = 0
+        self.history: list[tuple[int, int]] = []  # (epoch, num_frozen) at each freeze event
+        self._decided_epoch = 0  # the last epoch whose start already took its freeze decision
+        self._norm_sum: torch.Tensor | None = None  # per block, summed over optimizer steps
+        self._norm_steps = 0
+        self._restored_norms: list[float] | None = None
+
+    # ------------------------------------------------------------------ set-up and checks
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.stack) if self.stack is not None else 0
+
+    @property
+    def max_frozen(self) -> int:
+        return self.num_blocks - self.min_active
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if not pl_module.automatic_optimization:
+            raise ValueError(
+                "AutoFreeze supports automatic optimization only: remove `self.automatic_optimization = False` "
+                "or freeze by hand in your training_step."
+            )
+        self._check_strategy(trainer)
+        self.stack = block_stack_of(pl_module, self.layers, self.pre)
+        if self.min_active > self.num_blocks:
+            raise ValueError(
+                f"min_active={self.min_active} exceeds the {self.num_blocks} blocks of {self.stack.path}; "
+                f"use at most {self.num_blocks}."
+            )
+        if self.min_active == 0 and not self._trains_outside_stack(pl_module):
+            raise ValueError(
+                "min_active=0 would leave nothing to train: every trainable parameter is in the block stack "
+                "(or before it). Use min_active >= 1."
+            )
+        if self.schedule is not None:
+            epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs > 0 else None
+            self.schedule.validate(self.max_frozen, epochs)
+        rank_zero_info(f"AutoFreeze: block stack {self.stack.describe()}; {self._rule_text()}.")
+        if self.num_frozen:  # a second fit() with the same callback keeps its frozen prefix
+            apply_freeze(self.stack, self.num_frozen, self.freeze_embeddings)
+
+    def _rule_text(self) -> str:
+        if self.schedule is not None:
+            return "explicit schedule"
+        return f"rule '{self.rule}', alpha={self.alpha:.3g}, every {self.freeze_every_n_epochs} epoch(s), min_active={self.min_active}"
+
+    def _trains_outside_stack(self, pl_module: pl.LightningModule) -> bool:
+        assert self.stack is not None
+        covered = {id(p) for p in frozen_parameters(self.stack, self.num_blocks, self.freeze_embeddings)}
+        return any(p.requires_grad and id(p) not in covered for p in pl_module.parameters())
+
+    @staticmethod
+    def _check_strategy(trainer: pl.Trainer) -> None:
+        strategy = trainer.strategy
+        if callable(getattr(strategy, STRATEGY_HOOK, None)):
+            return
+        if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+            return
+        raise ValueError(
+            f"AutoFreeze supports single-device, DDP-family and 'pipetransformer' strategies, not "
+            f"{type(strategy).__name__}: sharded or wrapped parameters are not reached by freezing with "
+            "requires_grad. Use strategy='ddp' or strategy='pipetransformer'."
+        )
+
+    # ------------------------------------------------------------------ the loop
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        epoch = trainer.current_epoch
+        target = self._decide(epoch)
+        if target > self.num_frozen:
+            self._apply(trainer, target, announce=True, epoch=epoch)
+        elif self.stack is not None:
+            ensure_frozen_eval(self.stack, self.num_frozen, self.freeze_embeddings)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        # A user's `model.train()` (e.g. in on_validation_model_train) would re-enable dropout in
+        # frozen blocks; one attribute read per frozen module puts that right.
+        if self.stack is not None and self.num_frozen:
+            ensure_frozen_eval(self.stack, self.num_frozen, self.freeze_embeddings)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self.schedule is not None or self.rule != "paper" or self.stack is None:
+            return
+        norms = self._block_grad_norms()
+        if norms is None:
+            return
+        if self._norm_sum is None:
+            self._norm_sum = torch.zeros_like(norms)
+            if self._restored_norms is not None:
+                self._norm_sum += torch.tensor(self._restored_norms, dtype=norms.dtype, device=norms.device)
+                self._restored_norms = None
+        # A step skipped by AMP's scaler has inf/nan gradients: it must not decide a freeze.
+        self._norm_sum += torch.nan_to_num(norms, nan=0.0, posinf=0.0, neginf=0.0)
+        self._norm_steps += 1
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pl_module.log("autofreeze/num_frozen", float(self.num_frozen), on_step=False, on_epoch=True, sync_dist=False)
+
+    # ------------------------------------------------------------------ decisions
+
+    def _decide(self, epoch: int) -> int:
+        """The frozen count the rule asks for at the start of ``epoch`` (never below the current)."""
+        if self.stack is None:
+            return self.num_frozen
+        if self.schedule is not None:
+            target = self.schedule(epoch)
+            if target < self.num_frozen or target > self.max_frozen:
+                raise ValueError(
+                    f"schedule({epoch}) = {target}, but {self.num_frozen} blocks are already frozen and at most "
+                    f"{self.max_frozen} may be: a schedule must not decrease or exceed the stack."
+                )
+            return target
+        n = self.freeze_every_n_epochs
+        if epoch == 0 or epoch % n != 0 or epoch <= self._decided_epoch:
+            return self.num_frozen
+        self._decided_epoch = epoch
+        if self.rule == "schedule":
+            target = geometric_num_frozen(self.num_blocks, self.alpha, epoch // n)
+        else:
+            norms = self._mean_norms()
+            self._reset_norms()
+            if norms is None:  # no optimizer step in the interval: nothing to go on
+                return self.num_frozen
+            target = paper_num_frozen(self.num_frozen, self.alpha, norms)
+        return max(self.num_frozen, min(target, self.max_frozen))
+
+    def _block_grad_norms(self) -> torch.Tensor | None:
+        """Per-block gradient norms (0 for frozen blocks), on the device of the last block."""
+        assert self.stack is not None
+        blocks = self.stack.blocks
+        device = next((p.grad.device for p in blocks[-1].parameters() if p.grad is not None), None)
+        if device is None:
+            return None
+        norms = []
+        for index, block in enumerate(blocks):
+            grads = [p.grad for p in block.parameters() if p.grad is not None] if index >= self.num_frozen else []
+            if not grads:
+                norms.append(torch.zeros((), device=device))
+                continue
+            per_tensor = torch._foreach_norm(grads)
+            norms.append(torch.linalg.vector_norm(torch.stack(per_tensor)).to(device, non_blocking=True))
+        return torch.stack(norms).float()
+
+    def _mean_norms(self) -> list[float] | None:
+        if self._norm_steps == 0:
+            return None
+        if self._norm_sum is None:
+            return None if self._restored_norms is None else [v / self._norm_steps for v in self._restored_norms]
+        return (self._norm_sum / self._norm_steps).tolist()
+
+    def _reset_norms(self) -> None:
+        self._norm_sum, self._norm_steps, self._restored_norms = None, 0, None
+
+    # ------------------------------------------------------------------ applying a freeze
+
+    def _apply(self, trainer: pl.Trainer, target: int, announce: bool, epoch: int | None = None) -> None:
+        assert self.stack is not None
+        before = self.num_frozen
+        changed = apply_freeze(self.stack, target, self.freeze_embeddings)
+        self.num_frozen = target
+        if announce:
+            self.history.append((int(epoch if epoch is not None else trainer.current_epoch), target))
+            rank_zero_info(
+                f"AutoFreeze: epoch {epoch}: froze blocks {before}..{target - 1} "
+                f"({target}/{self.num_blocks} frozen{', embeddings too' if self.freeze_embeddings else ''})."
+            )
+        if changed:
+            self._notify_strategy(trainer, target)
+
+    def _notify_strategy(self, trainer: pl.Trainer, target: int) -> None:
+        strategy = trainer.strategy
+        hook = getattr(strategy, STRATEGY_HOOK, None)
+        if callable(hook):
+            hook(target, self)
+            return
+        if isinstance(strategy, DDPStrategy) and isinstance(strategy.model, DistributedDataParallel):
+            # DDP's reducer fixed its gradient buckets when it was built; parameters frozen
+            # afterwards would still be all-reduced (or raise "Expected to have finished
+            # reduction"). Re-wrapping drops them (Lightning issue #20340).
+            strategy.model = strategy.lightning_module
+            strategy.configure_ddp()
+
+    # ------------------------------------------------------------------ checkpointing
+
+    def state_dict(self) -> dict[str, Any]:
+        norms = self._mean_sum_list()
+        return {
+            "num_frozen": self.num_frozen,
+            "num_blocks": self.num_blocks,
+            "history": [list(h) for h in self.history],
+            "decided_epoch": self._decided_epoch,
+            "norm_sum": norms,
+            "norm_steps": self._norm_steps,
+        }
+
+    def _mean_sum_list(self) -> list[float] | None:
+        if self._norm_sum is not None:
+            return self._norm_sum.tolist()
+        return self._restored_norms
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.stack is not None and state_dict["num_blocks"] not in (0, self.num_blocks):
+            raise ValueError(
+                f"The checkpoint's AutoFreeze state is for {state_dict['num_blocks']} blocks, this model's stack "
+                f"has {self.num_blocks}."
+            )
+        self.num_frozen = int(state_dict["num_frozen"])
+        self.history = [(int(e), int(f)) for e, f in state_dict.get("history", [])]
+        self._decided_epoch = int(state_dict.get("decided_epoch", 0))
+        self._norm_sum = None
+        self._restored_norms = state_dict.get("norm_sum")
+        self._norm_steps = int(state_dict.get("norm_steps", 0))
+        if self.stack is not None and self.num_frozen:
+            # Callbacks are restored before the strategy wraps the model: freeze now so DDP's
+            # first wrapper already leaves the frozen prefix out.
+            apply_freeze(self.stack, self.num_frozen, self.freeze_embeddings)

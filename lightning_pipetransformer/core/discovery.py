@@ -1,0 +1,222 @@
+"""Block-stack discovery: find a model's stack of repeated blocks and what runs before and after it.
+
+PipeTransformer freezes a model bottom-up, one Transformer block at a time, and pipelines the
+blocks that stay active. Both need the same picture of the model::
+
+    pre (embeddings, patch embedding, cls token ...)
+      -> blocks[0] -> blocks[1] -> ... -> blocks[L-1]     (an nn.ModuleList or nn.Sequential)
+    post (pooler, final norm, classifier head ...)
+
+Discovery finds the largest ``nn.ModuleList`` / ``nn.Sequential`` whose children are two or more
+modules of one class (BERT-family ``encoder.layer``, ViT-family ``encoder.layer``, timm's
+``blocks``, ``nn.TransformerEncoder.layers``), or takes an explicit attribute path. What comes
+*before* the stack is read from registration order along the path from the root to the stack:
+at each ancestor, children registered before the branch that leads to the stack are ``pre``
+(plus parameters held directly by an ancestor, such as timm's ``cls_token``), children
+registered after it are ``post``. Registration order is how every supported family declares
+its modules; a model that registers its head before its embeddings needs an explicit ``pre``.
+
+This module has no Lightning imports: the callback and the strategy both use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = [
+    "BlockStack",
+    "BlockStackError",
+    "Candidate",
+    "find_block_stack",
+    "find_candidates",
+    "resolve_block_stack",
+]
+
+# A second candidate holding at least this fraction of the best one's parameters makes the
+# choice ambiguous (an encoder-decoder model has two stacks of similar size, for example).
+_AMBIGUITY_RATIO = 0.5
+
+
+class BlockStackError(ValueError):
+    """No usable block stack, or more than one equally plausible one."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A container of repeated blocks found in a model."""
+
+    path: str
+    container: nn.Module
+    block_type: str
+    num_blocks: int
+    num_params: int
+
+    def describe(self) -> str:
+        return f"'{self.path}' ({self.num_blocks} x {self.block_type}, {self.num_params:,} parameters)"
+
+
+@dataclass(frozen=True)
+class BlockStack:
+    """The model's repeated blocks and the modules that run before and after them.
+
+    Attributes:
+        path: attribute path of the container, relative to the root it was found in.
+        container: the ``nn.ModuleList`` / ``nn.Sequential`` (or other iterable module) itself.
+        pre: ``(path, module)`` pairs that run before the first block (embeddings, ...).
+        pre_params: ``(path, parameter)`` pairs held directly by an ancestor of the stack, read
+            as inputs of the first block (timm's ``cls_token`` and ``pos_embed``).
+        post: ``(path, module)`` pairs that run after the last block (pooler, norm, head).
+    """
+
+    path: str
+    container: nn.Module
+    pre: tuple[tuple[str, nn.Module], ...] = ()
+    pre_params: tuple[tuple[str, nn.Parameter], ...] = ()
+    post: tuple[tuple[str, nn.Module], ...] = field(default=())
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        return list(self.container.children())
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def describe(self) -> str:
+        pre = ", ".join(p for p, _ in self.pre) or "nothing"
+        post = ", ".join(p for p, _ in self.post) or "nothing"
+        kinds = sorted({type(b).__name__ for b in self.blocks})
+        return f"{len(self)} x {'/'.join(kinds)} at '{self.path}' (before: {pre}; after: {post})"
+
+
+def _num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def find_candidates(root: nn.Module) -> list[Candidate]:
+    """All containers of two or more same-class, parameterised blocks, largest first.
+
+    A container nested inside a block of another candidate is dropped: the outer stack is the
+    one that repeats (a Sequential of identical sub-layers inside each block is not a stack).
+    """
+    found: list[Candidate] = []
+    for path, module in root.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(module.children())
+        if len(children) < 2 or len({type(c) for c in children}) != 1:
+            continue
+        n = _num_params(module)
+        if n == 0:
+            continue
+        found.append(Candidate(path, module, type(children[0]).__name__, len(children), n))
+    outer = [c for c in found if not any(c.path.startswith(o.path + ".") for o in found if o is not c)]
+    return sorted(outer, key=lambda c: (-c.num_params, c.path))
+
+
+def _get_submodule(root: nn.Module, path: str) -> nn.Module:
+    try:
+        module = root.get_submodule(path)
+    except AttributeError as err:
+        raise BlockStackError(
+            f"layers='{path}' does not name a submodule of {type(root).__name__}: {err}. "
+            "Give the attribute path of the block container, e.g. layers='model.bert.encoder.layer'."
+        ) from None
+    return module
+
+
+def _split_around(root: nn.Module, path: str) -> tuple[list, list, list]:
+    """Modules before / after the stack along the root-to-stack path, by registration order."""
+    pre: list[tuple[str, nn.Module]] = []
+    pre_params: list[tuple[str, nn.Parameter]] = []
+    post_levels: list[list[tuple[str, nn.Module]]] = []
+    parts = path.split(".") if path else []
+    node, prefix = root, ""
+    for part in parts:
+        names = list(node._modules.keys())
+        where = names.index(part)
+        for name in names[:where]:
+            if node._modules[name] is not None:
+                pre.append((prefix + name, node._modules[name]))
+        post_levels.append(
+            [(prefix + name, node._modules[name]) for name in names[where + 1 :] if node._modules[name] is not None]
+        )
+        for name, param in node._parameters.items():
+            if param is not None:
+                pre_params.append((prefix + name, param))
+        node = node._modules[part]
+        prefix += part + "."
+    # Deeper levels run first after the stack (the pooler before the classifier head).
+    post = [item for level in reversed(post_levels) for item in level]
+    return pre, pre_params, post
+
+
+def _stack_at(root: nn.Module, path: str, pre: Sequence[str] | None) -> BlockStack:
+    container = _get_submodule(root, path)
+    if len(list(container.children())) < 1:
+        raise BlockStackError(f"'{path}' holds no blocks; point `layers` at the container of the repeated blocks.")
+    found_pre, pre_params, post = _split_around(root, path)
+    if pre is not None:
+        chosen = {p: _get_submodule(root, p) for p in pre}
+        post = [(p, m) for p, m in post + found_pre if p not in chosen]
+        found_pre = list(chosen.items())
+    return BlockStack(path, container, tuple(found_pre), tuple(pre_params), tuple(post))
+
+
+def find_block_stack(root: nn.Module, layers: str | None = None, pre: Sequence[str] | None = None) -> BlockStack:
+    """Find the block stack of ``root``, or take the one named by ``layers``.
+
+    Args:
+        root: the model (a LightningModule is fine: paths are then relative to it).
+        layers: attribute path of the block container, e.g. ``"model.bert.encoder.layer"``;
+            ``None`` searches for it.
+        pre: attribute paths of the modules that run before the blocks, when registration
+            order does not tell (see the module docstring).
+
+    Raises:
+        BlockStackError: no candidate, or two comparable candidates (the message names them
+            and how to choose).
+    """
+    if layers is not None:
+        return _stack_at(root, layers, pre)
+    candidates = find_candidates(root)
+    if not candidates:
+        raise BlockStackError(
+            f"No stack of repeated blocks found in {type(root).__name__}: looked for an nn.ModuleList or "
+            "nn.Sequential of two or more modules of the same class with parameters. Name the container "
+            "explicitly, e.g. AutoFreeze(layers='model.encoder.layer'), or define "
+            "`configure_block_stack(self)` on your LightningModule returning that path."
+        )
+    best = candidates[0]
+    rivals = [c for c in candidates[1:] if c.num_params >= _AMBIGUITY_RATIO * best.num_params]
+    if rivals:
+        listed = "; ".join(c.describe() for c in [best, *rivals])
+        raise BlockStackError(
+            f"Found more than one plausible block stack in {type(root).__name__}: {listed}. "
+            f"Choose one with layers='<path>' (e.g. layers='{best.path}')."
+        )
+    return _stack_at(root, best.path, pre)
+
+
+def resolve_block_stack(root: nn.Module, spec: str | BlockStack | nn.Module | None = None) -> BlockStack:
+    """Turn what a user passed as ``layers`` into a :class:`BlockStack`.
+
+    ``spec`` may be ``None`` (search), an attribute path, the container module itself, or a
+    ready :class:`BlockStack`.
+    """
+    if spec is None or isinstance(spec, str):
+        return find_block_stack(root, spec)
+    if isinstance(spec, BlockStack):
+        return spec
+    if isinstance(spec, nn.Module):
+        for path, module in root.named_modules():
+            if module is spec:
+                return _stack_at(root, path, None)
+        raise BlockStackError(f"The module passed as `layers` ({type(spec).__name__}) is not part of {type(root).__name__}.")
+    raise BlockStackError(
+        f"`layers` must be None, an attribute path string, a module or a BlockStack; got {type(spec).__name__}."
+    )
+

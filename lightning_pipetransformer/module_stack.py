@@ -1,0 +1,40 @@
+"""Which block stack a LightningModule declares: the one rule the callback and the strategy share.
+
+Order of precedence: an explicit ``layers`` argument, then the module's own
+``configure_block_stack()`` hook, then automatic discovery over the whole LightningModule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from .core.discovery import BlockStack, BlockStackError, find_block_stack, resolve_block_stack
+
+__all__ = ["block_stack_of", "BLOCK_STACK_HOOK"]
+
+#: Name of the optional LightningModule hook. It returns the attribute path of the block
+#: container (``"model.encoder.layer"``), the container itself, or a ready ``BlockStack``.
+BLOCK_STACK_HOOK = "configure_block_stack"
+
+
+def block_stack_of(
+    module: nn.Module, layers: str | nn.Module | BlockStack | None = None, pre: Sequence[str] | None = None
+) -> BlockStack:
+    """Resolve the block stack of ``module`` (a LightningModule) as described above."""
+    spec = layers
+    if spec is None:
+        hook = getattr(module, BLOCK_STACK_HOOK, None)
+        if callable(hook):
+            spec = hook()
+            if spec is None:
+                raise BlockStackError(
+                    f"{type(module).__name__}.{BLOCK_STACK_HOOK}() returned None; return the attribute path "
+                    "of the block container (e.g. 'model.encoder.layer'), the container, or a BlockStack."
+                )
+    if pre is not None:
+        if not (spec is None or isinstance(spec, str)):
+            raise BlockStackError("`pre` can only be combined with `layers` given as an attribute path (or None).")
+        return find_block_stack(module, spec, pre=pre)
+    return resolve_block_stack(module, spec)
