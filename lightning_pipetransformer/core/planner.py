@@ -1,0 +1,339 @@
+"""AutoPipe: the pipeline plan (length, partition, micro-batches, active replicas) per freeze step.
+
+Given per-block costs, :class:`AutoPipe` answers "F leading blocks are frozen: how do we run?"
+with a :class:`Plan` that the strategy broadcasts, applies and checkpoints. The rules
+(PipeTransformer paper, section 3.2):
+
+* Frozen blocks weigh ``frozen_cost`` times an active one (paper: 1/6).
+* The budget is the largest stage cost at the start: F = 0 on the initial pipe length K0.
+* After a freeze, K -> K/2 while K/2 divides the devices per node and the optimal partition at
+  K/2 has no stage costlier than the budget; a shorter pipeline has smaller bubbles, fewer
+  copies, and frees devices for more replicas (AutoDP).
+* With G devices per node and pipe length K, local rank ``r`` drives devices
+  ``[r*K, (r+1)*K)``; local ranks ``0 .. G/K - 1`` are active on every node, and global rank is
+  ``node * G + local_rank``::
+
+      G = 8, K = 4:   local rank 0 -> cuda:0..3   local rank 1 -> cuda:4..7   (2 replicas/node)
+      G = 8, K = 2:   0 -> cuda:0,1   1 -> cuda:2,3   2 -> cuda:4,5   3 -> cuda:6,7
+
+K never grows: costs only fall as F grows (``frozen_cost <= 1``), so each level's largest
+stage falls too and a halving that passed once passes again (with ``pin_frozen_prefix`` this
+monotonicity can fail, but the planner only ever halves from the current K, and asserts it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal, Union
+
+from .costs import weighted_costs
+from .partition import boundaries, compress_pipe_len, optimal_partition, stage_costs
+
+__all__ = ["Plan", "AutoPipe", "Measure", "chunk_candidates"]
+
+#: ``measure(pipe_len, chunks) -> seconds`` per step (lower is better), provided by the caller.
+Measure = Callable[[int, int], float]
+Chunks = Union[int, Literal["auto"], Mapping[int, int]]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to run the model for one freeze step. Plain data: see :meth:`to_dict`.
+
+    Attributes:
+        num_frozen: F, the number of leading frozen blocks.
+        pipe_len: K, the number of stages of each pipeline replica.
+        chunks: M, the number of micro-batches per mini-batch.
+        partition: the balance, blocks per stage (sums to the number of blocks).
+        devices: ``devices[r]`` are the K device names of local replica ``r`` (one per stage),
+            the same on every node; ``len(devices) == G / K``.
+        active_ranks: the global ranks that drive a replica, ascending; the others idle.
+        stage_costs: the weighted cost of each stage (for logs and the cost model).
+        budget: the largest stage cost at the start, which compression must not exceed.
+    """
+
+    num_frozen: int
+    pipe_len: int
+    chunks: int
+    partition: tuple[int, ...]
+    devices: tuple[tuple[str, ...], ...]
+    active_ranks: tuple[int, ...]
+    stage_costs: tuple[float, ...] = ()
+    budget: float | None = None
+
+    def __post_init__(self) -> None:
+        # Accept lists (JSON, broadcast objects) but store tuples: a Plan stays hashable.
+        set_ = object.__setattr__
+        set_(self, "partition", tuple(int(b) for b in self.partition))
+        set_(self, "devices", tuple(tuple(str(d) for d in ds) for ds in self.devices))
+        set_(self, "active_ranks", tuple(int(r) for r in self.active_ranks))
+        set_(self, "stage_costs", tuple(float(c) for c in self.stage_costs))
+        if self.pipe_len < 1 or len(self.partition) != self.pipe_len or any(b < 1 for b in self.partition):
+            raise ValueError(f"Plan: partition {self.partition} must have pipe_len={self.pipe_len} non-empty stages.")
+        if not 0 <= self.num_frozen <= sum(self.partition):
+            raise ValueError(f"Plan: num_frozen={self.num_frozen} is outside 0..{sum(self.partition)}.")
+        if self.chunks < 1:
+            raise ValueError(f"Plan: chunks must be >= 1, got {self.chunks}.")
+        if not self.devices or any(len(ds) != self.pipe_len for ds in self.devices):
+            raise ValueError(f"Plan: every replica needs pipe_len={self.pipe_len} devices, got {self.devices}.")
+        if not self.active_ranks or list(self.active_ranks) != sorted(set(self.active_ranks)):
+            raise ValueError(f"Plan: active_ranks must be non-empty, unique and ascending, got {self.active_ranks}.")
+        if self.stage_costs and len(self.stage_costs) != self.pipe_len:
+            raise ValueError(f"Plan: {len(self.stage_costs)} stage costs for {self.pipe_len} stages.")
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(self.partition)
+
+    @property
+    def boundaries(self) -> tuple[int, ...]:
+        """Block index where each stage starts, plus the total: ``(4, 4, 4) -> (0, 4, 8, 12)``."""
+        return boundaries(self.partition)
+
+    @property
+    def num_replicas(self) -> int:
+        """Data-parallel width: the number of pipeline replicas over all nodes."""
+        return len(self.active_ranks)
+
+    def is_active(self, rank: int) -> bool:
+        return rank in self.active_ranks
+
+    def replica_index(self, rank: int) -> int:
+        """The rank's position among the replicas (its rank in the active training group)."""
+        try:
+            return self.active_ranks.index(rank)
+        except ValueError:
+            raise ValueError(f"Rank {rank} is idle under this plan (active ranks {self.active_ranks}).") from None
+
+    def devices_for(self, local_rank: int) -> tuple[str, ...]:
+        """The K devices local rank ``local_rank`` drives, one per stage."""
+        if not 0 <= local_rank < len(self.devices):
+            raise ValueError(
+                f"Local rank {local_rank} drives no pipeline at pipe_len={self.pipe_len}: "
+                f"only local ranks 0..{len(self.devices) - 1} are active."
+            )
+        return self.devices[local_rank]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data (lists, ints, floats, strings) for broadcast and checkpoints."""
+        out = asdict(self)
+        for key, value in out.items():
+            if isinstance(value, tuple):
+                out[key] = [list(v) if isinstance(v, tuple) else v for v in value]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """Inverse of :meth:`to_dict`; rejects missing and unknown keys (a corrupt checkpoint)."""
+        names = {f.name for f in fields(cls)}
+        required = {"num_frozen", "pipe_len", "chunks", "partition", "devices", "active_ranks"}
+        missing, unknown = required - set(data), set(data) - names
+        if missing or unknown:
+            raise ValueError(f"Not a Plan: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}.")
+        return cls(**dict(data))
+
+
+def chunk_candidates(pipe_len: int) -> range:
+    """The micro-batch counts the paper enumerated for a pipe length K: ``K .. 6K``."""
+    return range(pipe_len, 6 * pipe_len + 1)
+
+
+class AutoPipe:
+    """The AutoPipe planner: one :class:`Plan` per number of frozen blocks.
+
+    Args:
+        costs: the cost of each block (parameter counts, or profiled times: :mod:`.costs`).
+        devices_per_node: G, the devices (and processes) per node.
+        num_nodes: the number of nodes.
+        pipe_len: K0, the initial pipe length; defaults to G (one replica per node). Must
+            divide G and not exceed the number of blocks.
+        frozen_cost: what a frozen block weighs relative to an active one, in [0, 1].
+        chunks: M for every K (an int), per K (a mapping), or ``"auto"``: the ``measure`` that
+            is fastest over :func:`chunk_candidates`, measured once per K and cached.
+        measure: ``measure(pipe_len, chunks) -> seconds``, needed for ``chunks="auto"``.
+        node_devices: the G device names of a node, in order; defaults to ``cuda:0 .. cuda:G-1``.
+            Pass ``["cpu"] * G`` for virtual CPU devices.
+        pre_cost: cost of what runs before the blocks (embeddings) on the first stage; frozen
+            (weighted) as soon as F > 0, as the paper froze embeddings with the first block.
+        post_cost: cost of what runs after the blocks (final norm, pooler, head) on the last
+            stage; it trains throughout, so it is never weighted.
+        pin_frozen_prefix: keep all frozen blocks on stage 0, as the paper's code did. Off by
+            default: the executor runs frozen blocks on any stage, and the unconstrained
+            optimum is never worse.
+    """
+
+    def __init__(
+        self,
+        costs: Sequence[float],
+        *,
+        devices_per_node: int,
+        num_nodes: int = 1,
+        pipe_len: int | None = None,
+        frozen_cost: float = 1 / 6,
+        chunks: Chunks = 1,
+        measure: Measure | None = None,
+        node_devices: Sequence[str] | None = None,
+        pre_cost: float = 0.0,
+        post_cost: float = 0.0,
+        pin_frozen_prefix: bool = False,
+    ) -> None:
+        self.costs = tuple(float(c) for c in costs)
+        g = devices_per_node
+        if not self.costs or any(c < 0 for c in self.costs) or pre_cost < 0 or post_cost < 0:
+            raise ValueError(f"Block costs must be a non-empty list of non-negative numbers, got {list(costs)}.")
+        if g < 1 or num_nodes < 1:
+            raise ValueError(f"devices_per_node and num_nodes must be >= 1, got {g} and {num_nodes}.")
+        k0 = g if pipe_len is None else pipe_len
+        if k0 < 1 or g % k0:
+            divisors = [d for d in range(1, g + 1) if g % d == 0]
+            raise ValueError(
+                f"The pipe length {k0} must divide the {g} devices per node: use one of {divisors}."
+            )
+        if k0 > len(self.costs):
+            raise ValueError(
+                f"Cannot split {len(self.costs)} blocks into {k0} stages: pass pipe_len <= {len(self.costs)}."
+            )
+        if not 0.0 <= frozen_cost <= 1.0:
+            raise ValueError(
+                f"frozen_cost must be in [0, 1] (paper: 1/6; 0 when frozen blocks are cached), got {frozen_cost}."
+            )
+        _check_chunks(chunks, measure)
+        if node_devices is None:
+            node_devices = [f"cuda:{i}" for i in range(g)]
+        if len(node_devices) != g:
+            raise ValueError(f"node_devices names {len(node_devices)} devices, but devices_per_node is {g}.")
+
+        self.devices_per_node = g
+        self.num_nodes = num_nodes
+        self.initial_pipe_len = k0
+        self.frozen_cost = float(frozen_cost)
+        self.chunks = chunks
+        self.measure = measure
+        self.node_devices = tuple(str(d) for d in node_devices)
+        self.pre_cost = float(pre_cost)
+        self.post_cost = float(post_cost)
+        self.pin_frozen_prefix = pin_frozen_prefix
+
+        items, _ = self._items(0)
+        #: The largest stage cost at the start (F = 0, K0): compression never exceeds it.
+        self.budget = max(stage_costs(items, optimal_partition(items, k0)))
+        self._pipe_len = k0
+        self._num_frozen = 0
+        self._chunk_cache: dict[int, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.costs)
+
+    @property
+    def pipe_len(self) -> int:
+        """The current K: the initial one until :meth:`plan` compresses it."""
+        return self._pipe_len
+
+    def plan(self, num_frozen: int) -> Plan:
+        """The plan once ``num_frozen`` leading blocks are frozen; compresses K when it can.
+
+        F never decreases in training (AutoFreeze), and K is only ever halved from the current
+        value: to start over, build a new planner or :meth:`load_state_dict`.
+        """
+        n = self.num_blocks
+        if not 0 <= num_frozen <= n:
+            raise ValueError(f"num_frozen must be in 0..{n} (the number of blocks), got {num_frozen}.")
+        if num_frozen < self._num_frozen:
+            raise ValueError(
+                f"num_frozen went back from {self._num_frozen} to {num_frozen}: frozen blocks never thaw. "
+                "Build a new AutoPipe (or load_state_dict) to plan from an earlier point."
+            )
+        items, merged = self._items(num_frozen)
+        k = self._pipe_len
+        g = self.devices_per_node
+        if k > len(items):
+            # Only with a pinned prefix: fewer stage candidates than stages, so shrink to fit.
+            k = max(d for d in range(1, len(items) + 1) if g % d == 0 and d <= k)
+        if num_frozen > 0:
+            k = compress_pipe_len(items, k, g, self.budget)
+        assert k <= self._pipe_len, f"AutoPipe grew the pipe length {self._pipe_len} -> {k}"
+
+        balance = optimal_partition(items, k)
+        per_stage = stage_costs(items, balance)
+        balance = (balance[0] + merged,) + balance[1:]
+        chunks = self.chunks_for(k)
+        replicas = g // k
+        plan = Plan(
+            num_frozen=num_frozen,
+            pipe_len=k,
+            chunks=chunks,
+            partition=balance,
+            devices=tuple(self.node_devices[r * k : (r + 1) * k] for r in range(replicas)),
+            active_ranks=tuple(node * g + r for node in range(self.num_nodes) for r in range(replicas)),
+            stage_costs=per_stage,
+            budget=self.budget,
+        )
+        self._pipe_len, self._num_frozen = k, num_frozen
+        return plan
+
+    def chunks_for(self, pipe_len: int) -> int:
+        """M for pipe length K: given, or the fastest measured over ``K .. 6K`` (cached per K)."""
+        if isinstance(self.chunks, int):
+            return self.chunks
+        if isinstance(self.chunks, Mapping):
+            if pipe_len not in self.chunks:
+                raise ValueError(f"chunks has no entry for pipe length {pipe_len}: give one for every K in use.")
+            return self.chunks[pipe_len]
+        if pipe_len not in self._chunk_cache:
+            assert self.measure is not None
+            timings = {m: float(self.measure(pipe_len, m)) for m in chunk_candidates(pipe_len)}
+            # min() keeps the first (smallest) M on ties: fewer, larger micro-batches.
+            best = min(timings, key=timings.__getitem__)
+            if timings[best] == float("inf"):
+                raise ValueError(f"measure() found no workable micro-batch count for pipe length {pipe_len}.")
+            self._chunk_cache[pipe_len] = best
+        return self._chunk_cache[pipe_len]
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state to resume planning: current K, F and the measured M per K."""
+        return {
+            "pipe_len": self._pipe_len,
+            "num_frozen": self._num_frozen,
+            "chunk_cache": {str(k): m for k, m in self._chunk_cache.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        k, f = int(state["pipe_len"]), int(state["num_frozen"])
+        if k < 1 or self.devices_per_node % k or k > self.initial_pipe_len or not 0 <= f <= self.num_blocks:
+            raise ValueError(
+                f"Planner state (pipe_len={k}, num_frozen={f}) does not fit this planner "
+                f"({self.devices_per_node} devices per node, initial pipe length {self.initial_pipe_len}, "
+                f"{self.num_blocks} blocks)."
+            )
+        self._pipe_len, self._num_frozen = k, f
+        self._chunk_cache = {int(key): int(m) for key, m in state.get("chunk_cache", {}).items()}
+
+    def _items(self, num_frozen: int) -> tuple[tuple[float, ...], int]:
+        """The weighted cost list to partition, and how many blocks its first item stands for
+        beyond one (a pinned frozen prefix is merged into a single item)."""
+        weighted = list(weighted_costs(self.costs, num_frozen, self.frozen_cost))
+        # The embeddings run with block 0 and the head with the last block: fold them in.
+        weighted[0] += self.pre_cost * (self.frozen_cost if num_frozen > 0 else 1.0)
+        weighted[-1] += self.post_cost
+        if self.pin_frozen_prefix and num_frozen > 1:
+            return (sum(weighted[:num_frozen]),) + tuple(weighted[num_frozen:]), num_frozen - 1
+        return tuple(weighted), 0
+
+
+def _check_chunks(chunks: Chunks, measure: Measure | None) -> None:
+    if isinstance(chunks, bool):
+        raise ValueError(f"chunks must be an int >= 1, a mapping pipe_len -> int, or 'auto'; got {chunks!r}.")
+    if isinstance(chunks, int):
+        if chunks < 1:
+            raise ValueError(f"chunks (micro-batches per mini-batch) must be >= 1, got {chunks}.")
+    elif isinstance(chunks, Mapping):
+        bad = {k: m for k, m in chunks.items() if not isinstance(m, int) or m < 1}
+        if bad:
+            raise ValueError(f"chunks per pipe length must be ints >= 1, got {bad}.")
+    elif chunks == "auto":
+        if measure is None:
+            raise ValueError("chunks='auto' needs measure=(pipe_len, chunks) -> seconds to pick M per K.")
+    else:
+        raise ValueError(f"chunks must be an int >= 1, a mapping pipe_len -> int, or 'auto'; got {chunks!r}.")
