@@ -1,0 +1,460 @@
+"""The pipeline executor equals the plain loop over the blocks (core.pipeline), on CPU."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipetransformer.core import devices as dev
+from lightning_pipetransformer.core.pipeline import (
+    Pipeline,
+    clock_cycles,
+    hidden_of,
+    install_pipeline,
+    pipelined,
+    remove_pipeline,
+)
+
+BATCH, SEQ, WIDTH, DEPTH = 10, 4, 8, 8
+BALANCES = {1: (8,), 2: (4, 4), 3: (3, 3, 2), 4: (2, 2, 2, 2)}
+
+
+class Block(nn.Module):
+    """A residual MLP block taking a batch-shaped mask and non-batch extras, like a layer."""
+
+    def __init__(self, tuple_out: bool = False) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.ff = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Dropout(0.0), nn.Linear(2 * WIDTH, WIDTH))
+        self.tuple_out = tuple_out
+
+    def forward(self, x, mask=None, bias=None, *, scale=1.0):
+        h = self.ff(self.norm(x)) * scale
+        if mask is not None:
+            h = h * mask[..., None]
+        if bias is not None:
+            h = h + bias
+        # Deterministic train/eval difference: the executor must not change modes.
+        out = x + (h if self.training else 0.5 * h)
+        return (out, None, out.mean(-1)) if self.tuple_out else out
+
+
+def make_blocks(tuple_out=False, depth=DEPTH, seed=0):
+    torch.manual_seed(seed)
+    return [Block(tuple_out) for _ in range(depth)]
+
+
+def plain(blocks, hidden, *args, **kwargs):
+    """The loop the pipeline stands for."""
+    out = hidden
+    for block in blocks:
+        out = block(hidden, *args, **kwargs)
+        hidden = hidden_of(out)
+    return out
+
+
+def loss_of(out):
+    hidden = hidden_of(out)
+    weight = torch.linspace(-1, 1, hidden.numel()).reshape(hidden.shape)
+    loss = (hidden * weight).sum()
+    if isinstance(out, tuple):
+        loss = loss + (out[2] ** 2).sum()
+    return loss
+
+
+def grads(params):
+    return [None if p.grad is None else p.grad.clone() for p in params]
+
+
+def run_both(blocks, pipe, hidden, *args, **kwargs):
+    """(output, grads) of the plain loop and of the pipeline; grads None under no_grad."""
+    params = [p for b in blocks for p in b.parameters()]
+    results = []
+    for fn in (lambda *a, **k: plain(blocks, *a, **k), pipe):
+        for p in params:
+            p.grad = None
+        out = fn(hidden, *args, **kwargs)
+        if torch.is_grad_enabled():
+            loss_of(out).backward()
+        results.append((out, grads(params)))
+    return results
+
+
+def assert_same(a, b):
+    if a is None or b is None:
+        assert a is None and b is None
+    elif isinstance(a, torch.Tensor):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    else:
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+
+
+def inputs(requires_grad=False):
+    torch.manual_seed(1)
+    hidden = torch.randn(BATCH, SEQ, WIDTH, requires_grad=requires_grad)
+    mask = (torch.rand(BATCH, SEQ) > 0.3).float()
+    bias = torch.randn(WIDTH)
+    return hidden, mask, bias
+
+
+@pytest.mark.parametrize("num_frozen", [0, 5])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("chunks", [1, 2, 3, 8])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_equals_plain_loop(stages, chunks, train, num_frozen):
+    blocks = make_blocks()
+    for block in blocks:
+        block.train(train)
+    for block in blocks[:num_frozen]:
+        block.requires_grad_(False)
+    pipe = Pipeline(blocks, BALANCES[stages], ["cpu"] * stages, chunks, num_frozen)
+    hidden, mask, bias = inputs()
+    calls = []
+    hooks = [
+        b.register_forward_hook(lambda *_, i=i: calls.append((i, torch.is_grad_enabled())))
+        for i, b in enumerate(blocks)
+    ]
+    (ref, ref_grads), (out, out_grads) = run_both(blocks, pipe, hidden, mask, bias=bias, scale=0.7)
+    for h in hooks:
+        h.remove()
+    assert_same(ref, out)
+    assert_same(ref_grads, out_grads)
+    frozen_params = [p for b in blocks[:num_frozen] for p in b.parameters()]
+    assert all(p.grad is None for p in frozen_params)
+    assert all(g is not None for g in out_grads[len(frozen_params) :])
+    # The pipeline's calls: every block once per micro-batch; frozen ones without a graph.
+    pipe_calls = calls[DEPTH:]
+    assert sorted(pipe_calls) == sorted((i, i >= num_frozen) for i in range(DEPTH) for _ in range(chunks))
+
+
+@pytest.mark.parametrize("stages,chunks", [(1, 3), (3, 1), (4, 8), (2, 3)])
+def test_eval_under_no_grad(stages, chunks):
+    blocks = make_blocks()
+    for block in blocks:
+        block.eval()
+    pipe = Pipeline(blocks, BALANCES[stages], ["cpu"] * stages, chunks)
+    hidden, mask, bias = inputs()
+    with torch.no_grad():
+        (ref, _), (out, _) = run_both(blocks, pipe, hidden, mask, bias=bias)
+    assert not out.requires_grad
+    assert_same(ref, out)
+
+
+@pytest.mark.parametrize("stages,chunks", [(1, 1), (2, 3), (4, 8)])
+def test_tuple_outputs_keep_their_structure(stages, chunks):
+    blocks = make_blocks(tuple_out=True)
+    pipe = Pipeline(blocks, BALANCES[stages], ["cpu"] * stages, chunks)
+    hidden, mask, bias = inputs()
+    (ref, ref_grads), (out, out_grads) = run_both(blocks, pipe, hidden, mask, bias)
+    assert isinstance(out, tuple) and out[1] is None and out[2].shape == (BATCH, SEQ)
+    assert_same(ref, out)
+    assert_same(ref_grads, out_grads)
+
+
+def test_model_output_and_custom_hidden_of():
+    from transformers.modeling_outputs import BaseModelOutput
+
+    class DictBlock(Block):
+        def forward(self, x, mask=None):
+            return {"h": super().forward(x, mask), "unused": None}
+
+    class ModelOutputBlock(Block):
+        def forward(self, x, mask=None):
+            out = super().forward(x, mask)
+            return BaseModelOutput(last_hidden_state=out, hidden_states=(out,))
+
+    hidden, mask, _ = inputs()
+    torch.manual_seed(0)
+    blocks = [ModelOutputBlock() for _ in range(4)]
+    out = Pipeline(blocks, (1, 3), ["cpu"] * 2, 3)(hidden, mask)
+    ref = plain(blocks, hidden, mask)
+    assert isinstance(out, BaseModelOutput)
+    assert_same(ref.last_hidden_state, out.last_hidden_state)
+    assert_same(ref.hidden_states, out.hidden_states)
+
+    torch.manual_seed(0)
+    blocks = [DictBlock() for _ in range(4)]
+    out = Pipeline(blocks, (2, 2), ["cpu"] * 2, 3, hidden_of=lambda o: o["h"])(hidden, mask)
+    ref = hidden
+    for block in blocks:
+        ref = block(ref, mask)["h"]
+    assert out["unused"] is None
+    assert_same(ref, out["h"])
+    with pytest.raises(TypeError, match="hidden_of"):
+        Pipeline(blocks, (2, 2), ["cpu"] * 2, 3)(hidden, mask)
+
+
+def test_whole_arguments_reach_every_block_unsplit_and_accumulate_grads():
+    blocks = make_blocks(depth=4)
+    hidden, mask, bias = inputs()
+    bias.requires_grad_(True)
+    seen = []
+    blocks[3].register_forward_pre_hook(lambda m, a, k: seen.append((a[0].shape[0], a[1].shape[0], k["bias"])), with_kwargs=True)
+    pipe = Pipeline(blocks, (2, 2), ["cpu"] * 2, 3)
+    out = pipe(hidden, mask, bias=bias)
+    assert [(n, m) for n, m, _ in seen] == [(4, 4), (3, 3), (3, 3)]
+    assert all(b is bias for _, _, b in seen)  # passed whole, not even copied on CPU
+    (pipe_grad,) = torch.autograd.grad(loss_of(out), bias)
+    (ref_grad,) = torch.autograd.grad(loss_of(plain(blocks, hidden, mask, bias=bias)), bias)
+    torch.testing.assert_close(pipe_grad, ref_grad)
+
+
+def test_batch_args_override_for_a_square_non_batch_tensor():
+    class SquareMix(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(WIDTH, WIDTH)
+
+        def forward(self, x, mix):  # mix: (seq, seq), not batch-shaped
+            return x + torch.einsum("st,btw->bsw", mix, self.lin(x))
+
+    torch.manual_seed(0)
+    blocks = [SquareMix() for _ in range(4)]
+    hidden, mix = torch.randn(SEQ, SEQ, WIDTH), torch.randn(SEQ, SEQ)  # batch == seq
+    ref = plain(blocks, hidden, mix)
+    with pytest.raises(RuntimeError):  # the heuristic splits 'mix': the shapes no longer fit
+        Pipeline(blocks, (2, 2), ["cpu"] * 2, 2)(hidden, mix)
+    out = Pipeline(blocks, (2, 2), ["cpu"] * 2, 2, batch_args=(0,))(hidden, mix)
+    assert_same(ref, out)
+
+
+def test_trainable_upstream_keeps_frozen_blocks_in_the_graph():
+    blocks = make_blocks()
+    for block in blocks[:5]:
+        block.requires_grad_(False)
+    torch.manual_seed(2)
+    embed = nn.Linear(3, WIDTH)
+    tokens = torch.randn(BATCH, SEQ, 3)
+    frozen_grad_mode = []
+    for block in blocks[:5]:
+        block.register_forward_hook(lambda *_: frozen_grad_mode.append(torch.is_grad_enabled()))
+
+    def embed_grad(fn):
+        embed.zero_grad()
+        loss_of(fn(embed(tokens))).backward()
+        return embed.weight.grad.clone()
+
+    ref = embed_grad(lambda h: plain(blocks, h))
+    pipe = Pipeline(blocks, BALANCES[4], ["cpu"] * 4, 3, num_frozen=5)
+    frozen_grad_mode.clear()
+    out = embed_grad(pipe)
+    assert frozen_grad_mode and all(frozen_grad_mode)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert all(p.grad is None for b in blocks[:5] for p in b.parameters())
+
+
+def graph_size(t):
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        todo.extend(f for f, _ in fn.next_functions)
+    return len(seen)
+
+
+def test_one_stage_one_chunk_is_the_plain_loop():
+    blocks = make_blocks()
+    hidden, mask, bias = inputs(requires_grad=True)
+    received = []
+    blocks[0].register_forward_pre_hook(lambda m, a, k: received.append((a[0], a[1], k["bias"])), with_kwargs=True)
+    out = Pipeline(blocks, (DEPTH,), ["cpu"], 1)(hidden, mask, bias=bias)
+    ref = plain(blocks, hidden, mask, bias=bias)
+    (x, m, b), _ = received
+    assert x is hidden and m is mask and b is bias  # no split, no copy
+    assert type(out.grad_fn) is type(ref.grad_fn)
+    assert graph_size(out) == graph_size(ref)  # no extra autograd node
+    assert_same(ref, out)
+
+
+def test_schedule_is_clock_cycle_order():
+    assert list(clock_cycles(3, 3)) == [
+        [(0, 0)],
+        [(1, 0), (0, 1)],
+        [(2, 0), (1, 1), (0, 2)],
+        [(2, 1), (1, 2)],
+        [(2, 2)],
+    ]
+    for chunks, stages in [(1, 4), (4, 1), (2, 5), (8, 3)]:
+        cycles = list(clock_cycles(chunks, stages))
+        assert len(cycles) == chunks + stages - 1
+        pairs = [(i, j, k) for k, cycle in enumerate(cycles) for i, j in cycle]
+        assert sorted((i, j) for i, j, _ in pairs) == [(i, j) for i in range(chunks) for j in range(stages)]
+        assert all(k == i + j for i, j, k in pairs)
+
+
+def test_stages_run_in_clock_cycle_order():
+    blocks = make_blocks(depth=6)
+    calls = []
+    for stage, first in enumerate((0, 2, 4)):
+        blocks[first].register_forward_pre_hook(lambda m, a, s=stage: calls.append((a[0].shape[0], s)))
+    hidden, _, _ = inputs()
+    Pipeline(blocks, (2, 2, 2), ["cpu"] * 3, 3)(hidden[:9])  # micro-batches of 3, all the same size
+    assert [s for _, s in calls] == [j for cycle in clock_cycles(3, 3) for _, j in cycle]
+
+
+def test_errors_are_clear():
+    blocks = make_blocks(depth=4)
+    with pytest.raises(ValueError, match=r"covers 5 blocks, but the stack has 4"):
+        Pipeline(blocks, (2, 3), ["cpu", "cpu"])
+    with pytest.raises(ValueError, match=r"empty stage"):
+        Pipeline(blocks, (4, 0), ["cpu", "cpu"])
+    with pytest.raises(ValueError, match=r"3 devices for 2 stages"):
+        Pipeline(blocks, (2, 2), ["cpu"] * 3)
+    with pytest.raises(ValueError, match=r"positive integer, got 0"):
+        Pipeline(blocks, (2, 2), ["cpu"] * 2, chunks=0)
+    with pytest.raises(ValueError, match=r"num_frozen must be in 0..4, got 5"):
+        Pipeline(blocks, (2, 2), ["cpu"] * 2, num_frozen=5)
+    with pytest.raises(ValueError, match=r"Block 0 is declared frozen .* requires grad"):
+        Pipeline(blocks, (2, 2), ["cpu"] * 2, num_frozen=1)
+    pipe = Pipeline(blocks, (2, 2), ["cpu"] * 2, chunks=11)
+    with pytest.raises(ValueError, match=r"batch of 10 samples into 11 micro-batches"):
+        pipe(torch.randn(10, WIDTH))
+    with pytest.raises(TypeError, match="hidden state"):
+        pipe(None)
+
+
+def test_place_moves_blocks_and_inputs_follow_the_stage_device():
+    blocks = make_blocks(depth=2)
+    pipe = Pipeline(blocks, (1, 1), ["cpu", torch.device("cpu")], 2).place()
+    assert pipe.devices == (torch.device("cpu"),) * 2 and "chunks=2" in repr(pipe)
+
+
+def test_hop_autograd_function_passes_gradients_on_cpu():
+    # The CUDA path's autograd function, exercised with CPU "streams" (None).
+    x = torch.randn(3, 2, dtype=torch.double, requires_grad=True)
+    cpu = torch.device("cpu")
+    torch.autograd.gradcheck(lambda t: dev._Hop.apply(None, None, cpu, t) * 2, (x,))
+    assert dev.hop(x, None, None, cpu) is x
+    assert dev.new_stream(cpu) is None and dev.current_stream(cpu) is None
+    dev.wait(None, None)
+    dev.record(x, None)
+
+
+# -- installing the pipeline into a model's own loop ---------------------------------------
+
+
+class LoopModel(nn.Module):
+    """An encoder that loops over a ModuleList the Hugging Face way."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.ModuleList(make_blocks(depth=4))
+
+    def forward(self, x, mask):
+        for i, layer_module in enumerate(self.layer):
+            x = layer_module(x, mask, scale=0.5)
+        return x
+
+
+def param_grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def check_installed(model, container, pipe, call, out_of=lambda o: o):
+    """Same outputs, same gradients, unchanged container API; then removal restores it."""
+    keys, n, first = list(model.state_dict()), len(container), container[0]
+    children = list(container.children())
+    model.zero_grad(set_to_none=True)
+    ref = out_of(call())
+    loss_of(ref).backward()
+    ref_grads = param_grads(model)
+    model.zero_grad(set_to_none=True)
+    with pipelined(container, pipe):
+        assert list(container) == [pipe]
+        assert len(container) == n and container[0] is first and list(container.children()) == children
+        assert list(model.state_dict()) == keys
+        out = out_of(call())
+    loss_of(out).backward()
+    assert_same(ref, out)
+    assert param_grads(model).keys() == ref_grads.keys()
+    for name in ref_grads:
+        torch.testing.assert_close(param_grads(model)[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert list(container) == children and type(container).__name__ in ("ModuleList", "Sequential")
+
+
+def test_install_into_module_list_loop():
+    model = LoopModel()
+    hidden, mask, _ = inputs()
+    pipe = Pipeline(list(model.layer), (1, 3), ["cpu"] * 2, 3)
+    check_installed(model, model.layer, pipe, lambda: model(hidden, mask))
+
+
+def test_install_into_sequential():
+    model = nn.Sequential(*make_blocks(depth=6))
+    hidden, _, _ = inputs()
+    pipe = Pipeline(list(model), (2, 2, 2), ["cpu"] * 3, 8)
+    check_installed(model, model, pipe, lambda: model(hidden))
+
+
+def test_install_into_transformer_encoder():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+    x = torch.randn(6, 5, 16)
+    padding = torch.zeros(6, 5, dtype=torch.bool)
+    padding[:, -1] = True
+    causal = nn.Transformer.generate_square_subsequent_mask(5)
+    pipe = Pipeline(list(model.layers), (2, 1, 1), ["cpu"] * 3, 4)
+    check_installed(model, model.layers, pipe, lambda: model(x, mask=causal, src_key_padding_mask=padding))
+
+
+def test_install_into_bert_with_frozen_prefix_and_trainable_embeddings():
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=16,
+    )
+    torch.manual_seed(0)
+    model = BertModel(config)
+    ids = torch.randint(0, 50, (5, 7))
+    attention = torch.ones(5, 7, dtype=torch.long)
+    attention[1, 4:] = 0
+    layers = model.encoder.layer
+    for block in layers[:2]:
+        block.requires_grad_(False)
+    pipe = Pipeline(list(layers), (1, 2, 1), ["cpu"] * 3, 2, num_frozen=2)
+    check_installed(model, layers, pipe, lambda: model(ids, attention_mask=attention), out_of=lambda o: o.last_hidden_state)
+    assert model.embeddings.word_embeddings.weight.grad is not None
+
+
+def test_install_into_vit():
+    from transformers import ViTConfig, ViTModel
+
+    config = ViTConfig(
+        image_size=8, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+        intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    model = ViTModel(config)
+    pixels = torch.randn(5, 3, 8, 8)
+    pipe = Pipeline(list(model.layers), (2, 2), ["cpu"] * 2, 3)
+    check_installed(model, model.layers, pipe, lambda: model(pixel_values=pixels), out_of=lambda o: o.pooler_output)
+
+
+def test_install_details():
+    model = LoopModel()
+    layers = model.layer
+    pipe = Pipeline(list(layers), (4,), ["cpu"])
+    with pytest.raises(ValueError, match="not the 3 children"):
+        install_pipeline(nn.ModuleList(list(layers)[:3]), pipe)
+    with pytest.raises(ValueError, match="in order"):
+        install_pipeline(nn.ModuleList(list(layers)[::-1]), pipe)
+    install_pipeline(layers, pipe)
+    install_pipeline(layers, pipe)  # installing twice replaces, it does not stack subclasses
+    assert type(layers).__bases__ == (nn.ModuleList,) and isinstance(layers, nn.ModuleList)
+    assert "_pipetransformer_pipeline" not in layers._modules  # not registered as a submodule
+    assert list(layers[1:3]) == list(layers._modules.values())[1:3]  # a slice iterates its blocks
+    copy.deepcopy(model)  # a deep copy works while installed
+    remove_pipeline(layers)
+    remove_pipeline(layers)  # idempotent
+    assert type(layers) is nn.ModuleList and len(list(layers)) == 4
+    with pytest.raises(RuntimeError, match="boom"):
+        with pipelined(layers, pipe):
+            raise RuntimeError("boom")
+    assert type(layers) is nn.ModuleList
