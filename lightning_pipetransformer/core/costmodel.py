@@ -1,0 +1,617 @@
+"""Cost model of a PipeTransformer training run: predicts per-epoch throughput and speed-up.
+
+The simulator replays a run epoch by epoch. Each epoch has a plan (frozen blocks ``F``, pipeline
+length ``K``, micro-batches ``M``, data-parallel replicas ``R``, cache on/off) chosen the way the
+enabled components would choose it, and a step time built from a few closed-form pieces:
+
+* a GPipe fill-drain pipeline, modelled as a flow shop of identical micro-batches. For stage
+  times ``t_1..t_K`` (activation copies between stages count as extra stages, since they run
+  on their own streams) one phase takes ``sum(t) + (M - 1) * max(t)``; balanced stages give
+  ``(M + K - 1) * t``, i.e. the bubble fraction ``(K - 1) / (M + K - 1)``;
+* a fixed cost per micro-batch per stage (kernel launches, scheduling), which is what makes too
+  many micro-batches slow and gives the throughput-vs-M curve its peak;
+* a ring all-reduce of the *active* parameters, ``2 (n - 1) / n * bytes / bandwidth``, limited by
+  the slower of the in-node links and the node's network link (which all stages share);
+* frozen blocks: forward only (no backward: they are a prefix, nothing before them needs
+  gradients); with AutoCache their forward is replaced by reading the cached activation;
+* a fixed cost whenever the plan changes (re-partition, weights moved, DDP rebuilt).
+
+Everything here is plain arithmetic on dataclasses: no torch, no Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from .partition import compress_pipe_len, optimal_partition, stage_costs
+
+__all__ = [
+    "BlockCost",
+    "ModelCost",
+    "Cluster",
+    "Training",
+    "Variant",
+    "VARIANTS",
+    "EpochPlan",
+    "VariantReport",
+    "Report",
+    "ring_allreduce_time",
+    "flow_shop_time",
+    "bubble_fraction",
+    "geometric_freeze_schedule",
+    "greedy_partition",
+    "pipeline_step_time",
+    "microbatch_profile",
+    "simulate",
+]
+
+PartitionRule = Literal["optimal", "paper-greedy"]
+FrozenPlacement = Literal["pipelined", "serial"]
+CachePolicy = Literal["min-frozen", "auto"]
+
+# Against float error in L * (1 - (1 - alpha)^e): 12 * (1 - 2/3) must give 4, not 5.
+_FREEZE_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """Cost of one layer per *sample*: profiled, or derived from FLOPs and a device spec."""
+
+    forward_s: float
+    backward_s: float
+    activation_bytes: float  # size of the block's output for one sample
+    param_bytes: float
+
+    def __post_init__(self) -> None:
+        for name in ("forward_s", "backward_s", "activation_bytes", "param_bytes"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"BlockCost.{name} must be a finite number >= 0, got {value!r}.")
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """A block stack: ``embedding -> blocks[0..L-1] -> head``.
+
+    The embedding is frozen (and cached) together with the first frozen block, as in the paper;
+    the head is always trained.
+    """
+
+    blocks: tuple[BlockCost, ...]
+    embedding: BlockCost = BlockCost(0.0, 0.0, 0.0, 0.0)
+    head: BlockCost = BlockCost(0.0, 0.0, 0.0, 0.0)
+
+    def __post_init__(self) -> None:
+        if not self.blocks:
+            raise ValueError("ModelCost needs at least one block cost; profile the model or use a preset.")
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Hardware. Bandwidths in bytes/s."""
+
+    nodes: int
+    gpus_per_node: int
+    intra_node_bw: float  # GPU <-> GPU inside a node (one link per GPU)
+    inter_node_bw: float  # one network link per node, shared by everything leaving the node
+    cache_bw: float = float("inf")  # cache reads + writes per node, shared by its pipelines
+    cache_read_bw: float = float("inf")  # cache reads + writes by one pipeline's process
+    cell_overhead_s: float = 0.0  # fixed cost per micro-batch per stage, forward + backward
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"Need at least 1 node and 1 GPU per node, got {self.nodes} x {self.gpus_per_node}.")
+        for name in ("intra_node_bw", "inter_node_bw", "cache_bw", "cache_read_bw"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Cluster.{name} must be > 0 bytes/s, got {getattr(self, name)!r}.")
+        if self.cell_overhead_s < 0:
+            raise ValueError(f"Cluster.cell_overhead_s must be >= 0, got {self.cell_overhead_s!r}.")
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Training:
+    """The run: data, batch, pipeline, freeze schedule and how each component behaves.
+
+    ``micro_batches`` is a count used for every K, a mapping ``{K: M}``, or ``"auto"`` (the M
+    that this model predicts fastest, which is what a profiler would find). The freeze schedule
+    is either explicit per-epoch frozen counts (``frozen``) or ``alpha`` for the geometric
+    schedule ``F(e) = ceil(L (1 - (1 - alpha)^e))``.
+    """
+
+    dataset_size: int
+    epochs: int
+    batch_size: int  # per pipeline (per replica)
+    pipe_len: int  # K at the start
+    micro_batches: int | Mapping[int, int] | Literal["auto"] = "auto"
+    alpha: float | None = None
+    frozen: tuple[int, ...] | None = None
+    frozen_cost: float = 1.0 / 6.0  # planner weight of a frozen block relative to an active one
+    partition: PartitionRule = "optimal"
+    partition_by: Literal["time", "params"] = "time"
+    frozen_placement: FrozenPlacement = "pipelined"
+    cache_policy: CachePolicy = "min-frozen"
+    cache_min_frozen: int = 3  # paper: ViT caches from 3 frozen layers on
+    cache_hit_rate: float = 1.0  # sample-index keys: 1; content keys under random augmentation: ~0
+    transition_s: float = 0.0  # paid once whenever (K, R, F) changes
+    allreduce_overlap: float = 0.0  # fraction of the all-reduce hidden behind the backward pass
+
+    def __post_init__(self) -> None:
+        if self.dataset_size < 1 or self.epochs < 1 or self.batch_size < 1 or self.pipe_len < 1:
+            raise ValueError("dataset_size, epochs, batch_size and pipe_len must all be >= 1.")
+        if self.alpha is not None and self.frozen is not None:
+            raise ValueError("Give either alpha or an explicit frozen schedule, not both.")
+        if self.alpha is not None and not 0 <= self.alpha < 1:
+            raise ValueError(f"alpha must be in [0, 1), got {self.alpha}.")
+        if self.frozen is not None and len(self.frozen) > self.epochs:
+            raise ValueError(
+                f"The freeze schedule has {len(self.frozen)} entries but the run has only {self.epochs} "
+                f"epochs: shorten the schedule or raise epochs."
+            )
+        if not 0 <= self.cache_hit_rate <= 1 or not 0 <= self.allreduce_overlap <= 1:
+            raise ValueError("cache_hit_rate and allreduce_overlap must be in [0, 1].")
+        if self.frozen_cost < 0 or self.transition_s < 0:
+            raise ValueError("frozen_cost and transition_s must be >= 0.")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Which PipeTransformer components are switched on."""
+
+    freeze: bool
+    autopipe: bool
+    autodp: bool
+    autocache: bool
+
+
+VARIANTS: dict[str, Variant] = {
+    "baseline": Variant(False, False, False, False),
+    "freeze_only": Variant(True, False, False, False),
+    "autopipe_autocache": Variant(True, True, False, True),
+    "autopipe_autodp": Variant(True, True, True, False),
+    "all": Variant(True, True, True, True),
+}
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """One simulated epoch: the plan and where its time went (seconds per step unless noted)."""
+
+    epoch: int
+    frozen: int
+    pipe_len: int
+    micro_batches: int
+    replicas: int
+    cached: bool
+    balance: tuple[int, ...]
+    steps: int
+    step_s: float
+    epoch_s: float
+    throughput: float  # samples / s over the whole cluster
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class VariantReport:
+    name: str
+    total_s: float
+    speedup: float
+    epochs: tuple[EpochPlan, ...]
+
+
+@dataclass(frozen=True)
+class Report:
+    variants: dict[str, VariantReport]
+
+    def to_dict(self) -> dict:
+        return {
+            "variants": {
+                name: {
+                    "speedup": v.speedup,
+                    "total_s": v.total_s,
+                    "total_h": v.total_s / 3600,
+                    "epochs": [
+                        {
+                            "epoch": e.epoch,
+                            "frozen": e.frozen,
+                            "pipe_len": e.pipe_len,
+                            "micro_batches": e.micro_batches,
+                            "replicas": e.replicas,
+                            "cached": e.cached,
+                            "balance": list(e.balance),
+                            "steps": e.steps,
+                            "step_s": e.step_s,
+                            "epoch_s": e.epoch_s,
+                            "throughput": e.throughput,
+                            "breakdown": e.breakdown,
+                        }
+                        for e in v.epochs
+                    ],
+                }
+                for name, v in self.variants.items()
+            }
+        }
+
+
+# --------------------------------------------------------------------------- closed-form pieces
+
+
+def ring_allreduce_time(nbytes: float, n: int, bandwidth: float) -> float:
+    """Bandwidth term of a ring all-reduce of ``nbytes`` over ``n`` ranks: ``2(n-1)/n * bytes/bw``."""
+    if n < 1 or bandwidth <= 0:
+        raise ValueError(f"Need n >= 1 and bandwidth > 0, got n={n}, bandwidth={bandwidth}.")
+    return 2.0 * (n - 1) / n * nbytes / bandwidth
+
+
+def flow_shop_time(stage_times: Sequence[float], micro_batches: int) -> float:
+    """Makespan of ``micro_batches`` identical jobs through stages in series.
+
+    Exact for identical jobs: ``sum(t) + (M - 1) * max(t)``. One GPipe phase (all forwards, or
+    all backwards) is such a flow shop.
+    """
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {micro_batches}.")
+    if not stage_times:
+        return 0.0
+    return float(sum(stage_times)) + (micro_batches - 1) * float(max(stage_times))
+
+
+def bubble_fraction(pipe_len: int, micro_batches: int) -> float:
+    """Idle share of a balanced GPipe pipeline: ``(K - 1) / (M + K - 1)``."""
+    return (pipe_len - 1) / (micro_batches + pipe_len - 1)
+
+
+def geometric_freeze_schedule(num_blocks: int, alpha: float, epochs: int) -> tuple[int, ...]:
+    """The official code's schedule ``F(e) = ceil(L (1 - (1 - alpha)^e))``, ``F(0) = 0``."""
+    return tuple(
+        min(num_blocks, math.ceil(num_blocks * (1 - (1 - alpha) ** e) - _FREEZE_EPS)) for e in range(epochs)
+    )
+
+
+def greedy_partition(costs: Sequence[float], k: int) -> tuple[int, ...]:
+    """The paper's greedy (its Algorithm 1, simplified to whole blocks): fill each stage while it
+    stays within the mean of what is left, give the last stage the rest."""
+    n = len(costs)
+    if not 1 <= k <= n:
+        raise ValueError(f"Cannot split {n} blocks into {k} non-empty stages.")
+    balance: list[int] = []
+    i = 0
+    for stage in range(k):
+        left_stages = k - stage
+        if left_stages == 1:
+            balance.append(n - i)
+            break
+        mean = sum(costs[i:]) / left_stages
+        size, acc = 0, 0.0
+        # Keep at least one block per remaining stage.
+        while i + size < n - (left_stages - 1) and (size == 0 or acc + costs[i + size] <= mean * (1 + 1e-9)):
+            acc += costs[i + size]
+            size += 1
+        balance.append(size)
+        i += size
+    return tuple(balance)
+
+
+# --------------------------------------------------------------------------- one training step
+
+
+@dataclass(frozen=True)
+class _StepResult:
+    step_s: float
+    balance: tuple[int, ...]
+    breakdown: dict[str, float]
+
+
+def _partition(costs: Sequence[float], k: int, rule: PartitionRule) -> tuple[int, ...]:
+    return optimal_partition(costs, k) if rule == "optimal" else greedy_partition(costs, k)
+
+
+def _planner_costs(model: ModelCost, first: int, frozen: int, train: Training) -> list[float]:
+    """What the planner balances for blocks ``first..L-1``: time or parameter size, frozen
+    blocks weighted by ``frozen_cost``. Embedding and head are folded into the end blocks."""
+    out = []
+    for i in range(first, model.num_blocks):
+        b = model.blocks[i]
+        c = b.forward_s + b.backward_s if train.partition_by == "time" else b.param_bytes
+        if i == model.num_blocks - 1:
+            h = model.head
+            c += h.forward_s + h.backward_s if train.partition_by == "time" else h.param_bytes
+        out.append(c * (train.frozen_cost if i < frozen else 1.0))
+    if first == 0 and out:
+        e = model.embedding
+        out[0] += (e.forward_s + e.backward_s if train.partition_by == "time" else e.param_bytes) * (
+            train.frozen_cost if frozen > 0 else 1.0
+        )
+    return out
+
+
+def pipeline_step_time(
+    model: ModelCost,
+    cluster: Cluster,
+    train: Training,
+    *,
+    frozen: int,
+    pipe_len: int,
+    micro_batches: int,
+    replicas: int,
+    cached_from: int | None = None,
+    cache_advance_from: int | None = None,
+    fixed_balance: tuple[int, ...] | None = None,
+) -> _StepResult:
+    """Seconds for one optimizer step of every replica (they run in lock-step).
+
+    ``cached_from``: the cached boundary is ``frozen`` (blocks ``< frozen`` and the embedding are
+    not run). ``cache_advance_from``: the cache holds activations at this earlier boundary and
+    blocks ``cache_advance_from..frozen-1`` are run once more to advance them (``None`` with a
+    cache means the cache is cold this epoch: everything is computed and written).
+    ``fixed_balance``: keep this partition of all blocks (freezing without AutoPipe).
+    """
+    L = model.num_blocks
+    B = train.batch_size
+    K, M = pipe_len, micro_batches
+    if not 0 <= frozen <= L:
+        raise ValueError(f"frozen must be in 0..{L}, got {frozen}.")
+    mb = B / M
+    serial = 0.0  # work done on the first device before the pipeline starts
+    parts: dict[str, float] = {}
+    pipelined_frozen = train.frozen_placement == "pipelined" and cached_from is None
+
+    # Blocks that go through the pipeline: all of them, or only the active ones.
+    first = 0 if pipelined_frozen else frozen
+    if cached_from is not None:
+        act = model.blocks[frozen - 1].activation_bytes if frozen > 0 else model.embedding.activation_bytes
+        per_pipeline_bw = cluster.cache_bw / max(1, replicas // cluster.nodes)
+        load_bw = min(per_pipeline_bw, cluster.cache_read_bw, cluster.intra_node_bw)
+        hit = train.cache_hit_rate if cache_advance_from is not None else 0.0
+        frozen_fwd = model.embedding.forward_s + sum(b.forward_s for b in model.blocks[:frozen])
+        advance_fwd = sum(b.forward_s for b in model.blocks[(cache_advance_from or 0) : frozen])
+        written = (1 - hit) + (hit if cache_advance_from is not None and cache_advance_from < frozen else 0.0)
+        parts["cache_read"] = B * hit * act / load_bw
+        parts["frozen_forward"] = B * ((1 - hit) * frozen_fwd + hit * advance_fwd)
+        parts["cache_write"] = B * written * act / load_bw
+        serial = parts["cache_read"] + parts["frozen_forward"] + parts["cache_write"]
+    elif not pipelined_frozen and frozen > 0:
+        parts["frozen_forward"] = B * (model.embedding.forward_s + sum(b.forward_s for b in model.blocks[:frozen]))
+        serial = parts["frozen_forward"]
+
+    n_units = L - first
+    if n_units == 0:  # every block frozen and outside the pipeline: only the head trains
+        units_k = 1
+        balance: tuple[int, ...] = ()
+        fwd = [mb * model.head.forward_s + cluster.cell_overhead_s / 2]
+        bwd = [mb * model.head.backward_s + cluster.cell_overhead_s / 2]
+        copies: list[float] = []
+        grad_copies: list[float] = []
+        stage_params = [model.head.param_bytes]
+    else:
+        units_k = min(K, n_units)
+        if fixed_balance is not None and first == 0:
+            balance, units_k = fixed_balance, len(fixed_balance)
+        else:
+            balance = _partition(_planner_costs(model, first, frozen, train), units_k, train.partition)
+        edges = [first]
+        for size in balance:
+            edges.append(edges[-1] + size)
+        fwd, bwd, copies, grad_copies, stage_params = [], [], [], [], []
+        for s in range(units_k):
+            blocks = range(edges[s], edges[s + 1])
+            f = sum(model.blocks[i].forward_s for i in blocks)
+            bw = sum(model.blocks[i].backward_s for i in blocks if i >= frozen)
+            p = sum(model.blocks[i].param_bytes for i in blocks if i >= frozen)
+            if s == 0 and first == 0:
+                f += model.embedding.forward_s
+                if frozen == 0:
+                    bw += model.embedding.backward_s
+                    p += model.embedding.param_bytes
+            if s == units_k - 1:
+                f += model.head.forward_s
+                bw += model.head.backward_s
+                p += model.head.param_bytes
+            fwd.append(mb * f + cluster.cell_overhead_s / 2)
+            # A stage of frozen blocks only has no backward cell at all.
+            bwd.append(mb * bw + cluster.cell_overhead_s / 2 if bw > 0 or s == units_k - 1 else 0.0)
+            stage_params.append(p)
+            if s < units_k - 1:
+                c = mb * model.blocks[edges[s + 1] - 1].activation_bytes / cluster.intra_node_bw
+                copies.append(c)
+                # The gradient goes back only if the stage it returns to trains something.
+                grad_copies.append(c if edges[s + 1] - 1 >= frozen else 0.0)
+
+    forward = flow_shop_time([t for pair in _interleave(fwd, copies) for t in pair], M)
+    backward = flow_shop_time([t for pair in _interleave(bwd, grad_copies) for t in pair if t > 0], M)
+    parts["pipeline_forward"] = forward
+    parts["pipeline_backward"] = backward
+    parts["bubble_share"] = bubble_fraction(units_k, M)
+
+    # All-reduce of the active parameters: each stage has its own ring over the replicas. In a
+    # node the stage rings use different GPU links; the node's network link carries all of them.
+    allreduce = 0.0
+    if replicas > 1:
+        per_node = replicas / cluster.nodes
+        times = []
+        if per_node > 1:
+            times.append(ring_allreduce_time(max(stage_params), replicas, cluster.intra_node_bw))
+        if cluster.nodes > 1:
+            times.append(ring_allreduce_time(sum(stage_params), replicas, cluster.inter_node_bw))
+        allreduce = max(times) if times else 0.0
+    parts["allreduce"] = allreduce
+    step = serial + forward + backward + (1 - train.allreduce_overlap) * allreduce
+    return _StepResult(step, balance, parts)
+
+
+def _interleave(stages: Sequence[float], copies: Sequence[float]) -> list[tuple[float, ...]]:
+    out: list[tuple[float, ...]] = []
+    for s, t in enumerate(stages):
+        out.append((t, copies[s]) if s < len(copies) else (t,))
+    return out
+
+
+# --------------------------------------------------------------------------- planning an epoch
+
+
+def _micro_batch_candidates(batch: int, pipe_len: int) -> range:
+    # The paper profiles M in K..6K; we search a wider range, capped by the batch size.
+    return range(1, min(batch, 8 * pipe_len) + 1)
+
+
+def _choose_m(model: ModelCost, cluster: Cluster, train: Training, **kw: object) -> int:
+    k = int(kw["pipe_len"])  # type: ignore[call-overload]
+    spec = train.micro_batches
+    if isinstance(spec, int):
+        return min(spec, train.batch_size)
+    if isinstance(spec, Mapping):
+        if k not in spec:
+            raise ValueError(f"micro_batches has no entry for pipeline length {k}: add one, or use 'auto'.")
+        return min(spec[k], train.batch_size)
+    return min(
+        _micro_batch_candidates(train.batch_size, k),
+        key=lambda m: pipeline_step_time(model, cluster, train, micro_batches=m, **kw).step_s,  # type: ignore[arg-type]
+    )
+
+
+def _max_stage(model: ModelCost, train: Training, first: int, frozen: int, k: int) -> float:
+    costs = _planner_costs(model, first, frozen, train)
+    if not costs:
+        return 0.0
+    k = min(k, len(costs))
+    return max(stage_costs(costs, _partition(costs, k, train.partition)))
+
+
+def _compress(
+    model: ModelCost, cluster: Cluster, train: Training, frozen: int, k: int, budget: float, cached: bool = False
+) -> int:
+    """AutoPipe's K -> K/2 rule on what the pipeline will hold (cached blocks are not in it)."""
+    first = 0 if train.frozen_placement == "pipelined" and not cached else frozen
+    costs = _planner_costs(model, first, frozen, train)
+    if not costs:
+        return 1
+    while k > len(costs) and k % 2 == 0:  # a pipeline cannot be longer than what it holds
+        k //= 2
+    if train.partition == "optimal":
+        return compress_pipe_len(costs, k, cluster.gpus_per_node, budget)
+    while k % 2 == 0 and cluster.gpus_per_node % (k // 2) == 0:
+        half = k // 2
+        if half <= len(costs) and _max_stage(model, train, first, frozen, half) > budget * (1 + 1e-9):
+            break
+        k = half
+    return k
+
+
+def _schedule(model: ModelCost, train: Training) -> tuple[int, ...]:
+    if train.frozen is not None:
+        sched = tuple(train.frozen) + (train.frozen[-1] if train.frozen else 0,) * (train.epochs - len(train.frozen))
+    elif train.alpha is not None:
+        sched = geometric_freeze_schedule(model.num_blocks, train.alpha, train.epochs)
+    else:
+        raise ValueError("No freeze schedule: give Training(alpha=...) or Training(frozen=(0, ...)).")
+    if any(not 0 <= f <= model.num_blocks for f in sched):
+        raise ValueError(f"Frozen counts must be in 0..{model.num_blocks}, got {sched}.")
+    if any(b < a for a, b in zip(sched, sched[1:])):
+        raise ValueError(f"Frozen counts never decrease, got {sched}.")
+    return sched
+
+
+def _check(model: ModelCost, cluster: Cluster, train: Training) -> None:
+    g = cluster.gpus_per_node
+    if train.pipe_len > g or g % train.pipe_len:
+        raise ValueError(
+            f"pipe_len={train.pipe_len} must divide gpus_per_node={g}: a pipeline lives inside one node."
+        )
+    if train.pipe_len > model.num_blocks:
+        raise ValueError(f"pipe_len={train.pipe_len} is more than the {model.num_blocks} blocks to split.")
+
+
+def simulate_variant(model: ModelCost, cluster: Cluster, train: Training, variant: Variant) -> tuple[EpochPlan, ...]:
+    """Plans and times every epoch of one variant."""
+    _check(model, cluster, train)
+    sched = _schedule(model, train) if variant.freeze else (0,) * train.epochs
+    k0 = train.pipe_len
+    budget = _max_stage(model, train, 0, 0, k0)
+    balance0 = _partition(_planner_costs(model, 0, 0, train), k0, train.partition)
+    k = k0
+    prev: tuple[int, int, int] | None = None
+    cached_prev: int | None = None
+    plans = []
+    for epoch, f in enumerate(sched):
+        may_cache = variant.autocache and variant.autopipe and f > 0
+        if train.cache_policy == "min-frozen":
+            may_cache = may_cache and f >= train.cache_min_frozen
+        else:  # "auto": a cache that never hits is never worth switching on
+            may_cache = may_cache and train.cache_hit_rate > 0
+        if variant.autopipe and f > 0:
+            k = _compress(model, cluster, train, f, k, budget, cached=may_cache)
+        replicas = cluster.gpus // k if variant.autodp else cluster.gpus // k0
+        # Without AutoPipe the frozen blocks stay where they were, inside the K0 pipeline.
+        t = train if variant.autopipe else replace(train, frozen_placement="pipelined")
+        base: dict = dict(frozen=f, pipe_len=k, replicas=replicas)
+        if not variant.autopipe:
+            base["fixed_balance"] = balance0
+        use_cache = may_cache
+        cache_kw: dict = {}
+        if may_cache:
+            cache_kw = dict(cached_from=f, cache_advance_from=cached_prev)
+            if train.cache_policy == "auto":
+                # Decide on the warm cache (what the following epochs pay), not on this epoch's
+                # cold fill, which is always dearer than not caching.
+                warm = dict(base, cached_from=f, cache_advance_from=f)
+                m_c = _choose_m(model, cluster, t, **warm)
+                m_n = _choose_m(model, cluster, t, **base)
+                with_c = pipeline_step_time(model, cluster, t, micro_batches=m_c, **warm).step_s
+                without = pipeline_step_time(model, cluster, t, micro_batches=m_n, **base).step_s
+                use_cache = with_c < without
+        if not use_cache:
+            cache_kw = {}
+        m = _choose_m(model, cluster, t, **base, **cache_kw)
+        res = pipeline_step_time(model, cluster, t, micro_batches=m, **base, **cache_kw)
+        steps = math.ceil(train.dataset_size / (train.batch_size * replicas))
+        plan = (f, k, replicas)
+        transition = train.transition_s if prev is not None and plan != prev else 0.0
+        epoch_s = steps * res.step_s + transition
+        bd = dict(res.breakdown, transition=transition)
+        plans.append(
+            EpochPlan(epoch, f, k, m, replicas, use_cache, res.balance, steps, res.step_s, epoch_s,
+                      train.dataset_size / epoch_s, bd)
+        )
+        prev = plan
+        cached_prev = f if use_cache else None
+    return tuple(plans)
+
+
+def simulate(
+    model: ModelCost, cluster: Cluster, train: Training, variants: Mapping[str, Variant] | None = None
+) -> Report:
+    """Simulates every variant; speed-ups are against ``baseline`` (total time ratio)."""
+    variants = dict(VARIANTS if variants is None else variants)
+    if "baseline" not in variants:
+        variants = {"baseline": VARIANTS["baseline"], **variants}
+    timed = {name: simulate_variant(model, cluster, train, v) for name, v in variants.items()}
+    base = sum(e.epoch_s for e in timed["baseline"])
+    return Report(
+        {
+            name: VariantReport(name, sum(e.epoch_s for e in eps), base / sum(e.epoch_s for e in eps), eps)
+            for name, eps in timed.items()
+        }
+    )
+
+
+def microbatch_profile(
+    model: ModelCost, cluster: Cluster, train: Training, pipe_len: int, candidates: Sequence[int], frozen: int = 0
+) -> dict[int, float]:
+    """Predicted cluster throughput (samples/s) of a no-freeze step at ``pipe_len`` for each M,
+    with ``gpus / pipe_len`` replicas: what the paper's micro-batch profiler measures."""
+    replicas = cluster.gpus // pipe_len
+    out = {}
+    for m in candidates:
+        r = pipeline_step_time(model, cluster, train, frozen=frozen, pipe_len=pipe_len, micro_batches=m, replicas=replicas)
+        out[m] = train.batch_size * replicas / r.step_s
+    return out
