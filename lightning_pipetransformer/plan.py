@@ -7,7 +7,7 @@ components switched on one by one, and prints the plan sequence and speed-ups::
     python -m lightning_pipetransformer.plan --preset paper-vit-b16-imagenet --json
     python -m lightning_pipetransformer.plan --preset paper-vit-b16-imagenet --nodes 4 --alpha 0.25 --plot out.png
 
-The Python API is :func:`simulate` (re-exported from :mod:`.core.costmodel`).
+The Python API is :func:`simulate` (from :mod:`.core.simulator`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
-from .core.costmodel import Report, simulate
+from .core.simulator import Report, simulate
 from .core.presets import PRESETS, get_preset
 
 __all__ = ["main", "simulate", "format_table", "plot_report"]

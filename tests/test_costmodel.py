@@ -22,12 +22,11 @@ from lightning_pipetransformer.core.costmodel import (
     flow_shop_time,
     geometric_freeze_schedule,
     greedy_partition,
-    microbatch_profile,
     pipeline_step_time,
     ring_allreduce_time,
-    simulate,
 )
 from lightning_pipetransformer.core.presets import get_preset
+from lightning_pipetransformer.core.simulator import microbatch_profile, simulate
 
 GB = 1e9
 

@@ -1,6 +1,6 @@
 """Cost model of a PipeTransformer training run: predicts per-epoch throughput and speed-up.
 
-The simulator replays a run epoch by epoch. Each epoch has a plan (frozen blocks ``F``, pipeline
+:mod:`.simulator` replays a run epoch by epoch. Each epoch has a plan (frozen blocks ``F``, pipeline
 length ``K``, micro-batches ``M``, data-parallel replicas ``R``, cache on/off) chosen the way the
 enabled components would choose it, and a step time built from a few closed-form pieces:
 
@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Literal
 
-from .partition import compress_pipe_len, optimal_partition, stage_costs
+from .partition import optimal_partition
 
 __all__ = [
     "BlockCost",
@@ -35,17 +35,12 @@ __all__ = [
     "Training",
     "Variant",
     "VARIANTS",
-    "EpochPlan",
-    "VariantReport",
-    "Report",
     "ring_allreduce_time",
     "flow_shop_time",
     "bubble_fraction",
     "geometric_freeze_schedule",
     "greedy_partition",
     "pipeline_step_time",
-    "microbatch_profile",
-    "simulate",
 ]
 
 PartitionRule = Literal["optimal", "paper-greedy"]
@@ -181,66 +176,6 @@ VARIANTS: dict[str, Variant] = {
     "autopipe_autodp": Variant(True, True, True, False),
     "all": Variant(True, True, True, True),
 }
-
-
-@dataclass(frozen=True)
-class EpochPlan:
-    """One simulated epoch: the plan and where its time went (seconds per step unless noted)."""
-
-    epoch: int
-    frozen: int
-    pipe_len: int
-    micro_batches: int
-    replicas: int
-    cached: bool
-    balance: tuple[int, ...]
-    steps: int
-    step_s: float
-    epoch_s: float
-    throughput: float  # samples / s over the whole cluster
-    breakdown: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class VariantReport:
-    name: str
-    total_s: float
-    speedup: float
-    epochs: tuple[EpochPlan, ...]
-
-
-@dataclass(frozen=True)
-class Report:
-    variants: dict[str, VariantReport]
-
-    def to_dict(self) -> dict:
-        return {
-            "variants": {
-                name: {
-                    "speedup": v.speedup,
-                    "total_s": v.total_s,
-                    "total_h": v.total_s / 3600,
-                    "epochs": [
-                        {
-                            "epoch": e.epoch,
-                            "frozen": e.frozen,
-                            "pipe_len": e.pipe_len,
-                            "micro_batches": e.micro_batches,
-                            "replicas": e.replicas,
-                            "cached": e.cached,
-                            "balance": list(e.balance),
-                            "steps": e.steps,
-                            "step_s": e.step_s,
-                            "epoch_s": e.epoch_s,
-                            "throughput": e.throughput,
-                            "breakdown": e.breakdown,
-                        }
-                        for e in v.epochs
-                    ],
-                }
-                for name, v in self.variants.items()
-            }
-        }
 
 
 # --------------------------------------------------------------------------- closed-form pieces
@@ -453,165 +388,4 @@ def _interleave(stages: Sequence[float], copies: Sequence[float]) -> list[tuple[
     out: list[tuple[float, ...]] = []
     for s, t in enumerate(stages):
         out.append((t, copies[s]) if s < len(copies) else (t,))
-    return out
-
-
-# --------------------------------------------------------------------------- planning an epoch
-
-
-def _micro_batch_candidates(batch: int, pipe_len: int) -> range:
-    # The paper profiles M in K..6K; we search a wider range, capped by the batch size.
-    return range(1, min(batch, 8 * pipe_len) + 1)
-
-
-def _choose_m(model: ModelCost, cluster: Cluster, train: Training, **kw: object) -> int:
-    k = int(kw["pipe_len"])  # type: ignore[call-overload]
-    spec = train.micro_batches
-    if isinstance(spec, int):
-        return min(spec, train.batch_size)
-    if isinstance(spec, Mapping):
-        if k not in spec:
-            raise ValueError(f"micro_batches has no entry for pipeline length {k}: add one, or use 'auto'.")
-        return min(spec[k], train.batch_size)
-    return min(
-        _micro_batch_candidates(train.batch_size, k),
-        key=lambda m: pipeline_step_time(model, cluster, train, micro_batches=m, **kw).step_s,  # type: ignore[arg-type]
-    )
-
-
-def _max_stage(model: ModelCost, train: Training, first: int, frozen: int, k: int) -> float:
-    costs = _planner_costs(model, first, frozen, train)
-    if not costs:
-        return 0.0
-    k = min(k, len(costs))
-    return max(stage_costs(costs, _partition(costs, k, train.partition)))
-
-
-def _compress(
-    model: ModelCost, cluster: Cluster, train: Training, frozen: int, k: int, budget: float, cached: bool = False
-) -> int:
-    """AutoPipe's K -> K/2 rule on what the pipeline will hold (cached blocks are not in it)."""
-    first = 0 if train.frozen_placement == "pipelined" and not cached else frozen
-    costs = _planner_costs(model, first, frozen, train)
-    if not costs:
-        return 1
-    while k > len(costs) and k % 2 == 0:  # a pipeline cannot be longer than what it holds
-        k //= 2
-    if train.partition == "optimal":
-        return compress_pipe_len(costs, k, cluster.gpus_per_node, budget)
-    while k % 2 == 0 and cluster.gpus_per_node % (k // 2) == 0:
-        half = k // 2
-        if half <= len(costs) and _max_stage(model, train, first, frozen, half) > budget * (1 + 1e-9):
-            break
-        k = half
-    return k
-
-
-def _schedule(model: ModelCost, train: Training) -> tuple[int, ...]:
-    if train.frozen is not None:
-        sched = tuple(train.frozen) + (train.frozen[-1] if train.frozen else 0,) * (train.epochs - len(train.frozen))
-    elif train.alpha is not None:
-        sched = geometric_freeze_schedule(model.num_blocks, train.alpha, train.epochs)
-    else:
-        raise ValueError("No freeze schedule: give Training(alpha=...) or Training(frozen=(0, ...)).")
-    if any(not 0 <= f <= model.num_blocks for f in sched):
-        raise ValueError(f"Frozen counts must be in 0..{model.num_blocks}, got {sched}.")
-    if any(b < a for a, b in zip(sched, sched[1:])):
-        raise ValueError(f"Frozen counts never decrease, got {sched}.")
-    return sched
-
-
-def _check(model: ModelCost, cluster: Cluster, train: Training) -> None:
-    g = cluster.gpus_per_node
-    if train.pipe_len > g or g % train.pipe_len:
-        raise ValueError(
-            f"pipe_len={train.pipe_len} must divide gpus_per_node={g}: a pipeline lives inside one node."
-        )
-    if train.pipe_len > model.num_blocks:
-        raise ValueError(f"pipe_len={train.pipe_len} is more than the {model.num_blocks} blocks to split.")
-
-
-def simulate_variant(model: ModelCost, cluster: Cluster, train: Training, variant: Variant) -> tuple[EpochPlan, ...]:
-    """Plans and times every epoch of one variant."""
-    _check(model, cluster, train)
-    sched = _schedule(model, train) if variant.freeze else (0,) * train.epochs
-    k0 = train.pipe_len
-    budget = _max_stage(model, train, 0, 0, k0)
-    balance0 = _partition(_planner_costs(model, 0, 0, train), k0, train.partition)
-    k = k0
-    prev: tuple[int, int, int] | None = None
-    cached_prev: int | None = None
-    plans = []
-    for epoch, f in enumerate(sched):
-        may_cache = variant.autocache and variant.autopipe and f > 0
-        if train.cache_policy == "min-frozen":
-            may_cache = may_cache and f >= train.cache_min_frozen
-        else:  # "auto": a cache that never hits is never worth switching on
-            may_cache = may_cache and train.cache_hit_rate > 0
-        if variant.autopipe and f > 0:
-            k = _compress(model, cluster, train, f, k, budget, cached=may_cache)
-        replicas = cluster.gpus // k if variant.autodp else cluster.gpus // k0
-        # Without AutoPipe the frozen blocks stay where they were, inside the K0 pipeline.
-        t = train if variant.autopipe else replace(train, frozen_placement="pipelined")
-        base: dict = dict(frozen=f, pipe_len=k, replicas=replicas)
-        if not variant.autopipe:
-            base["fixed_balance"] = balance0
-        use_cache = may_cache
-        cache_kw: dict = {}
-        if may_cache:
-            cache_kw = dict(cached_from=f, cache_advance_from=cached_prev)
-            if train.cache_policy == "auto":
-                # Decide on the warm cache (what the following epochs pay), not on this epoch's
-                # cold fill, which is always dearer than not caching.
-                warm = dict(base, cached_from=f, cache_advance_from=f)
-                m_c = _choose_m(model, cluster, t, **warm)
-                m_n = _choose_m(model, cluster, t, **base)
-                with_c = pipeline_step_time(model, cluster, t, micro_batches=m_c, **warm).step_s
-                without = pipeline_step_time(model, cluster, t, micro_batches=m_n, **base).step_s
-                use_cache = with_c < without
-        if not use_cache:
-            cache_kw = {}
-        m = _choose_m(model, cluster, t, **base, **cache_kw)
-        res = pipeline_step_time(model, cluster, t, micro_batches=m, **base, **cache_kw)
-        steps = math.ceil(train.dataset_size / (train.batch_size * replicas))
-        plan = (f, k, replicas)
-        transition = train.transition_s if prev is not None and plan != prev else 0.0
-        epoch_s = steps * res.step_s + transition
-        bd = dict(res.breakdown, transition=transition)
-        plans.append(
-            EpochPlan(epoch, f, k, m, replicas, use_cache, res.balance, steps, res.step_s, epoch_s,
-                      train.dataset_size / epoch_s, bd)
-        )
-        prev = plan
-        cached_prev = f if use_cache else None
-    return tuple(plans)
-
-
-def simulate(
-    model: ModelCost, cluster: Cluster, train: Training, variants: Mapping[str, Variant] | None = None
-) -> Report:
-    """Simulates every variant; speed-ups are against ``baseline`` (total time ratio)."""
-    variants = dict(VARIANTS if variants is None else variants)
-    if "baseline" not in variants:
-        variants = {"baseline": VARIANTS["baseline"], **variants}
-    timed = {name: simulate_variant(model, cluster, train, v) for name, v in variants.items()}
-    base = sum(e.epoch_s for e in timed["baseline"])
-    return Report(
-        {
-            name: VariantReport(name, sum(e.epoch_s for e in eps), base / sum(e.epoch_s for e in eps), eps)
-            for name, eps in timed.items()
-        }
-    )
-
-
-def microbatch_profile(
-    model: ModelCost, cluster: Cluster, train: Training, pipe_len: int, candidates: Sequence[int], frozen: int = 0
-) -> dict[int, float]:
-    """Predicted cluster throughput (samples/s) of a no-freeze step at ``pipe_len`` for each M,
-    with ``gpus / pipe_len`` replicas: what the paper's micro-batch profiler measures."""
-    replicas = cluster.gpus // pipe_len
-    out = {}
-    for m in candidates:
-        r = pipeline_step_time(model, cluster, train, frozen=frozen, pipe_len=pipe_len, micro_batches=m, replicas=replicas)
-        out[m] = train.batch_size * replicas / r.step_s
     return out
