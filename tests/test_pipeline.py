@@ -16,6 +16,16 @@ from lightning_pipetransformer.core.pipeline import (
     remove_pipeline,
 )
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny shapes gain nothing from intra-op threads, and on a busy 2-core machine OpenMP's
+    spin-waiting makes them many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 BATCH, SEQ, WIDTH, DEPTH = 10, 4, 8, 8
 BALANCES = {1: (8,), 2: (4, 4), 3: (3, 3, 2), 4: (2, 2, 2, 2)}
 

@@ -198,13 +198,15 @@ class Pipeline:
         ]
 
         # hiddens[i]: micro-batch i's hidden state, and the stream it was produced on.
-        hiddens: list[tuple[Tensor, Stream]] = [
+        hiddens: list[tuple[Tensor, Stream] | None] = [
             (a[0], dev.current_stream(a[0].device)) for a, _ in split.batches
         ]
         outputs: list[Any] = [None] * chunks
         for schedule in clock_cycles(chunks, stages):
             for i, j in schedule:
-                x, src = hiddens[i]
+                x, src = hiddens[i]  # type: ignore[misc]
+                # Hold no reference past its use: under no_grad that frees activations early.
+                hiddens[i] = None
                 x = dev.hop(x, src, streams[j], devices[j])
                 args_i, kwargs_i = split.batches[i]
                 stage_args = tuple(
