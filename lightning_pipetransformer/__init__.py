@@ -4,12 +4,17 @@ Public API:
 
 * :class:`AutoFreeze` - a callback that freezes a model's leading blocks progressively
   (works under single-device, DDP and the ``"pipetransformer"`` strategy).
+* :class:`PipeTransformerStrategy` - ``strategy="pipetransformer"``: the block stack runs as a
+  pipeline that shrinks as AutoFreeze freezes blocks; ``trainer.strategy.plan`` is the current
+  :class:`Plan`.
 * :func:`find_block_stack` / :class:`BlockStack` - how the package sees a model: ``pre``
   modules, a stack of repeated blocks, ``post`` modules.
 """
 
 from .autofreeze import AutoFreeze
 from .core.discovery import BlockStack, BlockStackError, find_block_stack
+from .core.planner import Plan
+from .strategy import PipeTransformerStrategy  # registers "pipetransformer"
 
-__all__ = ["AutoFreeze", "BlockStack", "BlockStackError", "find_block_stack"]
+__all__ = ["AutoFreeze", "BlockStack", "BlockStackError", "Plan", "PipeTransformerStrategy", "find_block_stack"]
 __version__ = "0.1.0.dev0"
