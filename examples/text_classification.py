@@ -1,0 +1,148 @@
+"""Fine-tune a pretrained BERT (MiniLM-L6) on Rotten Tomatoes sentiment with AutoFreeze.
+
+A LightningCLI program::
+
+    python examples/assets.py fetch                                        # once: weights + data
+    python examples/text_classification.py fit --config examples/configs/text_minilm.yaml
+    python examples/text_classification.py fit --config examples/configs/text_minilm.yaml \\
+        --data.train_size 1500 --data.val_size 1000 --trainer.max_epochs 3
+
+The YAML picks the strategy (``trainer.strategy``), the AutoFreeze callback and the timeline;
+the LightningModule below is plain Lightning and knows nothing about freezing or pipelines.
+``model.pretrained`` (a local folder with a BERT checkpoint and its tokenizer; default: the
+MiniLM-L6 asset) also sets ``data.tokenizer``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+# No model hub is reachable: transformers must never try one (read when it is imported).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # assets, rotten_tomatoes, timeline
+
+import lightning.pytorch as pl  # noqa: E402
+import lightning_pipetransformer  # noqa: E402,F401  (importing registers strategy="pipetransformer")
+import torch  # noqa: E402
+from lightning.pytorch.cli import LightningCLI  # noqa: E402
+from torch.optim.lr_scheduler import LambdaLR  # noqa: E402
+from torchmetrics.classification import MulticlassAccuracy  # noqa: E402
+
+from rotten_tomatoes import Batch, RottenTomatoesDataModule  # noqa: E402
+
+__all__ = ["SentimentClassifier", "TextCLI", "main"]
+
+NO_DECAY = ("bias", "LayerNorm.weight", "LayerNorm.bias")
+
+
+class SentimentClassifier(pl.LightningModule):
+    """``BertForSequenceClassification`` from a local checkpoint, with accuracy and AdamW.
+
+    Args:
+        pretrained: a local folder with a BERT-family checkpoint (``config.json`` +
+            ``model.safetensors``). ``None``: the MiniLM-L6 asset (fetched on first use).
+        num_labels: classes.
+        lr: peak learning rate of AdamW.
+        weight_decay: AdamW weight decay (not on biases and LayerNorm).
+        warmup_ratio: share of the optimizer steps with a linear warm-up; then linear decay to 0.
+        fused: use fused AdamW (``None``: where this torch build supports it).
+    """
+
+    def __init__(
+        self,
+        pretrained: str | None = None,
+        num_labels: int = 2,
+        lr: float = 5e-5,
+        weight_decay: float = 0.01,
+        warmup_ratio: float = 0.1,
+        fused: bool | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        from transformers import BertForSequenceClassification
+
+        path = pretrained or _asset_path("minilm-l6")
+        self.model = BertForSequenceClassification.from_pretrained(path, num_labels=num_labels, local_files_only=True)
+        self.train_acc = MulticlassAccuracy(num_classes=num_labels, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes=num_labels, average="micro")
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    def on_fit_start(self) -> None:
+        # transformers 5 returns models from from_pretrained in eval mode (dropout off), and
+        # Lightning keeps modules' modes as it finds them: switch training on explicitly.
+        # (AutoFreeze puts the frozen blocks back in eval mode at each epoch start.)
+        self.model.train()
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        logits = self(batch["input_ids"], batch["attention_mask"])
+        loss = torch.nn.functional.cross_entropy(logits, batch["labels"])
+        n = batch["labels"].shape[0]
+        self.train_acc(logits.detach(), batch["labels"])
+        self.log("train/loss", loss, prog_bar=True, batch_size=n)
+        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, batch_size=n)
+        return loss
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        logits = self(batch["input_ids"], batch["attention_mask"])
+        n = batch["labels"].shape[0]
+        self.val_acc(logits, batch["labels"])
+        self.log("val/loss", torch.nn.functional.cross_entropy(logits, batch["labels"]), batch_size=n, sync_dist=True)
+        self.log("val/acc", self.val_acc, prog_bar=True, batch_size=n)
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for n, p in named if not n.endswith(NO_DECAY)], "weight_decay": hp.weight_decay},
+            {"params": [p for n, p in named if n.endswith(NO_DECAY)], "weight_decay": 0.0},
+        ]
+        optimizer = _adamw(groups, hp.lr, hp.fused)
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        warmup = int(hp.warmup_ratio * total)
+
+        def linear(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            return max(0.0, (total - step) / max(total - warmup, 1))
+
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": LambdaLR(optimizer, linear), "interval": "step"}}
+
+
+def _adamw(groups: list[dict[str, Any]], lr: float, fused: bool | None) -> torch.optim.Optimizer:
+    """AdamW, fused where supported: on a 2-core CPU 13 ms per step against 83 ms (foreach)."""
+    if fused is False:
+        return torch.optim.AdamW(groups, lr=lr)
+    try:
+        return torch.optim.AdamW(groups, lr=lr, fused=True)
+    except (RuntimeError, ValueError):
+        if fused:
+            raise
+        return torch.optim.AdamW(groups, lr=lr)
+
+
+def _asset_path(name: str) -> str:
+    from assets import fetch
+
+    return str(fetch(name))
+
+
+class TextCLI(LightningCLI):
+    """LightningCLI with the tokenizer following the model's checkpoint folder."""
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.link_arguments("model.pretrained", "data.tokenizer")
+
+
+def main(args: list[str] | None = None) -> None:
+    """Run the command line (``fit``, ``validate``, ... ``--config examples/configs/text_minilm.yaml``)."""
+    TextCLI(SentimentClassifier, RottenTomatoesDataModule, args=args, save_config_kwargs={"overwrite": True})
+
+
+if __name__ == "__main__":
+    main()
