@@ -1,5 +1,6 @@
 """The pipeline executor equals the plain loop over the blocks (core.pipeline), on CPU."""
 
+import contextlib
 import copy
 
 import pytest
@@ -408,7 +409,7 @@ def test_install_into_transformer_encoder():
     x = torch.randn(6, 5, 16)
     padding = torch.zeros(6, 5, dtype=torch.bool)
     padding[:, -1] = True
-    causal = nn.Transformer.generate_square_subsequent_mask(5)
+    causal = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1)  # (seq, seq): passed whole
     pipe = Pipeline(list(model.layers), (2, 1, 1), ["cpu"] * 3, 4)
     check_installed(model, model.layers, pipe, lambda: model(x, mask=causal, src_key_padding_mask=padding))
 
@@ -468,3 +469,70 @@ def test_install_details():
         with pipelined(layers, pipe):
             raise RuntimeError("boom")
     assert type(layers) is nn.ModuleList
+
+
+# -- the stream protocol, checked on CPU with stand-in streams -----------------------------
+
+
+class FakeStream:
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return self.name
+
+
+def test_stream_protocol_with_stand_in_streams(monkeypatch):
+    """What the CUDA path does, step by step, observed through stand-in streams.
+
+    Every handover waits on the producer's stream and records the tensor on the consumer's;
+    blocks compute on their stage's stream; gradients wait the other way round.
+    """
+    caller = FakeStream("caller")
+    state = {"current": caller, "made": []}
+    log = []
+
+    def new_stream(device):
+        state["made"].append(FakeStream(f"s{len(state['made'])}"))
+        return state["made"][-1]
+
+    @contextlib.contextmanager
+    def use_stream(stream):
+        before = state["current"]
+        state["current"] = stream if stream is not None else before
+        try:
+            yield
+        finally:
+            state["current"] = before
+
+    monkeypatch.setattr(dev, "new_stream", new_stream)
+    monkeypatch.setattr(dev, "current_stream", lambda device: state["current"])
+    monkeypatch.setattr(dev, "use_stream", use_stream)
+    monkeypatch.setattr(dev, "wait", lambda waiter, producer: waiter is not producer and log.append(("wait", waiter, producer)))
+    monkeypatch.setattr(dev, "record", lambda t, *streams: log.append(("record", *streams)))
+
+    blocks = make_blocks(depth=3)
+    for index, block in enumerate(blocks):
+        block.register_forward_pre_hook(lambda m, a, i=index: log.append(("compute", i, state["current"])))
+    hidden, mask, _ = inputs()
+    pipe = Pipeline(blocks, (1, 1, 1), ["cpu"] * 3, 2)
+    out = pipe(hidden.requires_grad_(True), mask)
+    s0, s1, s2 = streams = state["made"]
+    assert pipe._streams == streams
+
+    expected = [("wait", s, caller) for s in streams]  # stages see the caller's earlier work
+    for cycle in clock_cycles(2, 3):
+        for _, j in cycle:
+            src = caller if j == 0 else streams[j - 1]
+            expected += [("wait", streams[j], src), ("record", src, streams[j])]  # the hidden state
+            expected += [("wait", streams[j], caller), ("record", caller, streams[j])]  # its mask chunk
+            expected += [("compute", j, streams[j])]
+    expected += [("wait", caller, s2), ("record", s2, caller)] * 2  # outputs back to the caller
+    assert log == expected
+
+    log.clear()
+    out.sum().backward()
+    waits = sorted((str(e[1]), str(e[2])) for e in log if e[0] == "wait")
+    # Each handover's gradient goes back: consumer's stream -> producer's stream, per micro-batch.
+    assert waits == sorted([("s2", "caller"), ("s1", "s2"), ("s0", "s1"), ("caller", "s0")] * 2)
+    assert hidden.grad is not None
