@@ -1,0 +1,174 @@
+"""When may a cached activation be reused: the frozen prefix's fingerprint and a determinism check.
+
+An activation stored at boundary F is the output of ``pre`` + ``blocks[:F]`` for one input. It
+may be returned only to a caller running *the same function*: same boundary, same weights and
+buffers bit for bit, same module configuration, same dtypes, device type and torch version
+(kernels differ in the last bits between them). :func:`prefix_fingerprint` hashes all of that
+into 32 hex digits; the store keeps one directory per fingerprint and checks it again in every
+file it reads, so an entry from another boundary, model or configuration is never returned.
+
+Hashing weights: CPU tensors go through BLAKE2b over their bytes (~1 GB/s); tensors on an
+accelerator are hashed on the device (:func:`~.cache_keys.tensor_digest`), so only 16 bytes per
+tensor cross to the host. Either way the fingerprint takes one pass over the frozen weights per
+boundary move, which is nothing next to an epoch.
+
+A cache is only correct if the prefix is a pure, per-sample function of its input:
+:func:`nondeterministic_reasons` lists what breaks that (a module in train mode with dropout
+or stochastic depth, BatchNorm in train mode, a frozen parameter that still requires grad).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .cache_keys import tensor_digest
+from .discovery import BlockStack
+
+__all__ = [
+    "FORMAT_VERSION",
+    "NondeterministicPrefixError",
+    "check_deterministic",
+    "nondeterministic_reasons",
+    "prefix_fingerprint",
+    "prefix_modules",
+]
+
+# Bump when the meaning of a fingerprint or of a cache file changes: old directories then miss.
+FORMAT_VERSION = 1
+
+# Attribute names of stochastic-depth / dropout probabilities held as plain floats
+# (Hugging Face attention's ``dropout`` float, timm's DropPath ``drop_prob``).
+_PROB_WORDS = ("drop", "dropout")
+
+
+class NondeterministicPrefixError(RuntimeError):
+    """The frozen prefix is not a pure function of its input, so its output cannot be cached."""
+
+
+def prefix_modules(stack: BlockStack, num_frozen: int, include_pre: bool = True) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` pairs whose composition produces the activation at boundary ``num_frozen``."""
+    if not 0 <= num_frozen <= len(stack):
+        raise ValueError(f"num_frozen must be in 0..{len(stack)}, got {num_frozen}.")
+    modules = list(stack.pre) if include_pre else []
+    modules += [(f"{stack.path}.{i}", block) for i, block in enumerate(stack.blocks[:num_frozen])]
+    return modules
+
+
+def _is_plain(value: object) -> bool:
+    if isinstance(value, (tuple, list)):
+        return all(_is_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _config_lines(name: str, module: nn.Module) -> Iterable[str]:
+    """Plain attributes of every submodule: hyper-parameters that weights do not show (heads, eps)."""
+    for sub_name, sub in module.named_modules(prefix=name):
+        # Only plain values: the repr of an arbitrary object may hold its address, which
+        # differs between processes and would stop them from sharing the cache.
+        plain = {k: v for k, v in vars(sub).items() if not k.startswith("_") and _is_plain(v)}
+        yield f"{sub_name}:{type(sub).__module__}.{type(sub).__qualname__}:{sorted(plain.items())!r}"
+        config = getattr(sub, "config", None)
+        if config is not None and hasattr(config, "to_json_string"):
+            # The attention implementation (eager / sdpa) changes results and is a private field.
+            attn = getattr(config, "_attn_implementation", None)
+            yield f"{sub_name}.config:{attn}:{config.to_json_string(use_diff=False)}"
+
+
+def _digest(tensor: Tensor) -> bytes:
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        return tensor_digest(t)
+    data = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.blake2b(memoryview(data), digest_size=16).digest()
+
+
+def prefix_fingerprint(
+    stack: BlockStack,
+    num_frozen: int,
+    include_pre: bool = True,
+    *,
+    extra: str = "",
+) -> str:
+    """32 hex digits identifying the function ``input -> activation at boundary num_frozen``.
+
+    Covers: the boundary, whether ``pre`` is included, every frozen module's class, plain
+    attributes and (if it has one) its Hugging Face config, every parameter and buffer (name,
+    dtype, shape, device type, bits), the ``pre_params``, the torch version and
+    :data:`FORMAT_VERSION`. ``extra`` is anything else the caller knows changes the prefix's
+    output (e.g. an autocast dtype): different ``extra``, different fingerprint.
+    """
+    h = hashlib.blake2b(digest_size=16)
+
+    def feed(text: str) -> None:
+        h.update(text.encode())
+        h.update(b"\n")
+
+    feed(f"pipetransformer-cache v{FORMAT_VERSION} torch {torch.__version__}")
+    feed(f"boundary={num_frozen} include_pre={include_pre} stack={stack.path} extra={extra}")
+    tensors: list[tuple[str, Tensor]] = []
+    for name, module in prefix_modules(stack, num_frozen, include_pre):
+        for line in _config_lines(name, module):
+            feed(line)
+        tensors += [(f"{name}.{n}", p) for n, p in module.named_parameters(recurse=True)]
+        # Non-persistent buffers (position ids) change outputs too.
+        tensors += [(f"{name}.{n}", b) for n, b in module.named_buffers(recurse=True)]
+    if include_pre:
+        tensors += list(stack.pre_params)
+    seen: set[int] = set()
+    for name, tensor in tensors:
+        if id(tensor) in seen:  # tied weights: hash once, position still recorded by name
+            feed(f"{name}: tied")
+            continue
+        seen.add(id(tensor))
+        feed(f"{name}: {tensor.dtype} {tuple(tensor.shape)} {tensor.device.type} {_digest(tensor).hex()}")
+    return h.hexdigest()
+
+
+def nondeterministic_reasons(modules: Sequence[tuple[str, nn.Module]]) -> list[str]:
+    """Why ``modules`` (e.g. :func:`prefix_modules`) are not a pure per-sample function; empty if none found.
+
+    Detects: dropout layers (``p > 0``) and float ``*drop*`` attributes (Hugging Face attention
+    dropout, timm DropPath) on a module in train mode; BatchNorm in train mode (its output
+    depends on the rest of the batch and it updates running statistics); a parameter that still
+    requires grad (it will change, and stale activations would be returned). A custom
+    stochastic op this cannot see is the caller's responsibility: keep the prefix in eval mode.
+    """
+    reasons: list[str] = []
+    for name, module in modules:
+        for sub_name, sub in module.named_modules(prefix=name):
+            if not sub.training:
+                continue
+            if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
+                reasons.append(f"{sub_name} ({type(sub).__name__}, p={sub.p}) is in train mode")
+            elif isinstance(sub, nn.modules.batchnorm._NormBase):
+                reasons.append(f"{sub_name} ({type(sub).__name__}) is in train mode (batch statistics)")
+            else:
+                for attr, value in vars(sub).items():
+                    if (
+                        isinstance(value, float)
+                        and not isinstance(value, bool)
+                        and value > 0
+                        and any(w in attr.lower() for w in _PROB_WORDS)
+                    ):
+                        reasons.append(f"{sub_name} ({type(sub).__name__}, {attr}={value}) is in train mode")
+                        break
+        trainable = [n for n, p in module.named_parameters(prefix=name) if p.requires_grad]
+        if trainable:
+            reasons.append(f"{trainable[0]} still requires grad ({len(trainable)} parameter(s) not frozen)")
+    return reasons
+
+
+def check_deterministic(modules: Sequence[tuple[str, nn.Module]]) -> None:
+    """Raise :class:`NondeterministicPrefixError` naming what to fix if the prefix cannot be cached."""
+    reasons = nondeterministic_reasons(modules)
+    if reasons:
+        listed = "; ".join(reasons[:5]) + (f"; and {len(reasons) - 5} more" if len(reasons) > 5 else "")
+        raise NondeterministicPrefixError(
+            f"The frozen prefix is not deterministic, so its activations cannot be cached: {listed}. "
+            "Put frozen modules in eval mode and set requires_grad_(False) (AutoFreeze does both), "
+            "or turn the cache off (cache=False)."
+        )
