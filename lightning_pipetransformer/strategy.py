@@ -35,10 +35,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from .core.costs import parameter_costs
+from .core.costs import parameter_costs, parameter_count
 from .core.discovery import BlockStack
 from .core.pipeline import Pipeline, install_pipeline, remove_pipeline
 from .core.planner import AutoPipe, Plan
+from .auto_chunks import ChunkTuner
 from .module_stack import block_stack_of
 
 __all__ = ["PipeTransformerStrategy"]
@@ -105,6 +106,7 @@ class PipeTransformerStrategy(DDPStrategy):
         self._plan: Plan | None = None
         self._pipeline: Pipeline | None = None
         self._restored: dict[str, Any] | None = None
+        self._auto_chunks: dict[int, int] = {}  # chunks="auto": the measured M per pipe length
 
     # ------------------------------------------------------------------ what users read
 
@@ -140,8 +142,8 @@ class PipeTransformerStrategy(DDPStrategy):
         else:
             self.stack = block_stack_of(module, self.layers)
         self.planner = self._make_planner()
-        if self._restored is not None and "planner" in self._restored:
-            self.planner.load_state_dict({**self._restored["planner"], "pipe_len": self.pipe_len, "num_frozen": 0})
+        if self._restored is not None:
+            self._auto_chunks = {int(k): int(m) for k, m in self._restored.get("auto_chunks", {}).items()}
         num_frozen = autofreeze.num_frozen if autofreeze is not None else 0
         # DDPStrategy.setup: accelerator, precision, model_to_device, DDP (only if > 1 process:
         # see configure_ddp), optimizers, then all optimizer state to the root device.
@@ -169,8 +171,6 @@ class PipeTransformerStrategy(DDPStrategy):
                 f"pipe_len={self.pipe_len} is more stages than the {len(costs)} blocks of '{self.stack.path}': "
                 f"use pipe_len <= {len(costs)}."
             )
-        if self.chunks == "auto":
-            raise NotImplementedError("chunks='auto' is not supported yet: pass an int.")
         # With one process the K stages are virtual (all on this process's device), so plan as if
         # the node had K devices; with several processes each one is a pipeline of its own.
         per_node = self.pipe_len if self.num_processes == 1 else self.num_processes
@@ -180,7 +180,10 @@ class PipeTransformerStrategy(DDPStrategy):
             num_nodes=self.num_nodes,
             pipe_len=self.pipe_len,
             frozen_cost=self.frozen_cost,
-            chunks=self.chunks,
+            # "auto" is measured on the first real batch of each K (see ChunkTuner); plan with 1.
+            chunks=1 if self.chunks == "auto" else self.chunks,
+            pre_cost=float(sum(parameter_count(m) for _, m in self.stack.pre)),
+            post_cost=float(sum(parameter_count(m) for _, m in self.stack.post)),
             node_devices=[str(self.root_device)] * per_node if self.num_processes == 1 else [str(d) for d in self.parallel_devices],
         )
 
@@ -229,16 +232,28 @@ class PipeTransformerStrategy(DDPStrategy):
         if self.num_processes == 1:
             # One process cannot add data-parallel replicas: keep its single pipeline.
             plan = dataclasses.replace(plan, devices=plan.devices[:1], active_ranks=(self.global_rank,))
+        tune = self.chunks == "auto" and plan.pipe_len not in self._auto_chunks
+        if self.chunks == "auto" and not tune:
+            plan = dataclasses.replace(plan, chunks=self._auto_chunks[plan.pipe_len])
         self._plan = plan
         remove_pipeline(self.stack.container)
         devices = self.stage_devices
         pipeline = Pipeline(self.stack.blocks, plan.partition, devices, chunks=plan.chunks, num_frozen=plan.num_frozen)
         pipeline.place()
         self._pipeline = pipeline
-        if plan.pipe_len > 1 or plan.chunks > 1:
-            install_pipeline(self.stack.container, _ReturnTo(pipeline, devices[0]))  # type: ignore[arg-type]
+        runner: Any = pipeline
+        if tune:
+            runner = ChunkTuner(self.stack.blocks, plan.partition, devices, plan.num_frozen, self._chunks_measured)
+        if tune or plan.pipe_len > 1 or plan.chunks > 1:
+            install_pipeline(self.stack.container, _ReturnTo(runner, devices[0]))  # type: ignore[arg-type]
         if announce:
             self._log_plan(plan)
+
+    def _chunks_measured(self, pipe_len: int, chunks: int) -> None:
+        self._auto_chunks[pipe_len] = chunks
+        if self._plan is not None and self._plan.pipe_len == pipe_len:
+            self._plan = dataclasses.replace(self._plan, chunks=chunks)
+        rank_zero_info(f"PipeTransformer: chunks='auto' measured M={chunks} for pipe length {pipe_len}.")
 
     def _log_plan(self, plan: Plan) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -272,7 +287,7 @@ class PipeTransformerStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if self.planner is not None:
             checkpoint[_CHECKPOINT_KEY] = {
-                "planner": self.planner.state_dict(),
+                "auto_chunks": {str(k): m for k, m in self._auto_chunks.items()},
                 "plan": self._plan.to_dict() if self._plan is not None else None,
             }
         super().save_checkpoint(checkpoint, filepath, storage_options)
@@ -305,7 +320,7 @@ class PipeTransformerStrategy(DDPStrategy):
 class _ReturnTo:
     """Calls the pipeline and hands its output back to the first stage's device."""
 
-    def __init__(self, pipeline: Pipeline, device: torch.device) -> None:
+    def __init__(self, pipeline: Any, device: torch.device) -> None:
         self.pipeline = pipeline
         self.device = device
         # install_pipeline checks these against the container's children.

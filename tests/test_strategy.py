@@ -192,3 +192,23 @@ def test_no_block_stack_fails_before_training():
     with pytest.raises(BlockStackError, match="layers="):
         trainer_for(PipeTransformerStrategy(pipe_len=2), [Steps()]).fit(Flat(), data_for("bert"))
     assert Steps.count == 0
+
+
+def test_auto_chunks_measures_once_per_pipe_len_and_keeps_results_exact():
+    module, trainer = fit("bert", PipeTransformerStrategy(pipe_len=4, chunks="auto"), schedule={1: 3})
+    strategy = trainer.strategy
+    # Pipe length 4 then 2 (3 of 4 blocks frozen): one measurement each, M within K..6K and <= batch 8.
+    assert sorted(strategy._auto_chunks) == [2, 4]
+    assert 4 <= strategy._auto_chunks[4] <= 8 and 2 <= strategy._auto_chunks[2] <= 8
+    assert strategy.plan.chunks == strategy._auto_chunks[2]
+    assert_close_state(module.state_dict(), reference_with({1: 3}))
+
+
+_reference_with: dict = {}
+
+
+def reference_with(schedule):
+    key = tuple(sorted(schedule.items()))
+    if key not in _reference_with:
+        _reference_with[key] = fit("bert", "auto", schedule=schedule)[0].state_dict()
+    return _reference_with[key]

@@ -1,0 +1,82 @@
+"""``chunks="auto"``: choose the micro-batch count M for a pipe length K by timing real batches.
+
+The paper profiled M over K..6K for every K. The best M depends on the device, the batch shape
+and the partition, so it is measured rather than guessed: at the first forward through a pipeline
+of a new length, every candidate M (up to the batch size) runs a forward and backward of the
+stack on that very batch, and the fastest one wins. Gradients of the timing runs go through
+``torch.autograd.grad`` and are thrown away, so ``.grad`` stays untouched; the hidden state is
+detached, so nothing before the stack is run backward. The choice is cached per K (and saved in
+checkpoints by the strategy), so each K pays once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .core.pipeline import Pipeline, hidden_of
+from .core.planner import chunk_candidates
+
+__all__ = ["ChunkTuner"]
+
+_REPEATS = 2
+
+
+class ChunkTuner:
+    """Measures the fastest M for a pipeline on its first call, then behaves like that pipeline.
+
+    ``on_choice(pipe_len, chunks)`` is called once with the winner, so the owner can record it.
+    """
+
+    def __init__(
+        self,
+        blocks: Sequence[nn.Module],
+        balance: Sequence[int],
+        devices: Sequence[torch.device],
+        num_frozen: int,
+        on_choice: Callable[[int, int], None],
+    ) -> None:
+        self.blocks = tuple(blocks)
+        self.balance = tuple(balance)
+        self.devices = tuple(devices)
+        self.num_frozen = num_frozen
+        self.on_choice = on_choice
+        self.pipeline: Pipeline | None = None
+
+    def __call__(self, hidden: Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            self.pipeline = self._tune(hidden, args, kwargs)
+        return self.pipeline(hidden, *args, **kwargs)
+
+    def _pipeline(self, chunks: int) -> Pipeline:
+        return Pipeline(self.blocks, self.balance, self.devices, chunks=chunks, num_frozen=self.num_frozen)
+
+    def _tune(self, hidden: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Pipeline:
+        k = len(self.balance)
+        candidates = [m for m in chunk_candidates(k) if m <= hidden.shape[0]] or [1]
+        params = [p for b in self.blocks for p in b.parameters() if p.requires_grad]
+        timings: dict[int, float] = {}
+        probe = hidden.detach()
+        for m in candidates:
+            pipeline = self._pipeline(m)
+            best = float("inf")
+            for _ in range(_REPEATS):
+                start = time.perf_counter()
+                out = hidden_of(pipeline(probe, *args, **kwargs))
+                if torch.is_grad_enabled() and params and out.requires_grad:
+                    torch.autograd.grad(out.float().sum(), params, allow_unused=True)
+                _synchronize(self.devices)
+                best = min(best, time.perf_counter() - start)
+            timings[m] = best
+        chosen = min(timings, key=timings.__getitem__)  # ties: the smaller M
+        self.on_choice(k, chosen)
+        return self._pipeline(chosen)
+
+
+def _synchronize(devices: Sequence[torch.device]) -> None:
+    for device in {d for d in devices if d.type == "cuda"}:
+        torch.cuda.synchronize(device)
