@@ -125,7 +125,9 @@ def test_boundary_advance_equals_activations_from_scratch(tmp_path):
     src = cached.store
     apply_freeze(stack, 3, include_pre=True)
     dst = _store(stack, 3, tmp_path, budget=0)
+    assert src.stats().entries_in_memory == 8
     assert advance_store(src, dst, _run_blocks(stack.blocks[1:3]), batch_size=4) == 17
+    assert src.stats().entries_in_memory == 0  # released as they were advanced
     assert advance_store(src, dst, _run_blocks(stack.blocks[1:3])) == 0  # idempotent
     for ids, mask in batches:
         captured: dict[str, torch.Tensor] = {}

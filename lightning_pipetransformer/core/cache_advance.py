@@ -192,7 +192,9 @@ def advance_store(
             entries with ``shard_of(key, world) == rank`` plus the entries only it holds in
             memory. Then (after a barrier) one process may ``src.clear(disk=True)``.
 
-    Entries already in ``dst`` are skipped, so an interrupted advance can simply be rerun.
+    Advanced entries leave ``src``'s memory (their files stay until ``src.clear(disk=True)``), so
+    with equal budgets the two stores together hold about one budget. Entries already in ``dst``
+    are skipped, so an interrupted advance can simply be rerun.
     Entries stored without block inputs cannot be advanced: ``ValueError``.
     """
     if dst.boundary <= src.boundary:
@@ -219,6 +221,9 @@ def advance_store(
             out = run(hidden, *args, **kwargs)
         out = out if isinstance(out, Tensor) else hidden_of(out)
         dst.store(keys, out, extras)
+        # The old entries are done: free their memory so src + dst stay within about one budget
+        # (plus one group) instead of two.
+        src.discard(keys)
         advanced += len(keys)
 
     for key in todo:

@@ -319,6 +319,13 @@ class ActivationStore:
             pass
         return list(found)
 
+    def discard(self, keys: Sequence[str]) -> None:
+        """Drop ``keys`` from memory (their disk files stay): frees the budget while advancing."""
+        for key in keys:
+            entry = self._mem.pop(key, None)
+            if entry is not None:
+                self._mem_bytes -= entry.nbytes
+
     def in_memory(self, key: str) -> bool:
         return key in self._mem
 
