@@ -254,6 +254,7 @@ def write_plot(rows: list[EpochRecord], path: Path, metric_name: str = "val/acc"
     points = [(r.total_s, r.metric) for r in rows if r.metric is not None]
     if points:
         ax_metric.plot([0.0] + [t for t, _ in points], [float("nan")] + [m for _, m in points], marker="o")
+    ax_metric.set_xlim(left=0)
     ax_metric.set_xlabel("training wall time (s)")
     ax_metric.set_ylabel(metric_name)
     ax_metric.set_title(f"{metric_name} over time")

@@ -115,14 +115,23 @@ def test_datamodule_batches_and_module_logits(tiny_assets: tuple[Path, Path]) ->
     assert logits.shape == (8, 2)
 
 
-def test_cli_fit_with_autofreeze_and_timeline(tiny_assets: tuple[Path, Path], tmp_path: Path) -> None:
-    """The shipped YAML, with its paths pointed at the tiny assets, runs `fit` end to end."""
+@pytest.mark.parametrize("strategy", ["auto", "pipetransformer"])
+def test_cli_fit_with_autofreeze_and_timeline(tiny_assets: tuple[Path, Path], tmp_path: Path, strategy: str) -> None:
+    """The shipped YAML, with its paths pointed at the tiny assets, runs `fit` end to end; switching
+    to PipeTransformer is the one line ``trainer.strategy: pipetransformer``."""
+    if strategy == "pipetransformer":
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        import lightning_pipetransformer  # noqa: F401  (registers the strategy if it exists)
+
+        if "pipetransformer" not in StrategyRegistry:
+            pytest.skip("strategy='pipetransformer' is not registered yet")
     model_dir, corpus = tiny_assets
     config = yaml.safe_load((EXAMPLES / "configs" / "text_minilm.yaml").read_text())
     config["model"]["pretrained"] = str(model_dir)
     config["data"].update(csv_path=str(corpus), train_size=32, val_size=16, val_fraction=0.3, max_length=16, batch_size=8)
     trainer = config["trainer"]
-    trainer.update(max_epochs=3, default_root_dir=str(tmp_path / "out"), enable_progress_bar=False, enable_model_summary=False)
+    trainer.update(strategy=strategy, max_epochs=3, default_root_dir=str(tmp_path / "out"), enable_progress_bar=False, enable_model_summary=False)
     trainer["logger"]["init_args"]["save_dir"] = str(tmp_path / "out")
     timeline = next(cb for cb in trainer["callbacks"] if cb["class_path"].endswith("Timeline"))
     timeline["init_args"].update(plot_path=str(tmp_path / "timeline.png"), json_path=str(tmp_path / "timeline.json"))
@@ -141,7 +150,10 @@ def test_cli_fit_with_autofreeze_and_timeline(tiny_assets: tuple[Path, Path], tm
     assert [r["epoch"] for r in rows] == [0, 1, 2]
     frozen = [int(r["frozen"].split("/")[0]) for r in rows]
     assert frozen[0] == 0 and frozen == sorted(frozen) and rows[0]["frozen"].endswith("/3")
-    assert all(r["pipe_len"] == "-" for r in rows)  # default strategy: no plan
+    if strategy == "auto":
+        assert all(r["pipe_len"] == "-" and r["replicas"] == "-" for r in rows)  # no plan to read
+    else:
+        assert all(r["pipe_len"].isdigit() and r["replicas"] == "1" for r in rows)
     assert all(r["metric"] is not None and 0.0 <= r["metric"] <= 1.0 for r in rows)
     assert (tmp_path / "timeline.png").stat().st_size > 1000
     assert not (tmp_path / "no-assets").exists()
