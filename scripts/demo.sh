@@ -10,11 +10,7 @@ cd "$(dirname "$0")/.."
 start=$(date +%s)
 
 bash scripts/setup.sh
-PY=.venv/bin/python
-# LightningCLI needs jsonargparse (lightning's "pytorch-extra"); install it if it is missing.
-if ! "$PY" -c "import jsonargparse, docstring_parser" 2>/dev/null; then
-    "$PY" -m pip install -q "jsonargparse[signatures]>=4.39,<5"
-fi
+PY=.venv/bin/python  # setup.sh installs the dev extras: LightningCLI's jsonargparse, matplotlib
 "$PY" examples/assets.py fetch
 
 "$PY" examples/text_classification.py fit --config examples/configs/text_minilm.yaml \
