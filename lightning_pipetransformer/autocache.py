@@ -1,0 +1,270 @@
+"""AutoCache in the loop: serve the frozen prefix's output from the activation store.
+
+The strategy installs a :class:`CachedStack` in place of the block stack (the same way it
+installs the pipeline: the model's own loop calls it once). For every batch it
+
+1. computes one content key per sample from what enters the frozen prefix: the inputs of the
+   first module before the stack (the embeddings' ``input_ids``/``pixel_values``, recorded by a
+   forward pre-hook, so hashing costs next to nothing) plus the per-sample arguments the blocks
+   receive (attention masks). Without a module before the stack the hidden state itself is
+   hashed. A key therefore names the exact input of the frozen computation: a random
+   augmentation or masking done in ``training_step`` just misses, it never hits a stale entry;
+2. looks the keys up in the store of the current boundary (whose directory name carries a
+   fingerprint of the frozen weights, so another model or boundary can never be returned);
+3. runs the frozen blocks, under ``no_grad``, only for the misses and stores their outputs;
+4. runs the active blocks (the pipeline over ``blocks[F:]``) on the merged boundary activations.
+
+The embeddings still run on every batch in this version (about a tenth of a block for BERT).
+
+Two safety nets, both cheap: the first batch with hits at each boundary is also recomputed
+and compared with what the store returned (a mismatch raises: something outside the frozen
+prefix feeds it and caching cannot be exact); and ``cache="auto"`` keeps the cache only while
+a lookup per sample is measured faster than the frozen prefix per sample on this device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from .core.cache_advance import advance_store, cached_prefix, pack_block_inputs, select_rows
+from .core.cache_keys import content_keys
+from .core.cache_store import ActivationStore, CacheStats
+from .core.cache_validity import check_deterministic, prefix_fingerprint, prefix_modules
+from .core.discovery import BlockStack
+from .core.pipeline import hidden_of
+
+__all__ = ["AutoCache", "CachedStack", "StaleCacheError"]
+
+CacheMode = bool | Literal["auto"]
+
+
+class StaleCacheError(RuntimeError):
+    """A cached activation differs from the recomputed one: caching cannot be exact for this model."""
+
+
+def run_blocks(blocks: Sequence[nn.Module]) -> Callable[..., Tensor]:
+    """``run(hidden, *args, **kwargs)`` = the encoder loop over ``blocks``."""
+
+    def run(hidden: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        for block in blocks:
+            hidden = hidden_of(block(hidden, *args, **kwargs))
+        return hidden
+
+    return run
+
+
+class _InputRecorder:
+    """A forward pre-hook on the first module before the stack: remembers its inputs for keying."""
+
+    def __init__(self) -> None:
+        self.pending: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.pending = (args, kwargs)
+
+    def take(self) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        pending, self.pending = self.pending, None
+        return pending
+
+
+class CachedStack:
+    """Installed in place of the stack: frozen prefix from the store, active blocks by ``active``."""
+
+    def __init__(self, cache: AutoCache, blocks: Sequence[nn.Module], num_frozen: int, active: Callable[..., Any]) -> None:
+        self.cache = cache
+        self.blocks = tuple(blocks)  # install_pipeline checks these against the container
+        self.num_frozen = num_frozen
+        self.active = active
+        self._prefix = run_blocks(self.blocks[:num_frozen])
+
+    def __call__(self, hidden: Tensor, *args: Any, **kwargs: Any) -> Any:
+        cache = self.cache
+        store = cache.store
+        if store is None or not cache.enabled:
+            return self.active(self._prefix_plain(hidden, args, kwargs), *args, **kwargs)
+        batch = hidden.shape[0]
+        keys = cache.keys_for(hidden, args, kwargs)
+        if keys is None:
+            return self.active(self._prefix_plain(hidden, args, kwargs), *args, **kwargs)
+        timing: dict[str, float] = {}
+
+        def compute(miss: Tensor) -> Tensor:
+            h, a, k = select_rows((hidden, args, kwargs), miss, batch)
+            start = time.perf_counter()
+            with torch.no_grad():
+                out = self._prefix(h, *a, **k)
+            timing["compute"] = (time.perf_counter() - start) / max(1, h.shape[0])
+            return out
+
+        start = time.perf_counter()
+        boundary, hit_mask = cached_prefix(
+            store, keys, compute, extras=pack_block_inputs(args, kwargs, batch),
+            sample_shape=hidden.shape[1:], dtype=hidden.dtype, device=hidden.device,
+        )
+        total = time.perf_counter() - start
+        if "compute" in timing:
+            cache.compute_time = timing["compute"]
+        if bool(hit_mask.any()):
+            cache.after_hits(hidden, args, kwargs, hit_mask, boundary, self._prefix, total, batch)
+        return self.active(boundary, *args, **kwargs)
+
+    def _prefix_plain(self, hidden: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+        if self.num_frozen == 0:
+            return hidden
+        with torch.no_grad():
+            return self._prefix(hidden, *args, **kwargs)
+
+
+class AutoCache:
+    """The cache of one process: settings, the store of the current boundary, and its decisions.
+
+    Args:
+        mode: ``True`` caches whenever blocks are frozen; ``"auto"`` only while a lookup is
+            measured faster than the frozen prefix; ``False`` never.
+        cache_dir: node-local directory shared by the node's processes.
+        memory_budget: host bytes for entries in memory; the rest spills to ``cache_dir``.
+        storage_dtype: ``None`` (exact) or ``torch.bfloat16``/``torch.float16`` (lossy, opt-in).
+        write_through: also write in-memory entries to disk (several processes per node).
+    """
+
+    def __init__(
+        self,
+        mode: CacheMode,
+        cache_dir: str,
+        memory_budget: int,
+        storage_dtype: torch.dtype | None = None,
+        write_through: bool = False,
+    ) -> None:
+        self.mode = mode
+        self.cache_dir = cache_dir
+        self.memory_budget = memory_budget
+        self.storage_dtype = storage_dtype
+        self.write_through = write_through
+        self.store: ActivationStore | None = None
+        self.enabled = bool(mode)
+        self.compute_time: float | None = None  # seconds per sample through the frozen prefix
+        self._verified = False
+        self._recorder = _InputRecorder()
+        self._hook: Any = None
+        self._stats_total = CacheStats()
+
+    # ------------------------------------------------------------------ wiring
+
+    def attach(self, stack: BlockStack) -> None:
+        """Record the inputs of the first module before the stack (cheap keys)."""
+        self.detach()
+        if stack.pre:
+            self._hook = stack.pre[0][1].register_forward_pre_hook(self._recorder, with_kwargs=True)
+
+    def detach(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def keys_for(self, hidden: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str] | None:
+        """Content keys of what enters the frozen prefix, or ``None`` when they cannot be exact."""
+        batch = hidden.shape[0]
+        pending = self._recorder.take()
+        first = _first_batch_tensor(pending) if pending is not None else None
+        source: Any = pending if first is not None and first.shape[0] == batch else hidden
+        try:
+            return content_keys(source, args, kwargs, batch_size=batch)
+        except TypeError:
+            return None  # an argument we cannot hash reliably: compute, never guess
+
+    # ------------------------------------------------------------------ boundaries
+
+    def move_boundary(self, stack: BlockStack, num_frozen: int, include_pre: bool, device: torch.device, shard: tuple[int, int]) -> None:
+        """Open the store for boundary ``num_frozen``, advancing the previous one's entries."""
+        previous = self.store
+        if num_frozen == 0 or not self.mode:
+            self.store = None
+            return
+        modules = prefix_modules(stack, num_frozen, include_pre)
+        try:
+            check_deterministic(modules)
+        except Exception as err:
+            if self.mode is True:
+                raise
+            self.enabled, self.store = False, None
+            _warn(f"AutoCache turned off: {err}")
+            return
+        self.store = ActivationStore(
+            self.cache_dir, prefix_fingerprint(stack, num_frozen, include_pre), num_frozen, self.memory_budget,
+            storage_dtype=self.storage_dtype, write_through=self.write_through,
+        )
+        self._verified = False
+        if self.mode == "auto":
+            self.enabled = True  # measured again at this boundary
+        if previous is not None and previous.boundary < num_frozen:
+            with torch.no_grad():
+                advance_store(
+                    previous, self.store, run_blocks(stack.blocks[previous.boundary : num_frozen]),
+                    device=device, shard=shard,
+                )
+            if shard[0] == 0:
+                previous.clear(disk=True)
+            else:
+                previous.clear()
+
+    # ------------------------------------------------------------------ checks and decisions
+
+    def after_hits(
+        self, hidden: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any], hit_mask: Tensor, boundary: Tensor,
+        prefix: Callable[..., Tensor], total: float, batch: int,
+    ) -> None:
+        """Verify the first hits at a boundary; under ``"auto"`` keep the cache only if it pays."""
+        if not self._verified:
+            self._verified = True
+            rows = hit_mask.to(hidden.device)
+            h, a, k = select_rows((hidden, args, kwargs), hit_mask, batch)
+            with torch.no_grad():
+                fresh = prefix(h, *a, **k)
+            cached = boundary[rows]
+            if not torch.allclose(fresh.float(), cached.float(), rtol=1e-3, atol=1e-4):
+                raise StaleCacheError(
+                    "AutoCache returned an activation that differs from recomputing the frozen prefix: something "
+                    "other than the embeddings' inputs and the blocks' arguments feeds the frozen blocks (a trainable "
+                    "module before the stack, or randomness in the forward). Turn caching off (cache=False)."
+                )
+        if self.mode == "auto" and hit_mask.all() and self.compute_time is not None:
+            lookup_per_sample = total / batch
+            if lookup_per_sample >= self.compute_time:
+                self.enabled = False
+                _warn(
+                    f"AutoCache turned off at boundary {self.store.boundary if self.store else '?'}: a lookup takes "
+                    f"{lookup_per_sample * 1e3:.2f} ms per sample, the frozen prefix {self.compute_time * 1e3:.2f} ms."
+                )
+
+    def stats(self) -> dict[str, float]:
+        """Hits, misses and bytes of the current store, for the logger."""
+        if self.store is None:
+            return {"autocache/enabled": 0.0}
+        metrics = self.store.stats().as_metrics("autocache/")
+        metrics["autocache/enabled"] = float(self.enabled)
+        metrics["autocache/boundary"] = float(self.store.boundary)
+        return metrics
+
+
+def _first_batch_tensor(value: Any) -> Tensor | None:
+    if isinstance(value, Tensor):
+        return value if value.dim() > 0 else None
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            found = _first_batch_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _warn(message: str) -> None:
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    rank_zero_warn(message)

@@ -1,0 +1,112 @@
+"""AutoCache installed in a model's loop: outputs and gradients equal the uncached model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_pipetransformer.autocache import AutoCache, CachedStack, StaleCacheError, run_blocks
+from lightning_pipetransformer.core.discovery import find_block_stack
+from lightning_pipetransformer.core.freezing import apply_freeze
+from lightning_pipetransformer.core.pipeline import install_pipeline, remove_pipeline
+from models import SEQ, VOCAB, tiny_bert
+
+
+def batch(seed, n=6):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    mask = torch.ones_like(ids)
+    mask[::2, -3:] = 0
+    return ids, mask
+
+
+def grads_and_logits(model, ids, mask):
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    logits.square().sum().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def install(model, cache, num_frozen):
+    stack = find_block_stack(model)
+    apply_freeze(stack, num_frozen, include_pre=True)
+    cache.attach(stack)
+    cache.move_boundary(stack, num_frozen, True, torch.device("cpu"), (0, 1))
+    runner = CachedStack(cache, stack.blocks, num_frozen, run_blocks(stack.blocks[num_frozen:]))
+    install_pipeline(stack.container, runner)  # type: ignore[arg-type]
+    return stack, runner
+
+
+@pytest.mark.parametrize("budget", [10**7, 0])  # in memory, and all on disk
+def test_cached_equals_uncached_over_epochs_and_boundary_moves(tmp_path, budget):
+    torch.manual_seed(0)
+    plain, cached = tiny_bert(4), tiny_bert(4)
+    cached.load_state_dict(plain.state_dict())
+    apply_freeze(find_block_stack(plain), 1, include_pre=True)
+    cache = AutoCache(True, str(tmp_path), budget)
+    stack, _ = install(cached, cache, 1)
+    batches = [batch(0), batch(1), batch(0), batch(1)]  # epoch 1, then epoch 2 hits
+    for ids, mask in batches:
+        expected = grads_and_logits(plain, ids, mask)
+        actual = grads_and_logits(cached, ids, mask)
+        torch.testing.assert_close(actual[0], expected[0], rtol=1e-5, atol=1e-6)
+        assert actual[1].keys() == expected[1].keys()
+        for name in expected[1]:
+            torch.testing.assert_close(actual[1][name], expected[1][name], rtol=1e-5, atol=1e-6, msg=name)
+    assert cache.store.stats().hits == 12 and cache.store.stats().misses == 12
+
+    # Move the boundary 1 -> 3: entries are advanced, not recomputed from the input.
+    apply_freeze(find_block_stack(plain), 3, include_pre=True)
+    remove_pipeline(stack.container)
+    _, runner = install(cached, cache, 3)
+    computed = []
+    original = runner._prefix
+    runner._prefix = lambda *a, **k: computed.append(a[0].shape[0]) or original(*a, **k)
+    ids, mask = batch(0)
+    expected = grads_and_logits(plain, ids, mask)
+    actual = grads_and_logits(cached, ids, mask)
+    torch.testing.assert_close(actual[0], expected[0], rtol=1e-5, atol=1e-6)
+    # All 6 hit; the only prefix run is the one-off verification of the first hits.
+    assert cache.store.stats().hits == 6 and computed == [6]
+
+
+def test_input_changed_in_forward_misses(tmp_path):
+    torch.manual_seed(0)
+    model = tiny_bert(3)
+    cache = AutoCache(True, str(tmp_path), 10**7)
+    install(model, cache, 2)
+    ids, mask = batch(0)
+    model(input_ids=ids, attention_mask=mask)
+    other = ids.clone()
+    other[0, 0] = (other[0, 0] + 1) % VOCAB  # one token differs: that row misses
+    model(input_ids=other, attention_mask=mask)
+    stats = cache.store.stats()
+    assert stats.hits == 5 and stats.misses == 7
+
+
+def test_stale_source_is_detected(tmp_path):
+    """Something outside the frozen prefix changes its input: the verification catches it."""
+    torch.manual_seed(0)
+    model = tiny_bert(3)
+    cache = AutoCache(True, str(tmp_path), 10**7)
+    install(model, cache, 2)
+    ids, mask = batch(0)
+    model(input_ids=ids, attention_mask=mask)
+    with torch.no_grad():  # an embedding moved behind the cache's back (not a uniform shift: LayerNorm hides that)
+        model.bert.embeddings.word_embeddings.weight.add_(torch.randn_like(model.bert.embeddings.word_embeddings.weight))
+    with pytest.raises(StaleCacheError):
+        model(input_ids=ids, attention_mask=mask)
+
+
+def test_dropout_in_frozen_prefix_is_refused_or_turns_cache_off(tmp_path):
+    torch.manual_seed(0)
+    model = tiny_bert(3, dropout=0.1)
+    stack = find_block_stack(model)
+    apply_freeze(stack, 2, include_pre=True)
+    stack.blocks[0].train()  # left in train mode: not deterministic
+    with pytest.raises(Exception, match="(?i)dropout|determin"):
+        AutoCache(True, str(tmp_path), 10**7).move_boundary(stack, 2, True, torch.device("cpu"), (0, 1))
+    auto = AutoCache("auto", str(tmp_path), 10**7)
+    with pytest.warns(UserWarning, match="turned off"):
+        auto.move_boundary(stack, 2, True, torch.device("cpu"), (0, 1))
+    assert auto.store is None and not auto.enabled
