@@ -268,3 +268,40 @@ def _warn(message: str) -> None:
     from lightning.pytorch.utilities import rank_zero_warn
 
     rank_zero_warn(message)
+
+
+def active_balance(partition: Sequence[int], num_frozen: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The partition of the active blocks once the frozen prefix is served from the cache.
+
+    Returns ``(balance, stage_indices)``: stages left empty by removing the first ``num_frozen``
+    blocks are dropped (their devices idle while the cache serves the prefix), and
+    ``stage_indices`` says which original stages (hence devices) the remaining ones are.
+    """
+    balance: list[int] = []
+    stages: list[int] = []
+    left = num_frozen
+    for index, size in enumerate(partition):
+        take = min(left, size)
+        left -= take
+        if size - take > 0:
+            balance.append(size - take)
+            stages.append(index)
+    return tuple(balance), tuple(stages)
+
+
+def probe_cache_dir(cache_dir: str) -> None:
+    """Fail before training if ``cache_dir`` cannot hold cache files (checked by writing, as root ignores modes)."""
+    import os
+    import tempfile
+
+    from .core.cache_store import CacheConfigError
+
+    try:
+        os.makedirs(cache_dir, mode=0o700, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=cache_dir, prefix=".probe-"):
+            pass
+    except OSError as err:
+        raise CacheConfigError(
+            f"cache_dir={cache_dir!r} is not a writable directory ({err}). Pass a writable, node-local "
+            "cache_dir, or cache=False."
+        ) from None

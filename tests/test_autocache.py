@@ -110,3 +110,22 @@ def test_dropout_in_frozen_prefix_is_refused_or_turns_cache_off(tmp_path):
     with pytest.warns(UserWarning, match="turned off"):
         auto.move_boundary(stack, 2, True, torch.device("cpu"), (0, 1))
     assert auto.store is None and not auto.enabled
+
+
+def test_active_balance_drops_emptied_stages():
+    from lightning_pipetransformer.autocache import active_balance
+
+    assert active_balance((3, 1), 3) == ((1,), (1,))
+    assert active_balance((2, 2, 2), 3) == ((1, 2), (1, 2))
+    assert active_balance((4,), 0) == ((4,), (0,))
+
+
+def test_unwritable_cache_dir_is_a_clear_error(tmp_path):
+    from lightning_pipetransformer.autocache import probe_cache_dir
+    from lightning_pipetransformer.core.cache_store import CacheConfigError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(CacheConfigError, match="cache_dir"):
+        probe_cache_dir(str(blocker / "cache"))
+    probe_cache_dir(str(tmp_path / "ok"))
