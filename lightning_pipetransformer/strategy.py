@@ -10,10 +10,12 @@ epoch, and the strategy re-plans: the pipeline shrinks when the compression rule
 
 Process layout. Lightning starts one process per device. With ``devices=1`` the one process
 drives all K stages on its device ("virtual stages": the CPU, or streams of one GPU), which is
-how everything is tested on CPU. With ``devices=G > 1`` every process is a data-parallel
-replica of a pipeline of length 1 (DDP around the frozen-aware module). Pipelines of length
-K > 1 across several processes, where idle processes join as K shrinks, are AutoDP (issue #5)
-and are refused with a clear error until they land.
+how everything is tested on CPU. With ``devices=G > 1`` (AutoDP) local rank ``r < G/K`` drives
+a pipeline replica over devices ``[r*K, (r+1)*K)`` and the other processes are shadow ranks that
+follow the loop without model work; as K shrinks they become replicas (see
+:mod:`~lightning_pipetransformer.elastic` and :meth:`PipeTransformerStrategy._transition`).
+Several processes with ``pipe_len > 1`` run on CPU only for now (GPU placement of the replicas'
+first stage is not done yet and is refused).
 
 Everything outside the stack (embeddings, head, loss, metrics) stays on the first stage's
 device, and the pipeline's output is handed back there, so ``training_step`` needs no change.
@@ -27,13 +29,19 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
+
+from . import elastic
 
 from .core.costs import parameter_costs, parameter_count
 from .core.discovery import BlockStack
@@ -51,8 +59,9 @@ class PipeTransformerStrategy(DDPStrategy):
     """Pipeline-parallel training of a Transformer's block stack, repartitioned as blocks freeze.
 
     Args:
-        pipe_len: initial pipeline length K0 (stages per replica). Default: 1 with several
-            processes, else 1 as well; set it to pipeline over virtual stages with ``devices=1``.
+        pipe_len: initial pipeline length K0 (stages per replica), default 1. With ``devices=1``
+            the K stages are virtual (all on the one device); with ``devices=G`` K must divide G,
+            and G/K processes per node start as replicas while the others wait (AutoDP).
         chunks: micro-batches per mini-batch M, an int (default 1) or ``"auto"`` (measured at
             the first batch of every new pipe length over K..6K, as the paper did).
         frozen_cost: weight of a frozen block relative to an active one when partitioning
@@ -62,6 +71,13 @@ class PipeTransformerStrategy(DDPStrategy):
             else automatic discovery.
         process_group_backend: ``"nccl"``/``"gloo"``; default by device type.
         timeout: seconds before a collective gives up (a dead rank ends the run, not hangs it).
+            Every process group the strategy makes (the active group at each transition) gets it.
+        batch_policy: with several processes, what stays fixed as replicas are added.
+            ``"replica"`` (default, the paper's): each replica keeps the DataLoader's batch size,
+            so the global batch grows with the replicas (more samples per step, fewer steps per
+            epoch). ``"global"``: the DataLoader's batch size is the global batch; each of R
+            replicas gets ``batch_size / R`` (it must divide by the number of processes), so
+            training is the same optimisation as on one device, only faster.
     """
 
     strategy_name = "pipetransformer"
@@ -74,6 +90,7 @@ class PipeTransformerStrategy(DDPStrategy):
         layers: str | None = None,
         process_group_backend: str | None = None,
         timeout: float = 1800.0,
+        batch_policy: Literal["replica", "global"] = "replica",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -88,6 +105,8 @@ class PipeTransformerStrategy(DDPStrategy):
             raise ValueError(f"frozen_cost must be in [0, 1] (paper: 1/6), got {frozen_cost!r}.")
         if not float(timeout) > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+        if batch_policy not in ("replica", "global"):
+            raise ValueError(f"batch_policy must be 'replica' or 'global', got {batch_policy!r}.")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -101,12 +120,19 @@ class PipeTransformerStrategy(DDPStrategy):
         self.chunks = chunks
         self.frozen_cost = float(frozen_cost)
         self.layers = layers
+        self.batch_policy = batch_policy
         self.stack: BlockStack | None = None
         self.planner: AutoPipe | None = None
         self._plan: Plan | None = None
         self._pipeline: Pipeline | None = None
         self._restored: dict[str, Any] | None = None
         self._auto_chunks: dict[int, int] = {}  # chunks="auto": the measured M per pipe length
+        # AutoDP (several processes): the static control group over all ranks and the group of
+        # the ranks that drive a replica under the current plan (rebuilt at each transition).
+        self._control_group: Any = None
+        self._active_group: Any = None
+        self._ddp_init_sync = True
+        self.last_transition: dict[str, float] = {}
 
     # ------------------------------------------------------------------ what users read
 
@@ -117,12 +143,32 @@ class PipeTransformerStrategy(DDPStrategy):
 
     @property
     def stage_devices(self) -> tuple[torch.device, ...]:
-        """The devices this process's pipeline stages run on."""
+        """The devices this process's pipeline stages run on (none on a shadow rank)."""
         if self._plan is None:
             return (self.root_device,)
         if self.num_processes == 1:
             return (self.root_device,) * self._plan.pipe_len
+        if not self.is_active:
+            return ()
         return tuple(torch.device(d) for d in self._plan.devices_for(self.local_rank))
+
+    @property
+    def is_active(self) -> bool:
+        """Whether this process drives a pipeline replica now (False: a shadow rank, idle until K shrinks)."""
+        if self.world_size == 1 or self._plan is None:
+            return True
+        return self._plan.is_active(self.global_rank)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # The data is split over the active replicas only. A shadow rank asks for an active
+        # replica's share, so its (stand-in) loader has the same length as everyone's.
+        plan = self._plan
+        if self.world_size == 1 or plan is None:
+            return super().distributed_sampler_kwargs
+        rank = plan.replica_index(self.global_rank) if self.is_active else 0
+        return {"num_replicas": plan.num_replicas, "rank": rank}
 
     # ------------------------------------------------------------------ set-up, in loop order
 
@@ -145,20 +191,31 @@ class PipeTransformerStrategy(DDPStrategy):
         if self._restored is not None:
             self._auto_chunks = {int(k): int(m) for k, m in self._restored.get("auto_chunks", {}).items()}
         num_frozen = autofreeze.num_frozen if autofreeze is not None else 0
+        self._ddp_init_sync = True
+        if self.world_size > 1:
+            # AutoDP: agree on rank 0's plan and make the active group before DDP wraps on it.
+            self._control_group = elastic.control_group(self._get_process_group_backend(), self._timeout)
+            self._plan = self._agree(trainer, self.planner.plan(num_frozen) if self.global_rank == 0 else None)
+            self._active_group = elastic.active_group(self._plan.active_ranks, self._get_process_group_backend(), self._timeout)
+            if trainer.state.fn == TrainerFn.FITTING and not any(isinstance(c, elastic.TransitionCallback) for c in trainer.callbacks):
+                # Right after AutoFreeze (or first): later callbacks see the new loader length.
+                at = next((i + 1 for i, c in enumerate(trainer.callbacks) if c is autofreeze), 0)
+                trainer.callbacks.insert(at, elastic.TransitionCallback(self))
+            plan = self._plan
         # DDPStrategy.setup: accelerator, precision, model_to_device, DDP (only if > 1 process:
         # see configure_ddp), optimizers, then all optimizer state to the root device.
         super().setup(trainer)
-        self._apply_plan(self.planner.plan(num_frozen), announce=True)
+        self._apply_plan(plan if self.world_size > 1 else self.planner.plan(num_frozen), announce=True)
         # Each optimizer state tensor belongs with its parameter, which may sit on another
         # stage's device than the root one DDPStrategy.setup moved everything to.
         _optimizer_state_to_param_devices(self.optimizers)
 
     def _check_supported(self, trainer: pl.Trainer) -> None:
-        if self.num_processes > 1 and self.pipe_len > 1:
+        if self.num_processes > 1 and self.pipe_len > 1 and self.root_device.type != "cpu":
             raise ValueError(
-                f"pipe_len={self.pipe_len} with {self.num_processes} processes per node needs AutoDP (idle processes "
-                "that join as the pipeline shrinks), which is not implemented yet (issue #5). Use devices=1 with "
-                "pipe_len=K to pipeline over K stages of one device, or pipe_len=1 for data parallelism."
+                f"pipe_len={self.pipe_len} with {self.num_processes} GPU processes per node (AutoDP) is implemented and "
+                "tested on CPU processes only: placing each replica's first stage on its own GPU is not done yet. "
+                "Use devices=1 with pipe_len=K (K stages on one process), or pipe_len=1 for data parallelism."
             )
         if self.num_processes > 1 and trainer.lightning_module is not None and not trainer.lightning_module.automatic_optimization:
             raise ValueError("strategy='pipetransformer' with several processes supports automatic optimization only.")
@@ -197,9 +254,22 @@ class PipeTransformerStrategy(DDPStrategy):
     @override
     def configure_ddp(self) -> None:
         # One process has no gradients to average; a DDP wrapper would only add a reducer that
-        # breaks as soon as AutoFreeze turns requires_grad off.
-        if self.world_size > 1:
+        # breaks as soon as AutoFreeze turns requires_grad off. A shadow rank has none either.
+        self.model = self.lightning_module
+        if self.world_size > 1 and self.is_active:
             super().configure_ddp()
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+        # DDP over the active replicas only. The first wrapper of a fit syncs the replicas'
+        # weights itself; at a transition _send_state already did, so the copy is skipped.
+        return DistributedDataParallel(
+            module=model,
+            device_ids=self.determine_ddp_device_ids(),
+            process_group=self._active_group,
+            init_sync=self._ddp_init_sync,
+            **self._ddp_kwargs,
+        )
 
     @override
     def determine_ddp_device_ids(self) -> list[int] | None:
@@ -213,23 +283,219 @@ class PipeTransformerStrategy(DDPStrategy):
         if self.num_processes > 1 and len(self.optimizers) > 1:
             raise ValueError("strategy='pipetransformer' with several processes supports one optimizer only.")
 
+    # ------------------------------------------------------------------ data (AutoDP: shares and stand-ins)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        if self.world_size == 1 or self._plan is None:
+            return dataloader
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        training = trainer is not None and trainer.state.stage == RunningStage.TRAINING
+        if training:
+            self._check_train_loader(dataloader)
+            if self.batch_policy == "global":
+                dataloader = self._per_replica_loader(dataloader)  # type: ignore[arg-type]
+        if self.is_active:
+            return dataloader
+        if not hasattr(dataloader, "__len__"):
+            raise ValueError(
+                "strategy='pipetransformer' with several processes needs loaders with a length (a map-style "
+                "dataset): idle processes stand in with the same number of batches. Got "
+                f"{type(dataloader).__name__} without len()."
+            )
+        # A shadow rank loads nothing: same length as an active replica's share, placeholder batches.
+        return elastic.IdleLoader(len(dataloader))  # type: ignore[arg-type]
+
+    def _check_train_loader(self, dataloader: object) -> None:
+        assert self._plan is not None
+        sampler = getattr(dataloader, "sampler", None)
+        if not isinstance(sampler, DistributedSampler) or sampler.num_replicas != self._plan.num_replicas:
+            raise ValueError(
+                "strategy='pipetransformer' with several processes splits the training data over the active replicas, "
+                "which change as the pipeline shrinks: it needs a DataLoader over a map-style dataset and Lightning's "
+                "distributed sampler (Trainer(use_distributed_sampler=True), the default, and no DistributedSampler of "
+                f"your own). Got sampler {type(sampler).__name__}."
+            )
+
+    def _per_replica_loader(self, dataloader: DataLoader) -> DataLoader:
+        """batch_policy='global': the loader's batch size is the global batch, split over the replicas."""
+        assert self._plan is not None
+        batch, replicas = dataloader.batch_size, self._plan.num_replicas
+        if batch is None or batch % self.world_size:
+            raise ValueError(
+                f"batch_policy='global' splits the DataLoader's batch_size over up to {self.world_size} replicas: it must "
+                f"be a multiple of {self.world_size} (got {batch}; a custom batch_sampler cannot be split). Change the "
+                "batch size, or use batch_policy='replica'."
+            )
+        return elastic.loader_with_batch_size(dataloader, batch // replicas)
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        if elastic.is_idle_batch(batch):
+            return batch  # nothing to move, and the user's transfer hooks must not see a placeholder
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    # ------------------------------------------------------------------ steps (a shadow rank does no model work)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.is_active:
+            return elastic.idle_loss(self.root_device)
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if not self.is_active:
+            # Lightning's closure must run (it checks its result was consumed); the step must not:
+            # global_step counts these calls, so shadow ranks stay in step with the replicas.
+            closure()
+            return None
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return super().validation_step(*args, **kwargs) if self.is_active else None
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return super().test_step(*args, **kwargs) if self.is_active else None
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return super().predict_step(*args, **kwargs) if self.is_active else None
+
+    # ------------------------------------------------------------------ collectives: data on the active group, control on all
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        # Metric syncs (self.log(sync_dist=True)) run where the metric was logged: on the active
+        # ranks. A shadow rank logs nothing, and must not join (it would hang the replicas).
+        if self.world_size > 1 and isinstance(tensor, Tensor) and group is None:
+            if not self.is_active:
+                return tensor
+            group = self._active_group
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # Control flow (should_stop, checkpoint decisions) must agree on every rank: over all of them.
+        if self.world_size == 1 or self._control_group is None:
+            return super().reduce_boolean_decision(decision, all=all)
+        votes = torch.tensor(int(decision))
+        dist.all_reduce(votes, op=dist.ReduceOp.SUM, group=self._control_group)
+        return bool(votes == self.world_size) if all else bool(votes)
+
     # ------------------------------------------------------------------ repartitioning
 
     def on_autofreeze(self, num_frozen: int, callback: Any) -> None:
         """Called by AutoFreeze after it froze more blocks (every rank, at an epoch start)."""
         if self.planner is None:  # before setup (AutoFreeze re-applying a restored prefix)
             return
-        self._apply_plan(self.planner.plan(num_frozen), announce=True)
         if self.world_size > 1:
-            # DDP's gradient buckets were fixed when it was built: re-wrap so frozen parameters
-            # leave the all-reduce.
-            self.model = self.lightning_module
-            self.configure_ddp()
+            # Several processes: only some ranks get here (a shadow rank's rule may see no
+            # gradients), so the transition runs from TransitionCallback on every rank instead.
+            return
+        self._apply_plan(self.planner.plan(num_frozen), announce=True)
+
+    def _transition(self, trainer: pl.Trainer) -> None:
+        """One AutoDP transition, on every rank at a train-epoch start, right after AutoFreeze.
+
+        AutoFreeze decided F -> rank 0 broadcasts (F, K, M, active ranks) -> partitions rebuilt ->
+        groups + DDP rebuilt, state sent to new ranks -> sampler re-split -> next epoch.
+        """
+        if self.world_size == 1 or self.planner is None or self._plan is None:
+            return
+        autofreeze = _autofreeze_of(trainer)
+        old = self._plan
+        clock = elastic.PhaseClock()
+        # 1-2. AutoFreeze has decided F on every rank; rank 0's F and plan are the ones applied.
+        num_frozen = autofreeze.num_frozen if autofreeze is not None else 0
+        plan = self._agree(trainer, self.planner.plan(num_frozen) if self.global_rank == 0 else None)
+        clock.lap("plan_broadcast")
+        if plan.num_frozen == old.num_frozen and plan.active_ranks == old.active_ranks and plan.partition == old.partition:
+            return
+        # 3. Partitions rebuilt: this rank's pipeline for the new plan (none on a shadow rank).
+        was_active = self.is_active
+        self._apply_plan(plan, announce=True)
+        clock.lap("partition")
+        # 4. Groups + DDP rebuilt; ranks that were idle receive the replicas' state.
+        self.model = self.lightning_module  # unwrap: the old reducer holds the old group and frozen set
+        if plan.active_ranks != old.active_ranks:
+            self._active_group = elastic.active_group(plan.active_ranks, self._get_process_group_backend(), self._timeout)
+            clock.lap("new_group")
+            if self.is_active:
+                self._send_state(trainer, receive=not was_active)
+            clock.lap("state_transfer")
+        if self.is_active:
+            elastic.point_metrics_at(self.lightning_module, self._active_group)
+        self._ddp_init_sync = False
+        self.configure_ddp()  # DDP over the active group; frozen parameters leave its buckets
+        clock.lap("ddp_rebuild")
+        # 5. Sampler re-split over the new replicas (batch size too under batch_policy='global').
+        if plan.num_replicas != old.num_replicas:
+            elastic.rebuild_train_loader(trainer)
+            clock.lap("loader_rebuild")
+        #: Seconds per phase of the last transition on this rank (for logs and benchmarks).
+        self.last_transition = clock.laps
+
+    def _agree(self, trainer: pl.Trainer, plan: Plan | None) -> Plan:
+        """Rank 0's plan (and AutoFreeze state) on every rank, over the control group; checks lock-step."""
+        autofreeze = _autofreeze_of(trainer)
+        assert self.planner is not None
+        message = None
+        if self.global_rank == 0:
+            assert plan is not None
+            message = {
+                "plan": plan.to_dict(),
+                "planner": self.planner.state_dict(),
+                "autofreeze": autofreeze.state_dict() if autofreeze is not None else None,
+                "step": (trainer.current_epoch, trainer.global_step),
+            }
+        message = elastic.broadcast_object(message, src=0, group=self._control_group)
+        if self.global_rank != 0:
+            here = (trainer.current_epoch, trainer.global_step)
+            if tuple(message["step"]) != here:
+                raise RuntimeError(
+                    f"Rank {self.global_rank} is at (epoch, global_step) {here} but rank 0 at {tuple(message['step'])}: "
+                    "idle ranks fell out of lock-step with the replicas. This is a bug in strategy='pipetransformer'; "
+                    "please report it with your Trainer arguments."
+                )
+            self.planner.load_state_dict(message["planner"])
+            if autofreeze is not None and message["autofreeze"] is not None:
+                # A shadow rank's own rule saw no gradients: take rank 0's decision (and state).
+                autofreeze.load_state_dict(message["autofreeze"])
+        return Plan.from_dict(message["plan"])
+
+    def _send_state(self, trainer: pl.Trainer, receive: bool) -> None:
+        """Global rank 0's model, optimizer and LR-scheduler state to the new active group's members.
+
+        Loop counters need no transfer (shadow ranks kept them in lock-step, checked by _agree) and
+        AutoFreeze state came with the plan.
+        """
+        group = self._active_group
+        elastic.broadcast_module_state(self.lightning_module, src=0, group=group)
+        payload = None
+        if self.global_rank == 0:
+            payload = elastic.state_to_bytes(
+                {
+                    "optimizers": [o.state_dict() for o in self.optimizers],
+                    "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+                }
+            )
+        payload = elastic.broadcast_object(payload, src=0, group=group)
+        if not receive:
+            return  # an old replica already holds exactly this state
+        state = elastic.state_from_bytes(payload)
+        for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):
+            optimizer.load_state_dict(optimizer_state)
+        _optimizer_state_to_param_devices(self.optimizers)
+        for config, scheduler_state in zip(trainer.lr_scheduler_configs, state["schedulers"]):
+            config.scheduler.load_state_dict(scheduler_state)
 
     def _apply_plan(self, plan: Plan, announce: bool) -> None:
         """Build this process's pipeline for ``plan`` and route the stack through it."""
         assert self.stack is not None
-        if self.num_processes == 1:
+        if self.world_size == 1:
             # One process cannot add data-parallel replicas: keep its single pipeline.
             plan = dataclasses.replace(plan, devices=plan.devices[:1], active_ranks=(self.global_rank,))
         tune = self.chunks == "auto" and plan.pipe_len not in self._auto_chunks
@@ -237,6 +503,11 @@ class PipeTransformerStrategy(DDPStrategy):
             plan = dataclasses.replace(plan, chunks=self._auto_chunks[plan.pipe_len])
         self._plan = plan
         remove_pipeline(self.stack.container)
+        if not self.is_active:
+            self._pipeline = None  # a shadow rank runs no model
+            if announce:
+                self._log_plan(plan)
+            return
         devices = self.stage_devices
         pipeline = Pipeline(self.stack.blocks, plan.partition, devices, chunks=plan.chunks, num_frozen=plan.num_frozen)
         pipeline.place()

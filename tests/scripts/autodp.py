@@ -1,0 +1,102 @@
+"""AutoDP on 4 CPU processes (gloo): pipe length 4 -> 2 -> 1 as blocks freeze; run by tests/test_autodp.py.
+
+Lightning re-launches this script once per extra rank (same arguments). Tiny BERT with 4 blocks,
+``frozen_cost=0`` and the schedule {1: 2, 2: 3} make the planner compress K 4 -> 2 -> 1, so the
+active replicas grow 1 -> 2 -> 4. Each rank writes what it saw and its final state to ``--out``.
+
+Modes: ``train`` (3 epochs), ``first`` (2 epochs, last.ckpt), ``resume`` (from ``--ckpt`` to 3
+epochs), ``kill`` (rank 1 dies in the middle of epoch 1; the others must exit with an error).
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for models.py
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
+from lightning_pipetransformer.elastic import is_idle_batch
+from models import TextClassifier, text_dataset
+
+SCHEDULE = {1: 2, 2: 3}
+NUM_SAMPLES = 32
+
+
+class Record(Callback):
+    """Per epoch: plan, activity, real and placeholder batches and their sizes."""
+
+    def __init__(self, kill_rank: int | None = None) -> None:
+        self.epochs: dict[int, dict] = {}
+        self.kill_rank = kill_rank
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        plan = trainer.strategy.plan
+        self.epochs[trainer.current_epoch] = {
+            "pipe_len": plan.pipe_len, "replicas": plan.num_replicas, "active": trainer.strategy.is_active,
+            "num_frozen": plan.num_frozen, "batch_sizes": [], "idle_batches": 0,
+        }
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        record = self.epochs[trainer.current_epoch]
+        if is_idle_batch(batch):
+            record["idle_batches"] += 1
+        else:
+            record["batch_sizes"].append(int(batch[0].shape[0]))
+        if self.kill_rank == trainer.global_rank and trainer.current_epoch == 1 and batch_idx == 1:
+            os._exit(17)  # a crash: no exception, no clean-up, the peers are left waiting
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--policy", default="global")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--mode", default="train", choices=["train", "first", "resume", "kill"])
+    parser.add_argument("--ckpt", default=None)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    args = parser.parse_args()
+    out = Path(args.out)
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    (out / f"pid{rank}").write_text(str(os.getpid()))
+
+    record = Record(kill_rank=1 if args.mode == "kill" else None)
+    callbacks = [AutoFreeze(schedule=SCHEDULE), record]
+    if args.mode == "first":
+        callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", save_last=True, save_top_k=0))
+    module = TextClassifier(num_layers=4)
+    strategy = PipeTransformerStrategy(
+        pipe_len=4, frozen_cost=0.0, process_group_backend="gloo", timeout=args.timeout, batch_policy=args.policy
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=4, strategy=strategy, max_epochs=2 if args.mode == "first" else 3,
+        callbacks=callbacks, logger=False, enable_checkpointing=args.mode == "first", enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=1,
+    )
+    train = DataLoader(text_dataset(NUM_SAMPLES), batch_size=args.batch_size, shuffle=False)
+    val = DataLoader(text_dataset(16, seed=1), batch_size=4, shuffle=False)
+    start = time.monotonic()
+    try:
+        trainer.fit(module, train, val, ckpt_path=args.ckpt)
+    except BaseException as error:  # noqa: BLE001 - recorded for the test, then re-raised
+        (out / f"error{rank}").write_text(f"{time.monotonic() - start:.1f}s {type(error).__name__}: {error}")
+        raise
+    optimizer = trainer.strategy.optimizers[0]
+    momentum = {name: optimizer.state[p]["momentum_buffer"] for name, p in module.named_parameters() if p in optimizer.state}
+    torch.save(
+        {
+            "state": module.state_dict(), "momentum": momentum, "epochs": record.epochs,
+            "global_step": trainer.global_step, "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
+        },
+        out / f"rank{trainer.global_rank}.pt",
+    )
+
+
+if __name__ == "__main__":
+    main()

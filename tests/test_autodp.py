@@ -1,0 +1,176 @@
+"""AutoDP: 4 CPU processes (gloo), pipe length 4 -> 2 -> 1, idle ranks join as replicas.
+
+Each test launches tests/scripts/autodp.py (Lightning re-launches it per rank) with a hard
+timeout, and compares what every rank wrote with a one-process reference that trains the same
+global batches with the same freeze schedule.
+
+The reference's global batches: Lightning's injected DistributedSampler (shuffle, seed 0) takes
+``perm = randperm(N, seed + epoch)`` and gives replica ``r`` of ``R`` the positions ``r, r+R, ...``.
+Replica ``r``'s ``i``-th batch of ``b`` is then positions ``{r + R*j : i*b <= j < (i+1)*b}``, and the
+union over replicas is the contiguous slice ``perm[i*b*R : (i+1)*b*R]``. DDP averages the replicas'
+mean losses' gradients, which is the gradient of the mean over that slice: the reference steps
+on ``perm`` in slices of the global batch ``b*R``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from models import TextClassifier, text_dataset
+from train_reference import freeze_by_hand
+
+SCRIPT = Path(__file__).parent / "scripts" / "autodp.py"
+SCHEDULE = {0: 0, 1: 2, 2: 3}
+REPLICAS = {0: 1, 1: 2, 2: 4}  # what the planner makes of SCHEDULE with frozen_cost=0 on 4 processes
+PIPE_LEN = {0: 4, 1: 2, 2: 1}
+NUM_SAMPLES = 32
+
+
+def launch(out: Path, port: int, *args: str, timeout: float = 240, cleanup: bool = True) -> subprocess.CompletedProcess:
+    """Rank 0 in a session of its own (Lightning starts ranks 1..3 from it); never waits past ``timeout``."""
+    env = {**os.environ, "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--out", str(out), *args], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        stdout, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_session(proc.pid)
+        stdout, _ = proc.communicate()
+        pytest.fail(f"AutoDP run hung for {timeout}s:\n{stdout[-4000:]}")
+    if cleanup:
+        # A rank left over (e.g. still starting when rank 0 failed) would join the next run's
+        # rendezvous on a reused port.
+        kill_session(proc.pid)
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, "")
+    result.pid = proc.pid  # type: ignore[attr-defined]
+    return result
+
+
+def kill_session(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)  # rank 0's process group: the ranks it launched too
+    except ProcessLookupError:
+        pass
+
+
+def reference(global_batch: dict[int, int], epochs: int = 3) -> dict[str, torch.Tensor]:
+    """One process: the freeze schedule by requires_grad, the global batches of the 4-process run."""
+    data = text_dataset(NUM_SAMPLES)
+    module = TextClassifier(num_layers=4)
+    module.train()
+    optimizer = module.configure_optimizers()
+    for epoch in range(epochs):
+        freeze_by_hand(module, SCHEDULE[epoch])
+        perm = torch.randperm(NUM_SAMPLES, generator=torch.Generator().manual_seed(epoch))
+        size = global_batch[epoch]
+        for start in range(0, NUM_SAMPLES, size):
+            index = perm[start : start + size]
+            optimizer.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(module(data.tensors[0][index]), data.tensors[1][index]).backward()
+            optimizer.step()
+    return module.state_dict()
+
+
+def results(out: Path) -> list[dict]:
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(4)]
+
+
+def assert_replicas_identical_and_match(ranks: list[dict], expected: dict[str, torch.Tensor]) -> None:
+    for key, value in expected.items():
+        for rank in ranks[1:]:
+            torch.testing.assert_close(rank["state"][key], ranks[0]["state"][key], rtol=0, atol=0, msg=key)
+        torch.testing.assert_close(ranks[0]["state"][key], value, rtol=1e-4, atol=1e-5, msg=key)
+    for name, buffer in ranks[0]["momentum"].items():  # optimizer state reached the new replicas
+        for rank in ranks[1:]:
+            torch.testing.assert_close(rank["momentum"][name], buffer, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    "policy, batch_size, per_replica, global_batch",
+    [
+        # global batch fixed at 8: 8, 4, 2 per replica; the plain optimisation.
+        ("global", 8, {0: 8, 1: 4, 2: 2}, {0: 8, 1: 8, 2: 8}),
+        # per-replica batch fixed at 4 (the paper's): global batch 4, 8, 16.
+        ("replica", 4, {0: 4, 1: 4, 2: 4}, {0: 4, 1: 8, 2: 16}),
+    ],
+)
+def test_idle_ranks_join_as_pipeline_shrinks_and_match_reference(tmp_path, policy, batch_size, per_replica, global_batch):
+    port = 29611 if policy == "global" else 29612
+    proc = launch(tmp_path, port, "--policy", policy, "--batch-size", str(batch_size))
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    ranks = results(tmp_path)
+
+    for rank, result in enumerate(ranks):
+        steps = 0
+        for epoch, seen in result["epochs"].items():
+            assert (seen["pipe_len"], seen["replicas"], seen["num_frozen"]) == (PIPE_LEN[epoch], REPLICAS[epoch], SCHEDULE[epoch])
+            batches = NUM_SAMPLES // global_batch[epoch]
+            if rank < REPLICAS[epoch]:  # local ranks 0..G/K-1 drive a replica
+                assert seen["active"] and seen["batch_sizes"] == [per_replica[epoch]] * batches and not seen["idle_batches"]
+            else:  # shadow rank: the same number of batches, none of them loaded
+                assert not seen["active"] and not seen["batch_sizes"] and seen["idle_batches"] == batches
+            steps += batches
+        assert result["global_step"] == steps  # lock-step
+    assert len({r["val_loss"] for r in ranks}) == 1
+
+    assert_replicas_identical_and_match(ranks, reference(global_batch))
+
+
+def test_checkpoint_with_idle_ranks_then_resume_equals_uninterrupted(tmp_path):
+    # 2 epochs (the checkpoint is written while ranks 2 and 3 are idle, K = 2), then resume to 3.
+    (tmp_path / "first").mkdir()
+    first = launch(tmp_path / "first", 29613, "--mode", "first")
+    assert first.returncode == 0, first.stdout[-5000:]
+    ckpt = tmp_path / "first" / "ckpt" / "last.ckpt"
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["pipetransformer"]["plan"]["active_ranks"] == [0, 1]
+    (tmp_path / "resumed").mkdir()
+    resumed = launch(tmp_path / "resumed", 29614, "--mode", "resume", "--ckpt", str(ckpt))
+    assert resumed.returncode == 0, resumed.stdout[-5000:]
+    ranks = results(tmp_path / "resumed")
+    assert all(r["global_step"] == 12 and r["epochs"][2]["replicas"] == 4 for r in ranks)
+    assert_replicas_identical_and_match(ranks, reference({0: 8, 1: 8, 2: 8}))
+
+
+def test_a_dead_rank_ends_the_run_with_an_error_not_a_hang(tmp_path):
+    # Rank 1 (a replica in epoch 1, with idle ranks 2 and 3) dies in the middle of the epoch.
+    # The timeout must also cover start-up (the rendezvous) on a loaded 2-core machine.
+    timeout = 60.0
+    start = time.monotonic()
+    proc = launch(tmp_path, 29615, "--mode", "kill", "--timeout", str(timeout), timeout=3 * timeout + 60, cleanup=False)
+    try:
+        assert proc.returncode != 0, proc.stdout[-5000:]
+        assert not any((tmp_path / f"rank{r}.pt").exists() for r in range(4))
+        assert (tmp_path / "error0").exists(), proc.stdout[-5000:]
+        # Every other rank ends too (with its own error, or killed by rank 0's launcher), in bounded time.
+        pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(4)]
+        deadline = time.monotonic() + timeout
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not any(_alive(pid) for pid in pids), "a rank outlived the timeout after a peer died"
+        print(f"dead-rank run ended after {time.monotonic() - start:.0f}s: {(tmp_path / 'error0').read_text()[:300]}")
+    finally:
+        kill_session(proc.pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes (its parent has not reaped it yet).
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
