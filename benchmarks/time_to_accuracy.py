@@ -414,7 +414,7 @@ def markdown_table(rows: list[dict[str, Any]], target: float | None) -> str:
             r["variant"], str(r["runs"]) + (f" (+{r['failed']} failed)" if r["failed"] else ""), _fmt(*r["train"]),
             f"{r['speedup']:.2f}x", " / ".join(f"{s:.0f}" for s in r["per_epoch"]), _fmt(*r["acc"], digits=2), tta,
             "-" if math.isnan(r["tta_speedup"]) else f"{r['tta_speedup']:.2f}x", _fmt(*r["val"]),
-            " ".join(f.split("/")[0] for f in r["frozen"]),
+            " ".join("0" if f == "-" else f.split("/")[0] for f in r["frozen"]),
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -603,7 +603,7 @@ def parse_alphas(text: str) -> list[tuple[float, str]]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="tiny preset: 320/320 snippets, 3 epochs, seeds 0,1 (a few minutes)")
+    p.add_argument("--smoke", action="store_true", help="tiny preset: 960/480 snippets, 3 epochs, seeds 0,1 (~3 min idle)")
     p.add_argument("--train-size", type=int, default=3000, help="training snippets (default 3000)")
     p.add_argument("--val-size", type=int, default=None, help="validation snippets (default: the whole held-out side, ~5,100)")
     p.add_argument("--epochs", type=int, default=5)
@@ -618,12 +618,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--val-batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--accelerator", default="cpu")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's choice). On a machine busy with other jobs, fewer threads "
+                        "than cores avoids OpenMP threads spinning against each other, which can inflate times many-fold")  # fmt: skip
     p.add_argument("--json", type=Path, default=ROOT / "outputs" / "benchmarks" / "time_to_accuracy.json")
     p.add_argument("--write", action="store_true", help="write docs/benchmarks.md and its PNG")
+    p.add_argument("--dry-run", action="store_true", help="load the data, print the plan and the duration estimate, and stop")
     p.add_argument("--docs", type=Path, default=ROOT / "docs" / "benchmarks.md")
     args = p.parse_args(argv)
     if args.smoke:
-        args.train_size, args.val_size, args.epochs, args.seeds = 320, 320, 3, "0,1"
+        args.train_size, args.val_size, args.epochs, args.seeds = 960, 480, 3, "0,1"
     args.seed_list = [int(s) for s in args.seeds.split(",") if s.strip()]
     kinds = [k.strip() for k in args.variants.split(",") if k.strip()]
     bad = [k for k in kinds if k not in ("full", "freeze", "cache")]
@@ -636,9 +640,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def _quiet() -> None:
+    """Keep the output to the benchmark's own lines: no per-run load reports or Trainer banners."""
+    import logging
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_pipetransformer"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; print the table; with ``--write`` write docs/benchmarks.md + PNG."""
     args = parse_args(argv)
+    _quiet()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     command = "python benchmarks/time_to_accuracy.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     from assets import fetch
 
@@ -648,6 +667,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for kind in ("freeze", "cache"):
         if kind in args.kinds:
             variants += [Variant(kind, a, t) for a, t in args.alpha_list]  # type: ignore[arg-type]
+    requested = list(variants)
     cache_note = "" if has_cache else "variant 3 needs AutoCache (not merged yet): it was skipped."
     if not has_cache and any(v.kind == "cache" for v in variants):
         print("time_to_accuracy: variant 3 needs AutoCache (not merged yet): PipeTransformerStrategy takes no cache= argument; skipping it.", flush=True)  # fmt: skip
@@ -668,17 +688,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_s = time.perf_counter() - start
     val_tokens = sum(b["input_ids"].numel() for b in dm.val_dataloader())
     est = len(args.seed_list) * sum(
-        estimate_seconds(v, args.epochs, steps, tokens[args.padding], val_tokens, n_train) for v in variants
+        estimate_seconds(v, args.epochs, steps, tokens[args.padding], val_tokens, n_train) for v in requested
     )
+    skipped = " (variant 3 included, as if AutoCache were merged)" if len(requested) > len(variants) else ""
     print(
         f"time_to_accuracy: {n_train} train / {n_val} val snippets, {args.epochs} epochs, seeds {args.seed_list}, "
         f"padding={args.padding} ({tokens[args.padding]:.0f} tokens per batch of {args.batch_size}; trim "
         f"{tokens['trim']:.0f}, max {tokens['max']:.0f}), {steps} steps per epoch; variants: "
         f"{', '.join(v.name for v in variants)}.\n"
-        f"time_to_accuracy: estimated duration on an idle 2-core CPU: {est / 60:.0f} min "
+        f"time_to_accuracy: estimated duration on an idle 2-core CPU{skipped}: {est / 60:.0f} min "
         f"(+-50%, from the per-step costs in shared/notes; a loaded machine takes longer).",
         flush=True,
     )
+    if args.dry_run:
+        return 0
 
     records: list[RunRecord] = []
     for seed in args.seed_list:  # seeds outside, variants inside: the variants share the noise
@@ -709,7 +732,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{100 * (1 - tokens['bucket'] / tokens['trim']):.0f}% against trimming. It also keeps a sample's padded "
             f"input the same every epoch, which AutoCache's content keys need. With per-batch trimming the padded "
             f"length depends on the batch-mates, so keys change between epochs and the cache mostly misses.\n"
-            f"- Data loading: one epoch of training batches takes {load_s:.2f} s to produce "
+            f"- Data loading: one epoch of training batches takes {1000 * load_s:.0f} ms to produce "
             f"(pre-tokenized tensors, sliced per batch), which is negligible.\n"
             f"- Evaluation: validation over {n_val} snippets every epoch took {val_frac} of each run's wall time. "
             f"Batches are sorted by length, {args.val_batch_size} per batch, with no gradients. It is kept out of "
