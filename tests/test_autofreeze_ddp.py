@@ -1,12 +1,10 @@
 """AutoFreeze under DDPStrategy, 2 CPU processes with gloo, against a 1-process run of the same global batches."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
+from launch import run_script
 from models import text_dataset
 from train_reference import train_reference
 
@@ -14,10 +12,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "ddp_autofreeze.py"
 
 
 def test_ddp_two_processes_match_single_process_and_skip_frozen_allreduce(tmp_path):
-    env = {**os.environ, "MASTER_PORT": "29517", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = run_script([str(SCRIPT), "--out", str(tmp_path)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rank0 = torch.load(tmp_path / "rank0.pt")
     rank1 = torch.load(tmp_path / "rank1.pt")

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from launch import clean_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -20,7 +22,7 @@ def test_cli_fit_from_shipped_yaml(config, expected, tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "synthetic_cli.py"), "fit", "--config", str(ROOT / "examples" / "configs" / config),
          f"--trainer.default_root_dir={tmp_path}"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=clean_env(),
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

@@ -18,6 +18,7 @@ EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 import rotten_tomatoes as rt  # noqa: E402
+from launch import clean_env
 
 WORDS = "good bad great awful fun boring movie film the a plot story acting".split()
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -139,7 +140,7 @@ def test_cli_fit_with_autofreeze_and_timeline(tiny_assets: tuple[Path, Path], tm
     cfg_path.write_text(yaml.safe_dump(config))
 
     # An empty asset cache: reaching for the real assets would fail loudly instead of downloading.
-    env = {**os.environ, "PIPETRANSFORMER_ASSETS": str(tmp_path / "no-assets"), "HF_HUB_OFFLINE": "1"}
+    env = clean_env(PIPETRANSFORMER_ASSETS=str(tmp_path / "no-assets"), HF_HUB_OFFLINE="1")
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / "text_classification.py"), "fit", "--config", str(cfg_path)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,

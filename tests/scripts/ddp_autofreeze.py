@@ -62,7 +62,7 @@ def main() -> None:
     counter = CountAllReduced()
     module = InOrder(num_layers=4)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=60)),
+        accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=120)),
         max_epochs=3, callbacks=[AutoFreeze(schedule=SCHEDULE), counter], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
