@@ -18,7 +18,6 @@ This module holds the pieces; :meth:`PipeTransformerStrategy._transition` reads 
 
 from __future__ import annotations
 
-import io
 import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
@@ -130,9 +129,15 @@ def broadcast_module_state(module: nn.Module, src: int, group: Any) -> None:
             continue  # tied weights are sent once
         seen.add(id(t))
         buckets.setdefault((t.device, t.dtype), []).append(t)
-    for bucket in buckets.values():
-        flat = torch.cat([t.reshape(-1) for t in bucket])
+    sending = dist.get_rank() == src
+    for (device, dtype), bucket in buckets.items():
+        if sending:
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+        else:
+            flat = torch.empty(sum(t.numel() for t in bucket), dtype=dtype, device=device)
         dist.broadcast(flat, src=src, group=group)
+        if sending:
+            continue
         offset = 0
         for t in bucket:
             n = t.numel()
@@ -140,28 +145,61 @@ def broadcast_module_state(module: nn.Module, src: int, group: Any) -> None:
             offset += n
 
 
-def state_to_bytes(state: Any) -> bytes:
-    """A state dict (optimizer, scheduler) as bytes with every tensor on the CPU, for a pickled broadcast.
+def broadcast_state(state: Any, src: int, group: Any) -> Any:
+    """A nested state (optimizer and scheduler state dicts) from global rank ``src`` to all of ``group``.
 
-    On the CPU so that a GPU tensor of one rank does not land on that same GPU index elsewhere;
-    ``Optimizer.load_state_dict`` moves state back to each parameter's device.
+    The structure goes as a small pickled skeleton, the tensors as flat buffers per dtype (no
+    pickling of hundreds of MB of momentum). Received tensors are on the CPU;
+    ``Optimizer.load_state_dict`` moves them to each parameter's device. Returns the state
+    (on ``src``: as given).
     """
-    buffer = io.BytesIO()
-    torch.save(_to_cpu(state), buffer)
-    return buffer.getvalue()
+    tensors: list[torch.Tensor] = []
+    skeleton = _skeleton(state, tensors) if dist.get_rank() == src else None
+    skeleton, specs = broadcast_object(
+        (skeleton, [(tuple(t.shape), t.dtype) for t in tensors]) if dist.get_rank() == src else None, src, group
+    )
+    if dist.get_rank() != src:
+        tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for index, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(index)
+    for dtype, indices in sorted(by_dtype.items(), key=lambda item: str(item[0])):
+        flat = torch.cat([tensors[i].detach().reshape(-1).cpu() for i in indices]) if dist.get_rank() == src else None
+        if flat is None:
+            flat = torch.empty(sum(tensors[i].numel() for i in indices), dtype=dtype)
+        dist.broadcast(flat, src=src, group=group)
+        if dist.get_rank() != src:
+            offset = 0
+            for i in indices:
+                n = tensors[i].numel()
+                tensors[i] = flat[offset : offset + n].view(tensors[i].shape)
+                offset += n
+    return state if dist.get_rank() == src else _fill(skeleton, tensors)
 
 
-def state_from_bytes(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=False)
+class _TensorSlot:
+    def __init__(self, index: int) -> None:
+        self.index = index
 
 
-def _to_cpu(value: Any) -> Any:
+def _skeleton(value: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
+        tensors.append(value)
+        return _TensorSlot(len(tensors) - 1)
     if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
+        return {k: _skeleton(v, tensors) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
+        return type(value)(_skeleton(v, tensors) for v in value)
+    return value
+
+
+def _fill(value: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(value, _TensorSlot):
+        return tensors[value.index]
+    if isinstance(value, dict):
+        return {k: _fill(v, tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fill(v, tensors) for v in value)
     return value
 
 

@@ -217,6 +217,20 @@ class PipeTransformerStrategy(DDPStrategy):
                 "tested on CPU processes only: placing each replica's first stage on its own GPU is not done yet. "
                 "Use devices=1 with pipe_len=K (K stages on one process), or pipe_len=1 for data parallelism."
             )
+        if self.world_size > 1 and self.pipe_len > 1:
+            from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+            monitoring = [
+                type(c).__name__ for c in trainer.callbacks
+                if isinstance(c, EarlyStopping) or (isinstance(c, ModelCheckpoint) and c.monitor is not None)
+            ]
+            if monitoring:
+                raise ValueError(
+                    f"{', '.join(monitoring)} with a monitored metric is not supported yet with idle processes "
+                    f"(pipe_len={self.pipe_len} over {self.world_size} processes): idle processes do not see the "
+                    "replicas' metrics, so their decisions would differ. Use ModelCheckpoint(monitor=None, save_last=True) "
+                    "or every_n_epochs, or pipe_len=1."
+                )
         if self.num_processes > 1 and trainer.lightning_module is not None and not trainer.lightning_module.automatic_optimization:
             raise ValueError("strategy='pipetransformer' with several processes supports automatic optimization only.")
 
@@ -424,8 +438,7 @@ class PipeTransformerStrategy(DDPStrategy):
             self._active_group = elastic.active_group(plan.active_ranks, self._get_process_group_backend(), self._timeout)
             clock.lap("new_group")
             if self.is_active:
-                self._send_state(trainer, receive=not was_active)
-            clock.lap("state_transfer")
+                self._send_state(trainer, receive=not was_active, clock=clock)
         if self.is_active:
             elastic.point_metrics_at(self.lightning_module, self._active_group)
         self._ddp_init_sync = False
@@ -466,7 +479,7 @@ class PipeTransformerStrategy(DDPStrategy):
                 autofreeze.load_state_dict(message["autofreeze"])
         return Plan.from_dict(message["plan"])
 
-    def _send_state(self, trainer: pl.Trainer, receive: bool) -> None:
+    def _send_state(self, trainer: pl.Trainer, receive: bool, clock: elastic.PhaseClock) -> None:
         """Global rank 0's model, optimizer and LR-scheduler state to the new active group's members.
 
         Loop counters need no transfer (shadow ranks kept them in lock-step, checked by _agree) and
@@ -474,18 +487,22 @@ class PipeTransformerStrategy(DDPStrategy):
         """
         group = self._active_group
         elastic.broadcast_module_state(self.lightning_module, src=0, group=group)
-        payload = None
-        if self.global_rank == 0:
-            payload = elastic.state_to_bytes(
-                {
-                    "optimizers": [o.state_dict() for o in self.optimizers],
-                    "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
-                }
-            )
-        payload = elastic.broadcast_object(payload, src=0, group=group)
-        if not receive:
-            return  # an old replica already holds exactly this state
-        state = elastic.state_from_bytes(payload)
+        clock.lap("model_state")
+        state = elastic.broadcast_state(
+            {
+                "optimizers": [o.state_dict() for o in self.optimizers],
+                "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+            }
+            if self.global_rank == 0
+            else None,
+            src=0,
+            group=group,
+        )
+        if receive:
+            self._load_sent_state(trainer, state)
+        clock.lap("optimizer_state")
+
+    def _load_sent_state(self, trainer: pl.Trainer, state: dict[str, Any]) -> None:
         for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):
             optimizer.load_state_dict(optimizer_state)
         _optimizer_state_to_param_devices(self.optimizers)

@@ -174,3 +174,10 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
+
+
+def test_batch_policy_is_checked():
+    from lightning_pipetransformer import PipeTransformerStrategy
+
+    with pytest.raises(ValueError, match="batch_policy must be 'replica' or 'global'"):
+        PipeTransformerStrategy(batch_policy="per_device")  # type: ignore[arg-type]
