@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from .core.cache_advance import advance_store, cached_prefix, pack_block_inputs, select_rows
-from .core.cache_keys import content_keys
+from .core.cache_keys import content_keys, index_keys
 from .core.cache_store import ActivationStore, CacheStats
 from .core.cache_validity import check_deterministic, prefix_fingerprint, prefix_modules
 from .core.discovery import BlockStack
@@ -130,6 +130,9 @@ class AutoCache:
         memory_budget: host bytes for entries in memory; the rest spills to ``cache_dir``.
         storage_dtype: ``None`` (exact) or ``torch.bfloat16``/``torch.float16`` (lossy, opt-in).
         write_through: also write in-memory entries to disk (several processes per node).
+        key: ``"content"`` (exact) or ``"index"`` (the batch's ``"index"`` entry, set per batch
+            with :meth:`set_batch`; reuses the first view of an augmented sample, so the
+            first-hit verification is skipped).
     """
 
     def __init__(
@@ -139,8 +142,11 @@ class AutoCache:
         memory_budget: int,
         storage_dtype: torch.dtype | None = None,
         write_through: bool = False,
+        key: Literal["content", "index"] = "content",
     ) -> None:
         self.mode = mode
+        self.key = key
+        self._index_keys: list[str] | None = None
         self.cache_dir = cache_dir
         self.memory_budget = memory_budget
         self.storage_dtype = storage_dtype
@@ -166,9 +172,26 @@ class AutoCache:
             self._hook.remove()
             self._hook = None
 
+    def set_batch(self, batch: Any, namespace: str) -> None:
+        """``key="index"``: take the sample indices of the next forward from ``batch["index"]``."""
+        if not isinstance(batch, dict) or "index" not in batch:
+            raise ValueError(
+                "cache_key='index' needs dict batches with an 'index' entry (the dataset index of each sample); "
+                f"got a {type(batch).__name__} batch. Add the index in your Dataset/collate_fn, or use cache_key='content'."
+            )
+        self._index_keys = index_keys(batch["index"], namespace)
+
     def keys_for(self, hidden: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str] | None:
-        """Content keys of what enters the frozen prefix, or ``None`` when they cannot be exact."""
+        """Keys of what enters the frozen prefix, or ``None`` when they cannot be exact."""
         batch = hidden.shape[0]
+        if self.key == "index":
+            keys, self._index_keys = self._index_keys, None
+            if keys is None or len(keys) != batch:
+                raise ValueError(
+                    f"cache_key='index': the forward got {batch} samples but the batch's 'index' entry had "
+                    f"{None if keys is None else len(keys)}. Each forward must see its batch's samples once, in order."
+                )
+            return keys
         pending = self._recorder.take()
         first = _first_batch_tensor(pending) if pending is not None else None
         source: Any = pending if first is not None and first.shape[0] == batch else hidden
@@ -179,7 +202,10 @@ class AutoCache:
 
     # ------------------------------------------------------------------ boundaries
 
-    def move_boundary(self, stack: BlockStack, num_frozen: int, include_pre: bool, device: torch.device, shard: tuple[int, int]) -> None:
+    def move_boundary(
+        self, stack: BlockStack, num_frozen: int, include_pre: bool, device: torch.device, shard: tuple[int, int],
+        advance: bool = True,
+    ) -> None:
         """Open the store for boundary ``num_frozen``, advancing the previous one's entries."""
         previous = self.store
         if num_frozen == 0 or not self.mode:
@@ -201,7 +227,7 @@ class AutoCache:
         self._verified = False
         if self.mode == "auto":
             self.enabled = True  # measured again at this boundary
-        if previous is not None and previous.boundary < num_frozen:
+        if previous is not None and previous.boundary < num_frozen and advance:
             with torch.no_grad():
                 advance_store(
                     previous, self.store, run_blocks(stack.blocks[previous.boundary : num_frozen]),
@@ -219,7 +245,7 @@ class AutoCache:
         prefix: Callable[..., Tensor], total: float, batch: int,
     ) -> None:
         """Verify the first hits at a boundary; under ``"auto"`` keep the cache only if it pays."""
-        if not self._verified:
+        if not self._verified and self.key == "content":
             self._verified = True
             rows = hit_mask.to(hidden.device)
             h, a, k = select_rows((hidden, args, kwargs), hit_mask, batch)

@@ -24,6 +24,7 @@ device, and the pipeline's output is handed back there, so ``training_step`` nee
 from __future__ import annotations
 
 import dataclasses
+import os
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -48,6 +49,7 @@ from .core.discovery import BlockStack
 from .core.pipeline import Pipeline, install_pipeline, remove_pipeline
 from .core.planner import AutoPipe, Plan
 from .auto_chunks import ChunkTuner
+from .autocache import AutoCache, CachedStack, active_balance, probe_cache_dir
 from .module_stack import block_stack_of
 
 __all__ = ["PipeTransformerStrategy"]
@@ -78,6 +80,16 @@ class PipeTransformerStrategy(DDPStrategy):
             epoch). ``"global"``: the DataLoader's batch size is the global batch; each of R
             replicas gets ``batch_size / R`` (it must divide by the number of processes), so
             training is the same optimisation as on one device, only faster.
+        cache: AutoCache. ``True`` serves the frozen prefix's output from an activation cache
+            whenever blocks are frozen; ``"auto"`` only while a lookup is measured faster than
+            the prefix; ``False`` (default) never. See docs/cache.md.
+        cache_key: ``"content"`` (default): a fingerprint of each sample's input to the frozen
+            prefix, exact even with random augmentation (it just misses). ``"index"``: the
+            ``"index"`` entry of a dict batch, the paper's choice: it reuses the first augmented
+            view it saw, which changes training when augmentation is random.
+        cache_dir: node-local directory for entries beyond ``cache_memory``; default
+            ``<default_root_dir>/pipetransformer_cache``.
+        cache_memory: host bytes for cached entries in memory; the rest spills to ``cache_dir``.
     """
 
     strategy_name = "pipetransformer"
@@ -91,6 +103,10 @@ class PipeTransformerStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: float = 1800.0,
         batch_policy: Literal["replica", "global"] = "replica",
+        cache: bool | Literal["auto"] = False,
+        cache_key: Literal["content", "index"] = "content",
+        cache_dir: str | None = None,
+        cache_memory: int = 4 * 2**30,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -107,6 +123,12 @@ class PipeTransformerStrategy(DDPStrategy):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
         if batch_policy not in ("replica", "global"):
             raise ValueError(f"batch_policy must be 'replica' or 'global', got {batch_policy!r}.")
+        if cache not in (False, True, "auto"):
+            raise ValueError(f"cache must be False, True or 'auto', got {cache!r}.")
+        if cache_key not in ("content", "index"):
+            raise ValueError(f"cache_key must be 'content' or 'index', got {cache_key!r}.")
+        if isinstance(cache_memory, bool) or not isinstance(cache_memory, int) or cache_memory < 0:
+            raise ValueError(f"cache_memory must be a number of bytes >= 0 (0: everything on disk), got {cache_memory!r}.")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -121,6 +143,12 @@ class PipeTransformerStrategy(DDPStrategy):
         self.frozen_cost = float(frozen_cost)
         self.layers = layers
         self.batch_policy = batch_policy
+        self.cache = cache
+        self.cache_key = cache_key
+        self.cache_dir = cache_dir
+        self.cache_memory = cache_memory
+        self._autocache: AutoCache | None = None
+        self._cache_include_pre = True
         self.stack: BlockStack | None = None
         self.planner: AutoPipe | None = None
         self._plan: Plan | None = None
@@ -191,6 +219,8 @@ class PipeTransformerStrategy(DDPStrategy):
         if self._restored is not None:
             self._auto_chunks = {int(k): int(m) for k, m in self._restored.get("auto_chunks", {}).items()}
         num_frozen = autofreeze.num_frozen if autofreeze is not None else 0
+        if self.cache:
+            self._setup_cache(trainer, autofreeze)
         self._ddp_init_sync = True
         if self.world_size > 1:
             # AutoDP: agree on rank 0's plan and make the active group before DDP wraps on it.
@@ -209,6 +239,26 @@ class PipeTransformerStrategy(DDPStrategy):
         # Each optimizer state tensor belongs with its parameter, which may sit on another
         # stage's device than the root one DDPStrategy.setup moved everything to.
         _optimizer_state_to_param_devices(self.optimizers)
+
+    def _setup_cache(self, trainer: pl.Trainer, autofreeze: Any) -> None:
+        """AutoCache: check the directory now (before training) and key on the right inputs."""
+        assert self.stack is not None
+        directory = self.cache_dir or os.path.join(trainer.default_root_dir, "pipetransformer_cache")
+        probe_cache_dir(directory)
+        self._autocache = AutoCache(
+            self.cache, directory, self.cache_memory, write_through=self.num_processes > 1,
+            key=self.cache_key,
+        )
+        # With trainable embeddings the boundary depends on more than their inputs: key on the
+        # hidden state itself (exact, a little dearer) instead of the embeddings' inputs.
+        self._cache_include_pre = bool(autofreeze is None or autofreeze.freeze_embeddings)
+        if self._cache_include_pre:
+            self._autocache.attach(self.stack)
+
+    @property
+    def cache_stats(self) -> dict[str, float] | None:
+        """AutoCache hits, misses and bytes of the current boundary (``None`` without a cache)."""
+        return self._autocache.stats() if self._autocache is not None else None
 
     def _check_supported(self, trainer: pl.Trainer) -> None:
         if self.num_processes > 1 and self.pipe_len > 1 and self.root_device.type != "cpu":
@@ -355,7 +405,16 @@ class PipeTransformerStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self.is_active:
             return elastic.idle_loss(self.root_device)
+        self._index_keys_from(args, kwargs, "train")
         return super().training_step(*args, **kwargs)
+
+    def _index_keys_from(self, args: tuple[Any, ...], kwargs: dict[str, Any], stage: str) -> None:
+        """cache_key='index': hand the batch's sample indices to AutoCache before the forward."""
+        if self._autocache is None or self.cache_key != "index" or self._autocache.store is None:
+            return
+        batch = args[0] if args else kwargs.get("batch")
+        loader = args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0)
+        self._autocache.set_batch(batch, f"{stage}{loader}")
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -368,15 +427,33 @@ class PipeTransformerStrategy(DDPStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return super().validation_step(*args, **kwargs) if self.is_active else None
+        if not self.is_active:
+            return None
+        self._index_keys_from(args, kwargs, "val")
+        return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return super().test_step(*args, **kwargs) if self.is_active else None
+        if not self.is_active:
+            return None
+        self._index_keys_from(args, kwargs, "test")
+        return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return super().predict_step(*args, **kwargs) if self.is_active else None
+        if not self.is_active:
+            return None
+        self._index_keys_from(args, kwargs, "predict")
+        return super().predict_step(*args, **kwargs)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        # Once per epoch: AutoCache's counters (cumulative) to the user's loggers.
+        if batch_idx == 0 and self._autocache is not None and self.is_global_zero and self.lightning_module is not None:
+            trainer = self.lightning_module.trainer
+            for logger in trainer.loggers:
+                logger.log_metrics(self._autocache.stats(), step=trainer.global_step)
 
     # ------------------------------------------------------------------ collectives: data on the active group, control on all
 
@@ -526,6 +603,8 @@ class PipeTransformerStrategy(DDPStrategy):
                 self._log_plan(plan)
             return
         devices = self.stage_devices
+        if self._autocache is not None and self._cached_runner(plan, devices, announce):
+            return
         pipeline = Pipeline(self.stack.blocks, plan.partition, devices, chunks=plan.chunks, num_frozen=plan.num_frozen)
         pipeline.place()
         self._pipeline = pipeline
@@ -536,6 +615,33 @@ class PipeTransformerStrategy(DDPStrategy):
             install_pipeline(self.stack.container, _ReturnTo(runner, devices[0]))  # type: ignore[arg-type]
         if announce:
             self._log_plan(plan)
+
+    def _cached_runner(self, plan: Plan, devices: tuple[torch.device, ...], announce: bool) -> bool:
+        """Install the AutoCache runner for ``plan``; False when nothing is cached at this boundary."""
+        cache, stack = self._autocache, self.stack
+        assert cache is not None and stack is not None
+        store = cache.store
+        if store is None or store.boundary != plan.num_frozen:
+            # One process advances the previous boundary's entries; with several, each replica
+            # starts the new boundary cold (correct, slower: see docs/cache.md).
+            cache.move_boundary(
+                stack, plan.num_frozen, self._cache_include_pre, devices[0],
+                shard=(0, 1), advance=self.world_size == 1,
+            )
+        if cache.store is None:
+            return False
+        blocks = stack.blocks
+        balance, stages = active_balance(plan.partition, plan.num_frozen)
+        for block in blocks[: plan.num_frozen]:
+            block.to(devices[0])  # the misses run the frozen prefix where the hidden state is
+        chunks = plan.chunks if self.chunks != "auto" else self._auto_chunks.get(len(balance), 1)
+        active = Pipeline(blocks[plan.num_frozen :], balance, [devices[i] for i in stages], chunks=chunks).place()
+        self._pipeline = active
+        runner = CachedStack(cache, blocks, plan.num_frozen, _ReturnTo(active, devices[0]))
+        install_pipeline(stack.container, runner)  # type: ignore[arg-type]
+        if announce:
+            self._log_plan(plan)
+        return True
 
     def _chunks_measured(self, pipe_len: int, chunks: int) -> None:
         self._auto_chunks[pipe_len] = chunks
@@ -592,6 +698,8 @@ class PipeTransformerStrategy(DDPStrategy):
     def teardown(self) -> None:
         if self.stack is not None:
             remove_pipeline(self.stack.container)
+        if self._autocache is not None:
+            self._autocache.detach()
         self._pipeline = None
         super().teardown()
 

@@ -212,3 +212,33 @@ def reference_with(schedule):
     if key not in _reference_with:
         _reference_with[key] = fit("bert", "auto", schedule=schedule)[0].state_dict()
     return _reference_with[key]
+
+
+@pytest.mark.parametrize("pipe_len", [1, 2])
+def test_cache_on_equals_cache_off(tmp_path, pipe_len):
+    schedule = {1: 1, 2: 3}
+    cached, trainer = fit(
+        "bert", PipeTransformerStrategy(pipe_len=pipe_len, chunks=2, cache=True, cache_dir=str(tmp_path)),
+        schedule=schedule, max_epochs=4,
+    )
+    stats = trainer.strategy.cache_stats
+    # Epoch 1 fills boundary 1, epoch 2 advances it to 3, epochs 2-3 hit: 24 samples per epoch.
+    assert stats["autocache/boundary"] == 3 and stats["autocache/hits"] >= 24
+    plain, _ = fit("bert", "auto", schedule=schedule, max_epochs=4)
+    assert_close_state(cached.state_dict(), plain.state_dict(), rtol=1e-4, atol=1e-5)
+
+
+def test_cache_dir_not_writable_fails_before_training(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    Steps.count = 0
+    with pytest.raises(ValueError, match="cache_dir"):
+        trainer_for(PipeTransformerStrategy(cache=True, cache_dir=str(blocker / "c")), [AutoFreeze(), Steps()]).fit(
+            Classifier("bert"), data_for("bert")
+        )
+    assert Steps.count == 0
+
+
+def test_index_cache_key_needs_dict_batches(tmp_path):
+    with pytest.raises(ValueError, match="index"):
+        fit("bert", PipeTransformerStrategy(cache=True, cache_key="index", cache_dir=str(tmp_path)), schedule={1: 1})
