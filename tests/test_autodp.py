@@ -25,6 +25,7 @@ import pytest
 import torch
 from torch import nn
 
+from launch import clean_env
 from models import TextClassifier, text_dataset
 from train_reference import freeze_by_hand
 
@@ -35,9 +36,11 @@ PIPE_LEN = {0: 4, 1: 2, 2: 1}
 NUM_SAMPLES = 32
 
 
-def launch(out: Path, port: int, *args: str, timeout: float = 240, cleanup: bool = True) -> subprocess.CompletedProcess:
+def launch(out: Path, *args: str, timeout: float = 240, cleanup: bool = True) -> subprocess.CompletedProcess:
     """Rank 0 in a session of its own (Lightning starts ranks 1..3 from it); never waits past ``timeout``."""
-    env = {**os.environ, "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
+    # A clean environment (no MASTER_*/RANK/PL_GLOBAL_SEED left by Trainers run in this process: the
+    # seed would change the sampler's permutation) and a free port.
+    env = clean_env()
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), "--out", str(out), *args], env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -106,8 +109,7 @@ def assert_replicas_identical_and_match(ranks: list[dict], expected: dict[str, t
     ],
 )
 def test_idle_ranks_join_as_pipeline_shrinks_and_match_reference(tmp_path, policy, batch_size, per_replica, global_batch):
-    port = 29611 if policy == "global" else 29612
-    proc = launch(tmp_path, port, "--policy", policy, "--batch-size", str(batch_size))
+    proc = launch(tmp_path, "--policy", policy, "--batch-size", str(batch_size))
     assert proc.returncode == 0, proc.stdout[-5000:]
     ranks = results(tmp_path)
 
@@ -130,13 +132,13 @@ def test_idle_ranks_join_as_pipeline_shrinks_and_match_reference(tmp_path, polic
 def test_checkpoint_with_idle_ranks_then_resume_equals_uninterrupted(tmp_path):
     # 2 epochs (the checkpoint is written while ranks 2 and 3 are idle, K = 2), then resume to 3.
     (tmp_path / "first").mkdir()
-    first = launch(tmp_path / "first", 29613, "--mode", "first")
+    first = launch(tmp_path / "first", "--mode", "first")
     assert first.returncode == 0, first.stdout[-5000:]
     ckpt = tmp_path / "first" / "ckpt" / "last.ckpt"
     saved = torch.load(ckpt, weights_only=False)
     assert saved["pipetransformer"]["plan"]["active_ranks"] == [0, 1]
     (tmp_path / "resumed").mkdir()
-    resumed = launch(tmp_path / "resumed", 29614, "--mode", "resume", "--ckpt", str(ckpt))
+    resumed = launch(tmp_path / "resumed", "--mode", "resume", "--ckpt", str(ckpt))
     assert resumed.returncode == 0, resumed.stdout[-5000:]
     ranks = results(tmp_path / "resumed")
     assert all(r["global_step"] == 12 and r["epochs"][2]["replicas"] == 4 for r in ranks)
@@ -148,7 +150,7 @@ def test_a_dead_rank_ends_the_run_with_an_error_not_a_hang(tmp_path):
     # The timeout must also cover start-up (the rendezvous) on a loaded 2-core machine.
     timeout = 60.0
     start = time.monotonic()
-    proc = launch(tmp_path, 29615, "--mode", "kill", "--timeout", str(timeout), timeout=3 * timeout + 60, cleanup=False)
+    proc = launch(tmp_path, "--mode", "kill", "--timeout", str(timeout), timeout=3 * timeout + 60, cleanup=False)
     try:
         assert proc.returncode != 0, proc.stdout[-5000:]
         assert not any((tmp_path / f"rank{r}.pt").exists() for r in range(4))
