@@ -59,15 +59,21 @@ def run_blocks(blocks: Sequence[nn.Module]) -> Callable[..., Tensor]:
 
 
 class _InputRecorder:
-    """A forward pre-hook on the first module before the stack: remembers its inputs for keying."""
+    """A forward hook on the first module before the stack: its last inputs and output.
+
+    The inputs stand for the hidden state only if that very output tensor is what reaches the
+    stack (checked by identity in :meth:`AutoCache.keys_for`): a second embedding added to it, or
+    the module called again for another input, makes the stack's input a different tensor, and
+    the hidden state itself is hashed instead.
+    """
 
     def __init__(self) -> None:
-        self.pending: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self.pending: tuple[tuple[Any, ...], dict[str, Any], Any] | None = None
 
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.pending = (args, kwargs)
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        self.pending = (args, kwargs, output)
 
-    def take(self) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    def take(self) -> tuple[tuple[Any, ...], dict[str, Any], Any] | None:
         pending, self.pending = self.pending, None
         return pending
 
@@ -85,10 +91,20 @@ class CachedStack:
     def __call__(self, hidden: Tensor, *args: Any, **kwargs: Any) -> Any:
         cache = self.cache
         store = cache.store
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            # Something before the frozen blocks still trains (freeze_embeddings=False): the
+            # gradient must flow through the frozen blocks, so there is nothing to cache.
+            cache.skip_once("the input of the frozen blocks requires grad (trainable embeddings)")
+            return self.active(self._prefix(hidden, *args, **kwargs), *args, **kwargs)
         if store is None or not cache.enabled:
             return self.active(self._prefix_plain(hidden, args, kwargs), *args, **kwargs)
         batch = hidden.shape[0]
         keys = cache.keys_for(hidden, args, kwargs)
+        try:
+            extras = pack_block_inputs(args, kwargs, batch)
+        except TypeError as err:
+            cache.skip_once(f"a block argument cannot be stored per sample ({err})")
+            keys = None
         if keys is None:
             return self.active(self._prefix_plain(hidden, args, kwargs), *args, **kwargs)
         timing: dict[str, float] = {}
@@ -103,7 +119,7 @@ class CachedStack:
 
         start = time.perf_counter()
         boundary, hit_mask = cached_prefix(
-            store, keys, compute, extras=pack_block_inputs(args, kwargs, batch),
+            store, keys, compute, extras=extras,
             sample_shape=hidden.shape[1:], dtype=hidden.dtype, device=hidden.device,
         )
         total = time.perf_counter() - start
@@ -158,6 +174,17 @@ class AutoCache:
         self._recorder = _InputRecorder()
         self._hook: Any = None
         self._stats_total = CacheStats()
+        self._skipped: set[str] = set()
+        #: Mixed into the prefix fingerprint (e.g. the precision), so runs that differ there never share entries.
+        self.fingerprint_extra = ""
+        #: Index keys are only unique within one set-up (one loader, one run): prefix them with this.
+        self.namespace = ""
+
+    def skip_once(self, reason: str) -> None:
+        """Run without the cache for this batch; warn the first time for each reason."""
+        if reason not in self._skipped:
+            self._skipped.add(reason)
+            _warn(f"AutoCache is not used for these batches: {reason}. Results are exact; only the speed-up is lost.")
 
     # ------------------------------------------------------------------ wiring
 
@@ -165,7 +192,7 @@ class AutoCache:
         """Record the inputs of the first module before the stack (cheap keys)."""
         self.detach()
         if stack.pre:
-            self._hook = stack.pre[0][1].register_forward_pre_hook(self._recorder, with_kwargs=True)
+            self._hook = stack.pre[0][1].register_forward_hook(self._recorder, with_kwargs=True)
 
     def detach(self) -> None:
         if self._hook is not None:
@@ -179,7 +206,8 @@ class AutoCache:
                 "cache_key='index' needs dict batches with an 'index' entry (the dataset index of each sample); "
                 f"got a {type(batch).__name__} batch. Add the index in your Dataset/collate_fn, or use cache_key='content'."
             )
-        self._index_keys = index_keys(batch["index"], namespace)
+        keys = index_keys(batch["index"], f"{self.namespace}{namespace}")
+        self._index_keys = keys if self.store is not None and self.enabled else None
 
     def keys_for(self, hidden: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str] | None:
         """Keys of what enters the frozen prefix, or ``None`` when they cannot be exact."""
@@ -193,8 +221,8 @@ class AutoCache:
                 )
             return keys
         pending = self._recorder.take()
-        first = _first_batch_tensor(pending) if pending is not None else None
-        source: Any = pending if first is not None and first.shape[0] == batch else hidden
+        # The embeddings' inputs name the hidden state only if their output is this very tensor.
+        source: Any = (pending[0], pending[1]) if pending is not None and pending[2] is hidden else hidden
         try:
             return content_keys(source, args, kwargs, batch_size=batch)
         except TypeError:
@@ -221,7 +249,8 @@ class AutoCache:
             _warn(f"AutoCache turned off: {err}")
             return
         self.store = ActivationStore(
-            self.cache_dir, prefix_fingerprint(stack, num_frozen, include_pre), num_frozen, self.memory_budget,
+            self.cache_dir, prefix_fingerprint(stack, num_frozen, include_pre, extra=self.fingerprint_extra),
+            num_frozen, self.memory_budget,
             storage_dtype=self.storage_dtype, write_through=self.write_through,
         )
         self._verified = False
@@ -275,19 +304,6 @@ class AutoCache:
         metrics["autocache/enabled"] = float(self.enabled)
         metrics["autocache/boundary"] = float(self.store.boundary)
         return metrics
-
-
-def _first_batch_tensor(value: Any) -> Tensor | None:
-    if isinstance(value, Tensor):
-        return value if value.dim() > 0 else None
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (tuple, list)):
-        for item in value:
-            found = _first_batch_tensor(item)
-            if found is not None:
-                return found
-    return None
 
 
 def _warn(message: str) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import uuid
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -216,6 +217,7 @@ class PipeTransformerStrategy(DDPStrategy):
         else:
             self.stack = block_stack_of(module, self.layers)
         self.planner = self._make_planner()
+        self._check_layer_outputs(module)
         if self._restored is not None:
             self._auto_chunks = {int(k): int(m) for k, m in self._restored.get("auto_chunks", {}).items()}
         num_frozen = autofreeze.num_frozen if autofreeze is not None else 0
@@ -249,6 +251,10 @@ class PipeTransformerStrategy(DDPStrategy):
             self.cache, directory, self.cache_memory, write_through=self.num_processes > 1,
             key=self.cache_key,
         )
+        # Entries computed at another precision must never be returned; index keys are only
+        # unique within this set-up (this run, these loaders).
+        self._autocache.fingerprint_extra = f"precision={trainer.precision}"
+        self._autocache.namespace = uuid.uuid4().hex[:12] + "-"
         # With trainable embeddings the boundary depends on more than their inputs: key on the
         # hidden state itself (exact, a little dearer) instead of the embeddings' inputs.
         self._cache_include_pre = bool(autofreeze is None or autofreeze.freeze_embeddings)
@@ -259,6 +265,20 @@ class PipeTransformerStrategy(DDPStrategy):
     def cache_stats(self) -> dict[str, float] | None:
         """AutoCache hits, misses and bytes of the current boundary (``None`` without a cache)."""
         return self._autocache.stats() if self._autocache is not None else None
+
+    def _check_layer_outputs(self, module: torch.nn.Module) -> None:
+        """Per-layer outputs cannot come out of one pipeline call (or a cache): refuse them up front."""
+        if self.pipe_len == 1 and self.chunks == 1 and not self.cache:
+            return
+        for name, sub in module.named_modules():
+            config = getattr(sub, "config", None)
+            asked = [flag for flag in ("output_hidden_states", "output_attentions") if getattr(config, flag, False)]
+            if asked:
+                raise ValueError(
+                    f"{name or type(module).__name__}.config.{asked[0]}=True asks for every layer's output, which a "
+                    "pipelined or cached block stack does not produce. Set it to False, or use pipe_len=1, chunks=1, "
+                    "cache=False."
+                )
 
     def _check_supported(self, trainer: pl.Trainer) -> None:
         if self.num_processes > 1 and self.pipe_len > 1 and self.root_device.type != "cpu":
@@ -410,10 +430,12 @@ class PipeTransformerStrategy(DDPStrategy):
 
     def _index_keys_from(self, args: tuple[Any, ...], kwargs: dict[str, Any], stage: str) -> None:
         """cache_key='index': hand the batch's sample indices to AutoCache before the forward."""
-        if self._autocache is None or self.cache_key != "index" or self._autocache.store is None:
+        if self._autocache is None or self.cache_key != "index":
             return
         batch = args[0] if args else kwargs.get("batch")
         loader = args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0)
+        # Checked from the first batch on, not only once blocks are frozen: a wrong batch type
+        # must fail in the first step, not hours later at the first freeze.
         self._autocache.set_batch(batch, f"{stage}{loader}")
 
     @override
@@ -635,9 +657,14 @@ class PipeTransformerStrategy(DDPStrategy):
         for block in blocks[: plan.num_frozen]:
             block.to(devices[0])  # the misses run the frozen prefix where the hidden state is
         chunks = plan.chunks if self.chunks != "auto" else self._auto_chunks.get(len(balance), 1)
-        active = Pipeline(blocks[plan.num_frozen :], balance, [devices[i] for i in stages], chunks=chunks).place()
-        self._pipeline = active
-        runner = CachedStack(cache, blocks, plan.num_frozen, _ReturnTo(active, devices[0]))
+        if balance:
+            active = Pipeline(blocks[plan.num_frozen :], balance, [devices[i] for i in stages], chunks=chunks).place()
+            self._pipeline = active
+            run_active: Any = _ReturnTo(active, devices[0])
+        else:  # every block frozen (min_active=0): the head reads the boundary directly
+            self._pipeline = None
+            run_active = _boundary_only
+        runner = CachedStack(cache, blocks, plan.num_frozen, run_active)
         install_pipeline(stack.container, runner)  # type: ignore[arg-type]
         if announce:
             self._log_plan(plan)
@@ -724,6 +751,10 @@ class _ReturnTo:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return _to_device(self.pipeline(*args, **kwargs), self.device)
+
+
+def _boundary_only(hidden: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    return hidden
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

@@ -129,3 +129,63 @@ def test_unwritable_cache_dir_is_a_clear_error(tmp_path):
     with pytest.raises(CacheConfigError, match="cache_dir"):
         probe_cache_dir(str(blocker / "cache"))
     probe_cache_dir(str(tmp_path / "ok"))
+
+
+class TwoEmbeddings(torch.nn.Module):
+    """The hidden state is tok(ids) + seg(segments): the first embedding's inputs do not name it."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = torch.nn.Embedding(VOCAB, 8)
+        self.seg = torch.nn.Embedding(2, 8)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, ids, segments):
+        hidden = self.tok(ids) + self.seg(segments)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return hidden
+
+
+def test_keys_follow_the_hidden_state_not_only_the_first_embedding(tmp_path):
+    torch.manual_seed(0)
+    model, plain = TwoEmbeddings(), TwoEmbeddings()
+    plain.load_state_dict(model.state_dict())
+    cache = AutoCache(True, str(tmp_path), 10**7)
+    install(model, cache, 2)
+    apply_freeze(find_block_stack(plain), 2, include_pre=True)
+    ids = torch.randint(0, VOCAB, (4, SEQ))
+    zeros, ones = torch.zeros_like(ids), torch.ones_like(ids)
+    with torch.no_grad():
+        model(ids, zeros)
+        out = model(ids, ones)  # same ids, other segments: must not hit the zeros' entries
+        torch.testing.assert_close(out, plain(ids, ones))
+
+
+class PairEncoder(torch.nn.Module):
+    """Embeds two inputs, then runs the stack on the first: the recorder saw the second call last."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = torch.nn.Embedding(VOCAB, 8)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, a, b):
+        first, _second = self.tok(a), self.tok(b)
+        for block in self.blocks:
+            first = block(first)
+        return first
+
+
+def test_pair_model_keys_on_what_reaches_the_stack(tmp_path):
+    torch.manual_seed(0)
+    model, plain = PairEncoder(), PairEncoder()
+    plain.load_state_dict(model.state_dict())
+    cache = AutoCache(True, str(tmp_path), 10**7)
+    install(model, cache, 2)
+    apply_freeze(find_block_stack(plain), 2, include_pre=True)
+    x, y, z = (torch.randint(0, VOCAB, (4, SEQ)) for _ in range(3))
+    with torch.no_grad():
+        model(x, y)
+        model(x, y)  # hits (and the first-hit verification passes)
+        torch.testing.assert_close(model(z, y), plain(z, y))  # z was never seen: must not get x's entry

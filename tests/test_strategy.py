@@ -239,6 +239,35 @@ def test_cache_dir_not_writable_fails_before_training(tmp_path):
     assert Steps.count == 0
 
 
-def test_index_cache_key_needs_dict_batches(tmp_path):
+def test_index_cache_key_needs_dict_batches_from_the_first_step(tmp_path):
+    Steps.count = 0
     with pytest.raises(ValueError, match="index"):
-        fit("bert", PipeTransformerStrategy(cache=True, cache_key="index", cache_dir=str(tmp_path)), schedule={1: 1})
+        trainer_for(PipeTransformerStrategy(cache=True, cache_key="index", cache_dir=str(tmp_path)),
+                    [AutoFreeze(schedule={1: 1}), Steps()]).fit(Classifier("bert"), data_for("bert"))
+    assert Steps.count == 1  # the first step, long before the first freeze
+
+
+def test_cache_with_trainable_embeddings_and_with_everything_frozen(tmp_path):
+    # freeze_embeddings=False: gradients must still reach the embeddings through frozen blocks.
+    module = Classifier("bert")
+    trainer_for(PipeTransformerStrategy(cache=True, cache_dir=str(tmp_path / "a")),
+                [AutoFreeze(schedule={1: 2}, freeze_embeddings=False)]).fit(module, data_for("bert"))
+    plain = Classifier("bert")
+    trainer_for("auto", [AutoFreeze(schedule={1: 2}, freeze_embeddings=False)]).fit(plain, data_for("bert"))
+    assert_close_state(module.state_dict(), plain.state_dict())
+    # min_active=0 with every block frozen: only the head trains, on cached boundaries.
+    module = Classifier("bert")
+    trainer_for(PipeTransformerStrategy(cache=True, cache_dir=str(tmp_path / "b")),
+                [AutoFreeze(schedule={1: 4}, min_active=0)]).fit(module, data_for("bert"))
+    plain = Classifier("bert")
+    trainer_for("auto", [AutoFreeze(schedule={1: 4}, min_active=0)]).fit(plain, data_for("bert"))
+    assert_close_state(module.state_dict(), plain.state_dict(), rtol=1e-4, atol=1e-5)
+
+
+def test_per_layer_outputs_are_refused_before_training():
+    module = Classifier("bert")
+    module.model.config.output_hidden_states = True
+    Steps.count = 0
+    with pytest.raises(ValueError, match="output_hidden_states"):
+        trainer_for(PipeTransformerStrategy(pipe_len=2), [Steps()]).fit(module, data_for("bert"))
+    assert Steps.count == 0
