@@ -49,6 +49,9 @@ class ChunkTuner:
 
     def __call__(self, hidden: Tensor, *args: Any, **kwargs: Any) -> Any:
         if self.pipeline is None:
+            if not (torch.is_grad_enabled() and any(b.training for b in self.blocks)):
+                # A sanity-check or validation batch: forward only, not what training costs.
+                return self._pipeline(1)(hidden, *args, **kwargs)
             self.pipeline = self._tune(hidden, args, kwargs)
         return self.pipeline(hidden, *args, **kwargs)
 
@@ -57,7 +60,21 @@ class ChunkTuner:
 
     def _tune(self, hidden: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Pipeline:
         k = len(self.balance)
-        candidates = [m for m in chunk_candidates(k) if m <= hidden.shape[0]] or [1]
+        # Micro-batches of one sample are never faster and break batch statistics: M <= B/2.
+        candidates = [m for m in chunk_candidates(k) if m <= max(1, hidden.shape[0] // 2)] or [1]
+        # The timing runs must leave no trace: same random stream (dropout) and same buffers
+        # (BatchNorm running statistics) as a run with the chosen M fixed.
+        buffers = [(b, b.detach().clone()) for block in self.blocks for b in block.buffers()]
+        devices = [d for d in {*self.devices} if d.type == "cuda"]
+        with torch.random.fork_rng(devices=devices):
+            chosen = self._time(k, candidates, hidden, args, kwargs)
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        self.on_choice(k, chosen)
+        return self._pipeline(chosen)
+
+    def _time(self, k: int, candidates: list[int], hidden: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
         params = [p for b in self.blocks for p in b.parameters() if p.requires_grad]
         timings: dict[int, float] = {}
         probe = hidden.detach()
@@ -72,9 +89,7 @@ class ChunkTuner:
                 _synchronize(self.devices)
                 best = min(best, time.perf_counter() - start)
             timings[m] = best
-        chosen = min(timings, key=timings.__getitem__)  # ties: the smaller M
-        self.on_choice(k, chosen)
-        return self._pipeline(chosen)
+        return min(timings, key=timings.__getitem__)  # ties: the smaller M
 
 
 def _synchronize(devices: Sequence[torch.device]) -> None:
