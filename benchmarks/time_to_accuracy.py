@@ -576,6 +576,10 @@ mean final accuracy no more than 0.3 points below the baseline's.
 - Determinism: each seed fixes the data order, the classifier-head initialisation and dropout. A
   frozen block runs in eval mode (no dropout), so frozen variants draw fewer random numbers, and
   their dropout masks differ from the baseline's after the first freeze.
+- Length buckets (`--padding bucket`, the default, the same for every variant): a batch holds
+  samples of one padded length, so each bucket ends with a partial batch (a few % more, smaller
+  steps per epoch than plain batching), and a batch's label mix follows its length bucket's.
+  `--padding trim` reproduces the example's loader, at about twice the tokens per batch.
 - The validation set is one fixed split by movie, so the spread over seeds does not include the
   split's own sampling error. At ~5,000 snippets that error is about 0.6 points.
 
@@ -676,7 +680,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if kind in args.kinds:
             variants += [Variant(kind, a, t) for a, t in args.alpha_list]  # type: ignore[arg-type]
     requested = list(variants)
-    cache_note = "" if has_cache else "variant 3 needs AutoCache (not merged yet): it was skipped."
+    cache_note = "" if has_cache else "**Skipped in this run: variant 3 needs AutoCache (not merged yet).**"
     if not has_cache and any(v.kind == "cache" for v in variants):
         print("time_to_accuracy: variant 3 needs AutoCache (not merged yet): PipeTransformerStrategy takes no cache= argument; skipping it.", flush=True)  # fmt: skip
         variants = [v for v in variants if v.kind != "cache"]
