@@ -97,6 +97,8 @@ def _cache_hits(trainer: pl.Trainer) -> str:
         stats = {k: getattr(stats, k) for k in ("hits", "misses", "hit_rate") if hasattr(stats, k)}
         if not stats:
             return MISSING
+    # The strategy reports logger-ready names ("autocache/hits"); plain names work too.
+    stats = {str(k).rsplit("/", 1)[-1]: v for k, v in stats.items()}
     hits, misses = stats.get("hits"), stats.get("misses")
     if isinstance(hits, (int, float)) and isinstance(misses, (int, float)) and hits + misses > 0:
         return f"{int(hits)}/{int(hits + misses)} ({hits / (hits + misses):.0%})"

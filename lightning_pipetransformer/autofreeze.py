@@ -199,7 +199,7 @@ class AutoFreeze(Callback):
         self._norm_steps += 1
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        pl_module.log("autofreeze/num_frozen", float(self.num_frozen), on_step=False, on_epoch=True, sync_dist=False)
+        pl_module.log("autofreeze/num_frozen", float(self.num_frozen), on_step=False, on_epoch=True, sync_dist=True)
 
     # ------------------------------------------------------------------ decisions
 

@@ -11,7 +11,7 @@ start=$(date +%s)
 
 bash scripts/setup.sh
 PY=.venv/bin/python  # setup.sh installs the dev extras: LightningCLI's jsonargparse, matplotlib
-"$PY" examples/assets.py fetch
+"$PY" examples/assets.py fetch minilm-l6 rotten-tomatoes
 
 "$PY" examples/text_classification.py fit --config examples/configs/text_minilm.yaml \
     --data.train_size 1500 --data.val_size 1000 --data.max_length 64 \
