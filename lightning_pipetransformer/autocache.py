@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from .core.cache_advance import advance_store, cached_prefix, pack_block_inputs, select_rows
 from .core.cache_keys import content_keys, index_keys
-from .core.cache_store import ActivationStore, CacheStats
+from .core.cache_store import ActivationStore
 from .core.cache_validity import check_deterministic, prefix_fingerprint, prefix_modules
 from .core.discovery import BlockStack
 from .core.pipeline import hidden_of
@@ -173,7 +173,6 @@ class AutoCache:
         self._verified = False
         self._recorder = _InputRecorder()
         self._hook: Any = None
-        self._stats_total = CacheStats()
         self._skipped: set[str] = set()
         #: Mixed into the prefix fingerprint (e.g. the precision), so runs that differ there never share entries.
         self.fingerprint_extra = ""

@@ -153,7 +153,6 @@ class PipeTransformerStrategy(DDPStrategy):
         self.stack: BlockStack | None = None
         self.planner: AutoPipe | None = None
         self._plan: Plan | None = None
-        self._pipeline: Pipeline | None = None
         self._restored: dict[str, Any] | None = None
         self._auto_chunks: dict[int, int] = {}  # chunks="auto": the measured M per pipe length
         # AutoDP (several processes): the static control group over all ranks and the group of
@@ -620,7 +619,6 @@ class PipeTransformerStrategy(DDPStrategy):
         self._plan = plan
         remove_pipeline(self.stack.container)
         if not self.is_active:
-            self._pipeline = None  # a shadow rank runs no model
             if announce:
                 self._log_plan(plan)
             return
@@ -629,7 +627,6 @@ class PipeTransformerStrategy(DDPStrategy):
             return
         pipeline = Pipeline(self.stack.blocks, plan.partition, devices, chunks=plan.chunks, num_frozen=plan.num_frozen)
         pipeline.place()
-        self._pipeline = pipeline
         runner: Any = pipeline
         if tune:
             runner = ChunkTuner(self.stack.blocks, plan.partition, devices, plan.num_frozen, self._chunks_measured)
@@ -659,10 +656,8 @@ class PipeTransformerStrategy(DDPStrategy):
         chunks = plan.chunks if self.chunks != "auto" else self._auto_chunks.get(len(balance), 1)
         if balance:
             active = Pipeline(blocks[plan.num_frozen :], balance, [devices[i] for i in stages], chunks=chunks).place()
-            self._pipeline = active
             run_active: Any = _ReturnTo(active, devices[0])
         else:  # every block frozen (min_active=0): the head reads the boundary directly
-            self._pipeline = None
             run_active = _boundary_only
         runner = CachedStack(cache, blocks, plan.num_frozen, run_active)
         install_pipeline(stack.container, runner)  # type: ignore[arg-type]
@@ -727,7 +722,6 @@ class PipeTransformerStrategy(DDPStrategy):
             remove_pipeline(self.stack.container)
         if self._autocache is not None:
             self._autocache.detach()
-        self._pipeline = None
         super().teardown()
 
     @classmethod

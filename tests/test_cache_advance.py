@@ -6,8 +6,10 @@ from typing import Any
 
 import pytest
 import torch
+
 from transformers import BertConfig, BertModel
 
+from lightning_pipetransformer.autocache import run_blocks
 from lightning_pipetransformer.core.cache_advance import (
     advance_store,
     cached_prefix,
@@ -21,7 +23,7 @@ from lightning_pipetransformer.core.cache_store import ActivationStore
 from lightning_pipetransformer.core.cache_validity import prefix_fingerprint
 from lightning_pipetransformer.core.discovery import find_block_stack
 from lightning_pipetransformer.core.freezing import apply_freeze
-from lightning_pipetransformer.core.pipeline import hidden_of, install_pipeline, remove_pipeline
+from lightning_pipetransformer.core.pipeline import install_pipeline, remove_pipeline
 
 SEQ, VOCAB = 8, 50
 
@@ -42,15 +44,6 @@ def _batch(seed: int, n: int = 6, padded: bool = True) -> tuple[torch.Tensor, to
     if padded:
         mask[::2, SEQ - 3 :] = 0
     return ids, mask
-
-
-def _run_blocks(blocks: list[torch.nn.Module]):
-    def run(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        for block in blocks:
-            hidden = hidden_of(block(hidden, *args, **kwargs))
-        return hidden
-
-    return run
 
 
 class CachedStack:
@@ -74,13 +67,13 @@ class CachedStack:
             h, a, k = select_rows((hidden, args, kwargs), miss, batch)
             self.computed += h.shape[0]
             with torch.no_grad():
-                return _run_blocks(list(self.blocks[: self.num_frozen]))(h, *a, **k)
+                return run_blocks(list(self.blocks[: self.num_frozen]))(h, *a, **k)
 
         boundary, _ = cached_prefix(
             self.store, self.keys, compute, extras=pack_block_inputs(args, kwargs, batch),
             sample_shape=hidden.shape[1:], dtype=hidden.dtype, device=hidden.device,
         )
-        return _run_blocks(list(self.blocks[self.num_frozen :]))(boundary, *args, **kwargs)
+        return run_blocks(list(self.blocks[self.num_frozen :]))(boundary, *args, **kwargs)
 
 
 def _store(stack, num_frozen: int, path, budget: int = 10**6) -> ActivationStore:
@@ -126,9 +119,9 @@ def test_boundary_advance_equals_activations_from_scratch(tmp_path):
     apply_freeze(stack, 3, include_pre=True)
     dst = _store(stack, 3, tmp_path, budget=0)
     assert src.stats().entries_in_memory == 8
-    assert advance_store(src, dst, _run_blocks(stack.blocks[1:3]), batch_size=4) == 17
+    assert advance_store(src, dst, run_blocks(stack.blocks[1:3]), batch_size=4) == 17
     assert src.stats().entries_in_memory == 0  # released as they were advanced
-    assert advance_store(src, dst, _run_blocks(stack.blocks[1:3])) == 0  # idempotent
+    assert advance_store(src, dst, run_blocks(stack.blocks[1:3])) == 0  # idempotent
     for ids, mask in batches:
         captured: dict[str, torch.Tensor] = {}
         hook = stack.blocks[3].register_forward_pre_hook(lambda m, a: captured.setdefault("h", a[0]))
