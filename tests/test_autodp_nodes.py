@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from launch import clean_env
-from test_autodp import NUM_SAMPLES, SCHEDULE, _alive, assert_replicas_identical_and_match, reference
+from test_autodp import NUM_SAMPLES, SCHEDULE, assert_replicas_identical_and_match, reference
 
 SCRIPT = Path(__file__).parent / "scripts" / "autodp_nodes.py"
 NUM_NODES, DEVICES = 2, 2
@@ -38,6 +38,18 @@ PIPE_LEN = {0: 2, 1: 1, 2: 1}  # what the planner makes of SCHEDULE with frozen_
 REPLICAS = {0: 2, 1: 4, 2: 4}  # one replica per node, then every process
 STRATEGY_TIMEOUT = 120.0  # seconds, every collective (and the start-up rendezvous) of the run
 RUN_TIMEOUT = 300.0  # seconds for the whole 2-node run, start-up included, on a loaded 2-core machine
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, not yet reaped by its parent, counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
 
 
 def _kill_group(pid: int) -> None:
