@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 # Lightning (and torch.distributed) set these in the pytest process when a test runs a
 # Trainer there; a child that inherits them takes itself for a launched rank and waits forever.
@@ -27,3 +29,39 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def run_script(args: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], env=clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def launch_ranks(script: Path | str, out: Path, *args: str, timeout: float = 240, cleanup: bool = True) -> subprocess.CompletedProcess:
+    """Run ``script --out out *args`` as rank 0 of a multi-process Lightning run; never waits past ``timeout``.
+
+    Rank 0 gets a session of its own (Lightning starts the other ranks from it), so a hang or a
+    leftover rank is killed as one process group.
+    """
+    import pytest
+
+    # A clean environment (no MASTER_*/RANK/PL_GLOBAL_SEED left by Trainers run in this process: the
+    # seed would change the sampler's permutation) and a free port.
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "--out", str(out), *args], env=clean_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        stdout, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_session(proc.pid)
+        stdout, _ = proc.communicate()
+        pytest.fail(f"Multi-process run {Path(script).name} hung for {timeout}s:\n{stdout[-4000:]}")
+    if cleanup:
+        # A rank left over (e.g. still starting when rank 0 failed) would join the next run's
+        # rendezvous on a reused port.
+        kill_session(proc.pid)
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, "")
+    result.pid = proc.pid  # type: ignore[attr-defined]
+    return result
+
+
+def kill_session(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)  # rank 0's process group: the ranks it launched too
+    except ProcessLookupError:
+        pass

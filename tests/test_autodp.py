@@ -15,9 +15,7 @@ on ``perm`` in slices of the global batch ``b*R``.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-from launch import clean_env
+from launch import kill_session, launch_ranks
 from models import TextClassifier, text_dataset
 from train_reference import freeze_by_hand
 
@@ -37,34 +35,7 @@ NUM_SAMPLES = 32
 
 
 def launch(out: Path, *args: str, timeout: float = 240, cleanup: bool = True) -> subprocess.CompletedProcess:
-    """Rank 0 in a session of its own (Lightning starts ranks 1..3 from it); never waits past ``timeout``."""
-    # A clean environment (no MASTER_*/RANK/PL_GLOBAL_SEED left by Trainers run in this process: the
-    # seed would change the sampler's permutation) and a free port.
-    env = clean_env()
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--out", str(out), *args], env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
-    try:
-        stdout, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_session(proc.pid)
-        stdout, _ = proc.communicate()
-        pytest.fail(f"AutoDP run hung for {timeout}s:\n{stdout[-4000:]}")
-    if cleanup:
-        # A rank left over (e.g. still starting when rank 0 failed) would join the next run's
-        # rendezvous on a reused port.
-        kill_session(proc.pid)
-    result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, "")
-    result.pid = proc.pid  # type: ignore[attr-defined]
-    return result
-
-
-def kill_session(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)  # rank 0's process group: the ranks it launched too
-    except ProcessLookupError:
-        pass
+    return launch_ranks(SCRIPT, out, *args, timeout=timeout, cleanup=cleanup)
 
 
 def reference(global_batch: dict[int, int], epochs: int = 3) -> dict[str, torch.Tensor]:
@@ -118,7 +89,7 @@ def test_idle_ranks_join_as_pipeline_shrinks_and_match_reference(tmp_path, polic
         for epoch, seen in result["epochs"].items():
             assert (seen["pipe_len"], seen["replicas"], seen["num_frozen"]) == (PIPE_LEN[epoch], REPLICAS[epoch], SCHEDULE[epoch])
             batches = NUM_SAMPLES // global_batch[epoch]
-            if rank < REPLICAS[epoch]:  # local ranks 0..G/K-1 drive a replica
+            if rank % PIPE_LEN[epoch] == 0:  # local ranks j*K drive a replica (its first stage is their device)
                 assert seen["active"] and seen["batch_sizes"] == [per_replica[epoch]] * batches and not seen["idle_batches"]
             else:  # shadow rank: the same number of batches, none of them loaded
                 assert not seen["active"] and not seen["batch_sizes"] and seen["idle_batches"] == batches
@@ -130,13 +101,13 @@ def test_idle_ranks_join_as_pipeline_shrinks_and_match_reference(tmp_path, polic
 
 
 def test_checkpoint_with_idle_ranks_then_resume_equals_uninterrupted(tmp_path):
-    # 2 epochs (the checkpoint is written while ranks 2 and 3 are idle, K = 2), then resume to 3.
+    # 2 epochs (the checkpoint is written while ranks 1 and 3 are idle, K = 2), then resume to 3.
     (tmp_path / "first").mkdir()
     first = launch(tmp_path / "first", "--mode", "first")
     assert first.returncode == 0, first.stdout[-5000:]
     ckpt = tmp_path / "first" / "ckpt" / "last.ckpt"
     saved = torch.load(ckpt, weights_only=False)
-    assert saved["pipetransformer"]["plan"]["active_ranks"] == [0, 1]
+    assert saved["pipetransformer"]["plan"]["active_ranks"] == [0, 2]
     (tmp_path / "resumed").mkdir()
     resumed = launch(tmp_path / "resumed", "--mode", "resume", "--ckpt", str(ckpt))
     assert resumed.returncode == 0, resumed.stdout[-5000:]

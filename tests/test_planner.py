@@ -200,17 +200,21 @@ def test_active_ranks_two_nodes_of_eight() -> None:
     plans = {p.pipe_len: p for p in (planner.plan(f) for f in range(13))}
     assert sorted(plans) == [1, 2, 4, 8]
     assert plans[8].active_ranks == (0, 8)
-    assert plans[4].active_ranks == (0, 1, 8, 9)
-    assert plans[2].active_ranks == (0, 1, 2, 3, 8, 9, 10, 11)
+    assert plans[4].active_ranks == (0, 4, 8, 12)
+    assert plans[2].active_ranks == (0, 2, 4, 6, 8, 10, 12, 14)
     assert plans[1].active_ranks == tuple(range(16))
     assert plans[8].devices == (tuple(f"cuda:{i}" for i in range(8)),)
-    assert plans[4].devices_for(1) == ("cuda:4", "cuda:5", "cuda:6", "cuda:7")
-    assert plans[2].devices_for(3) == ("cuda:6", "cuda:7")
-    assert plans[4].num_replicas == 4 and plans[4].replica_index(9) == 3
+    # Each replica's first stage is its own process's device (local rank j*K -> cuda:j*K).
+    assert plans[4].devices_for(4) == ("cuda:4", "cuda:5", "cuda:6", "cuda:7")
+    assert plans[2].devices_for(6) == ("cuda:6", "cuda:7")
+    for k, plan in plans.items():
+        for rank in plan.active_ranks:
+            assert plan.devices_for(rank % 8)[0] == f"cuda:{rank % 8}"
+    assert plans[4].num_replicas == 4 and plans[4].replica_index(12) == 3
     assert not plans[4].is_active(2)
     with pytest.raises(ValueError, match="idle"):
         plans[4].replica_index(2)
-    with pytest.raises(ValueError, match="only local ranks 0..1"):
+    with pytest.raises(ValueError, match="only local ranks 0, 4 are active"):
         plans[4].devices_for(2)
 
 
@@ -218,7 +222,7 @@ def test_virtual_cpu_devices() -> None:
     planner = AutoPipe([1.0] * 6, devices_per_node=4, pipe_len=2, node_devices=["cpu"] * 4)
     plan = planner.plan(0)
     assert plan.devices == (("cpu", "cpu"), ("cpu", "cpu"))
-    assert plan.active_ranks == (0, 1) and plan.boundaries == (0, 3, 6)
+    assert plan.active_ranks == (0, 2) and plan.boundaries == (0, 3, 6)
 
 
 def test_state_dict_resumes_the_same_plans() -> None:

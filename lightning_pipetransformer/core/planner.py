@@ -9,12 +9,16 @@ with a :class:`Plan` that the strategy broadcasts, applies and checkpoints. The 
 * After a freeze, K -> K/2 while K/2 divides the devices per node and the optimal partition at
   K/2 has no stage costlier than the budget; a shorter pipeline has smaller bubbles, fewer
   copies, and frees devices for more replicas (AutoDP).
-* With G devices per node and pipe length K, local rank ``r`` drives devices
-  ``[r*K, (r+1)*K)``; local ranks ``0 .. G/K - 1`` are active on every node, and global rank is
+* With G devices per node and pipe length K, the local ranks that are multiples of K drive a
+  replica: local rank ``j*K`` drives devices ``[j*K, (j+1)*K)``, the others idle; global rank is
   ``node * G + local_rank``::
 
-      G = 8, K = 4:   local rank 0 -> cuda:0..3   local rank 1 -> cuda:4..7   (2 replicas/node)
-      G = 8, K = 2:   0 -> cuda:0,1   1 -> cuda:2,3   2 -> cuda:4,5   3 -> cuda:6,7
+      G = 8, K = 4:   local rank 0 -> cuda:0..3   local rank 4 -> cuda:4..7   (2 replicas/node)
+      G = 8, K = 2:   0 -> cuda:0,1   2 -> cuda:2,3   4 -> cuda:4,5   6 -> cuda:6,7
+
+  So a replica's first stage is always its process's own device (Lightning's root device for
+  that local rank): embeddings, head, optimizer state and DDP never move when K shrinks, and an
+  idle rank that joins already sits on the device it will drive.
 
 K never grows: costs only fall as F grows (``frozen_cost <= 1``), so each level's largest
 stage falls too and a halving that passed once passes again (with ``pin_frozen_prefix`` this
@@ -46,8 +50,8 @@ class Plan:
         pipe_len: K, the number of stages of each pipeline replica.
         chunks: M, the number of micro-batches per mini-batch.
         partition: the balance, blocks per stage (sums to the number of blocks).
-        devices: ``devices[r]`` are the K device names of local replica ``r`` (one per stage),
-            the same on every node; ``len(devices) == G / K``.
+        devices: ``devices[j]`` are the K device names of the node's replica ``j`` (one per
+            stage), driven by local rank ``j*K``; the same on every node; ``len(devices) == G / K``.
         active_ranks: the global ranks that drive a replica, ascending; the others idle.
         stage_costs: the weighted cost of each stage (for logs and the cost model).
         budget: the largest stage cost at the start, which compression must not exceed.
@@ -107,13 +111,14 @@ class Plan:
             raise ValueError(f"Rank {rank} is idle under this plan (active ranks {self.active_ranks}).") from None
 
     def devices_for(self, local_rank: int) -> tuple[str, ...]:
-        """The K devices local rank ``local_rank`` drives, one per stage."""
-        if not 0 <= local_rank < len(self.devices):
+        """The K devices local rank ``local_rank`` drives, one per stage (its own device first)."""
+        k = self.pipe_len
+        if local_rank % k or not 0 <= local_rank // k < len(self.devices):
             raise ValueError(
-                f"Local rank {local_rank} drives no pipeline at pipe_len={self.pipe_len}: "
-                f"only local ranks 0..{len(self.devices) - 1} are active."
+                f"Local rank {local_rank} drives no pipeline at pipe_len={k}: only local ranks "
+                f"{', '.join(str(j * k) for j in range(len(self.devices)))} are active."
             )
-        return self.devices[local_rank]
+        return self.devices[local_rank // k]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data (lists, ints, floats, strings) for broadcast and checkpoints."""
@@ -266,7 +271,7 @@ class AutoPipe:
             chunks=chunks,
             partition=balance,
             devices=tuple(self.node_devices[r * k : (r + 1) * k] for r in range(replicas)),
-            active_ranks=tuple(node * g + r for node in range(self.num_nodes) for r in range(replicas)),
+            active_ranks=tuple(node * g + j * k for node in range(self.num_nodes) for j in range(replicas)),
             stage_costs=per_stage,
             budget=self.budget,
         )
