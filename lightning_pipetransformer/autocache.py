@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
 from .core.cache_advance import advance_store, cached_prefix, pack_block_inputs, select_rows
@@ -38,7 +39,7 @@ from .core.cache_validity import check_deterministic, prefix_fingerprint, prefix
 from .core.discovery import BlockStack
 from .core.pipeline import hidden_of
 
-__all__ = ["AutoCache", "CachedStack", "StaleCacheError"]
+__all__ = ["AutoCache", "BoundarySync", "CachedStack", "StaleCacheError"]
 
 CacheMode = bool | Literal["auto"]
 
@@ -90,7 +91,7 @@ class CachedStack:
 
     def __call__(self, hidden: Tensor, *args: Any, **kwargs: Any) -> Any:
         cache = self.cache
-        store = cache.store
+        store = cache.current_store(self.num_frozen)
         if torch.is_grad_enabled() and hidden.requires_grad:
             # Something before the frozen blocks still trains (freeze_embeddings=False): the
             # gradient must flow through the frozen blocks, so there is nothing to cache.
@@ -174,6 +175,13 @@ class AutoCache:
         self._recorder = _InputRecorder()
         self._hook: Any = None
         self._skipped: set[str] = set()
+        # Several processes: the boundary to open once the weights are final (see defer_boundary),
+        # the store it replaces (advanced at the next sync_boundary) and where to advance it.
+        self._pending: tuple[BlockStack, int, bool, torch.device] | None = None
+        self._previous: ActivationStore | None = None
+        self._where: tuple[BlockStack, torch.device] | None = None
+        #: Entries this process advanced into the current store when it opened.
+        self.advanced = 0
         #: Mixed into the prefix fingerprint (e.g. the precision), so runs that differ there never share entries.
         self.fingerprint_extra = ""
         #: Index keys are only unique within one set-up (one loader, one run): prefix them with this.
@@ -206,7 +214,7 @@ class AutoCache:
                 f"got a {type(batch).__name__} batch. Add the index in your Dataset/collate_fn, or use cache_key='content'."
             )
         keys = index_keys(batch["index"], f"{self.namespace}{namespace}")
-        self._index_keys = keys if self.store is not None and self.enabled else None
+        self._index_keys = keys if (self.store is not None or self._pending is not None) and self.enabled else None
 
     def keys_for(self, hidden: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str] | None:
         """Keys of what enters the frozen prefix, or ``None`` when they cannot be exact."""
@@ -233,31 +241,19 @@ class AutoCache:
         self, stack: BlockStack, num_frozen: int, include_pre: bool, device: torch.device, shard: tuple[int, int],
         advance: bool = True,
     ) -> None:
-        """Open the store for boundary ``num_frozen``, advancing the previous one's entries."""
+        """Open the store for boundary ``num_frozen`` now, advancing the previous one's entries (one process)."""
         previous = self.store
-        if num_frozen == 0 or not self.mode:
+        self._pending = None
+        if self._previous is not None:
+            self._previous.clear()
+            self._previous = None
+        if not self._cacheable(stack, num_frozen, include_pre):
             self.store = None
             return
-        modules = prefix_modules(stack, num_frozen, include_pre)
-        try:
-            check_deterministic(modules)
-        except Exception as err:
-            if self.mode is True:
-                raise
-            self.enabled, self.store = False, None
-            _warn(f"AutoCache turned off: {err}")
-            return
-        self.store = ActivationStore(
-            self.cache_dir, prefix_fingerprint(stack, num_frozen, include_pre, extra=self.fingerprint_extra),
-            num_frozen, self.memory_budget,
-            storage_dtype=self.storage_dtype, write_through=self.write_through,
-        )
-        self._verified = False
-        if self.mode == "auto":
-            self.enabled = True  # measured again at this boundary
+        self.store = self._open(stack, num_frozen, include_pre)
         if previous is not None and previous.boundary < num_frozen and advance:
             with torch.no_grad():
-                advance_store(
+                self.advanced = advance_store(
                     previous, self.store, run_blocks(stack.blocks[previous.boundary : num_frozen]),
                     device=device, shard=shard,
                 )
@@ -265,6 +261,122 @@ class AutoCache:
                 previous.clear(disk=True)
             else:
                 previous.clear()
+
+    def defer_boundary(self, stack: BlockStack, num_frozen: int, include_pre: bool, device: torch.device) -> None:
+        """Several processes: check boundary ``num_frozen`` now, open its store later.
+
+        The store's directory is named by a fingerprint of the frozen weights, and a replica that
+        AutoDP adds receives those weights only after the new plan is applied: the store opens at
+        :meth:`sync_boundary` (every rank, right after the transition) or, failing that, at the
+        first forward (:meth:`current_store`). The current store is kept until then, so that its
+        entries can be advanced.
+        """
+        if self._pending is not None and self._pending[1] == num_frozen and self.store is None:
+            return
+        if self.store is not None and self.store.boundary == num_frozen:
+            self._pending = None
+            return
+        old, self.store = self.store, None
+        if old is not None:
+            if old.boundary < num_frozen:
+                if self._previous is not None:
+                    self._previous.clear()
+                self._previous = old
+            else:
+                old.clear()
+        self._where = (stack, device)
+        self._pending = (stack, num_frozen, include_pre, device) if self._cacheable(stack, num_frozen, include_pre) else None
+
+    def serves(self, num_frozen: int) -> bool:
+        """Whether boundary ``num_frozen`` is cached (its store open, or deferred)."""
+        if self.store is not None and self.store.boundary == num_frozen:
+            return True
+        return self._pending is not None and self._pending[1] == num_frozen
+
+    def current_store(self, num_frozen: int) -> ActivationStore | None:
+        """The store of boundary ``num_frozen``, opening a deferred one (cold) if it is still pending."""
+        if self.store is None and self._pending is not None and self._pending[1] == num_frozen:
+            self._open_pending()
+        store = self.store
+        return store if store is not None and store.boundary == num_frozen else None
+
+    def sync_boundary(self, group: Any, node: int = 0) -> int:
+        """Every rank, same order: open the deferred store and advance the previous boundary's entries together.
+
+        Called on *all* ranks of ``group`` (shadow ranks too) after the transition sent new
+        replicas their weights. Each rank that held the previous boundary's store advances its
+        shard of the entries (``shard_of(key, n)`` over the ``n`` such ranks of its node, which see
+        the same ``cache_dir``) into the new store; with ``write_through`` they land on disk.
+        Then a barrier: nobody reads the new boundary before every shard is written, so replicas
+        that join now hit entries written by the others instead of re-warming. Finally one of
+        the advancing ranks deletes the previous boundary's directory (nobody reads it any more).
+        Returns the number of entries this rank advanced.
+        """
+        import torch.distributed as dist
+
+        previous, self._previous = self._previous, None
+        if self._pending is not None:
+            self._open_pending()
+        store = self.store
+        advancing = (
+            previous is not None and store is not None and self._where is not None and previous.boundary < store.boundary
+        )
+        mine = torch.tensor(
+            [node, previous.boundary, store.boundary] if advancing else [-1, -1, -1],  # type: ignore[union-attr]
+            dtype=torch.int64,
+        )
+        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, mine, group=group)
+        advanced = 0
+        first = False
+        if advancing:
+            # Shard among the ranks that advance the same boundaries into the same node's directory.
+            peers = [r for r, theirs in enumerate(gathered) if bool(torch.equal(theirs, mine))]
+            me = dist.get_rank(group)
+            first = peers[0] == me
+            stack, device = self._where  # type: ignore[misc]
+            with torch.no_grad():
+                advanced = advance_store(
+                    previous, store, run_blocks(stack.blocks[previous.boundary : store.boundary]),  # type: ignore[union-attr]
+                    device=device, shard=(peers.index(me), len(peers)),
+                )
+            self.advanced = advanced
+        dist.barrier(group=group)
+        if previous is not None:
+            previous.clear(disk=first)
+        return advanced
+
+    def _open_pending(self) -> None:
+        assert self._pending is not None
+        stack, num_frozen, include_pre, _ = self._pending
+        self._pending = None
+        self.store = self._open(stack, num_frozen, include_pre)
+
+    def _cacheable(self, stack: BlockStack, num_frozen: int, include_pre: bool) -> bool:
+        """Whether the prefix up to ``num_frozen`` may be cached; raises (``True``) or turns off (``"auto"``)."""
+        if num_frozen == 0 or not self.mode:
+            return False
+        try:
+            check_deterministic(prefix_modules(stack, num_frozen, include_pre))
+        except Exception as err:
+            if self.mode is True:
+                raise
+            self.enabled = False
+            _warn(f"AutoCache turned off: {err}")
+            return False
+        return True
+
+    def _open(self, stack: BlockStack, num_frozen: int, include_pre: bool) -> ActivationStore:
+        store = ActivationStore(
+            self.cache_dir, prefix_fingerprint(stack, num_frozen, include_pre, extra=self.fingerprint_extra),
+            num_frozen, self.memory_budget,
+            storage_dtype=self.storage_dtype, write_through=self.write_through,
+        )
+        self._verified = False
+        self.advanced = 0
+        if self.mode == "auto":
+            self.enabled = True  # measured again at this boundary
+        return store
 
     # ------------------------------------------------------------------ checks and decisions
 
@@ -302,7 +414,33 @@ class AutoCache:
         metrics = self.store.stats().as_metrics("autocache/")
         metrics["autocache/enabled"] = float(self.enabled)
         metrics["autocache/boundary"] = float(self.store.boundary)
+        metrics["autocache/advanced"] = float(self.advanced)
         return metrics
+
+
+class BoundarySync(Callback):
+    """Several processes: after each AutoDP transition, every rank runs :meth:`AutoCache.sync_boundary`.
+
+    Placed after the strategy's transition callback (so replicas added by it already hold their
+    weights), it runs at every train-epoch start on every rank, shadow ranks included, and
+    syncs whenever the agreed plan's boundary differs from the last one synced: every rank
+    sees the same plan, so every rank calls the same collectives in the same order.
+    """
+
+    def __init__(self, cache: AutoCache, boundary: Callable[[], int | None], group: Callable[[], Any], node: int = 0) -> None:
+        self.cache = cache
+        self._boundary = boundary
+        self._group = group
+        self._node = node
+        self._synced: int | None = None
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        boundary = self._boundary()
+        group = self._group()
+        if boundary is None or group is None or boundary == self._synced:
+            return
+        self._synced = boundary
+        self.cache.sync_boundary(group, self._node)
 
 
 def _warn(message: str) -> None:
