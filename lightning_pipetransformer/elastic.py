@@ -114,67 +114,223 @@ def broadcast_object(obj: Any, src: int, group: Any) -> Any:
 
 # ---------------------------------------------------------------------------------- state transfer
 
+#: Tensors are sent in pieces of at most this many bytes, so that a rank that has received a piece
+#: forwards it while the next one arrives (a pipelined tree, see :func:`transfer_tree`).
+CHUNK_BYTES = 16 << 20
+#: Tensors smaller than this are copied together into one staging buffer per piece (one message
+#: instead of hundreds of tiny ones); larger contiguous tensors go straight from and into their
+#: own memory, with no staging copy.
+COALESCE_BYTES = 1 << 20
+#: Optimizer-state tensors smaller than this ('step' counters, tiny buffers) travel (on the CPU)
+#: inside the pickled structure of :func:`broadcast_state` instead of as messages.
+PICKLE_BYTES = 64 << 10
 
-def broadcast_module_state(module: nn.Module, src: int, group: Any) -> None:
-    """Every parameter and buffer of ``module`` from global rank ``src`` to all of ``group``, in place.
 
-    Tensors are packed into one flat buffer per (device, dtype), so the cost is a handful of
-    collectives rather than one per tensor.
+def transfer_tree(src: int, receivers: Sequence[int]) -> dict[int, tuple[int | None, list[int]]]:
+    """``{rank: (parent, children)}`` of a binomial tree over ``src`` and ``receivers``.
+
+    Position ``i`` in ``[src, *receivers]`` gets the data from position ``i - 2**floor(log2 i)``:
+    in round ``k`` every rank that already has it sends to one that has not, so ``R`` receivers
+    take ``ceil(log2(R + 1))`` rounds and ``src`` sends at most that many copies. Ranks that are
+    neither ``src`` nor a receiver are not in the tree and take no part.
     """
-    tensors = [t.data for t in module.parameters()] + [b for b in module.buffers()]
-    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    seen: set[int] = set()
+    order = [src] + [r for r in dict.fromkeys(receivers) if r != src]
+    tree: dict[int, tuple[int | None, list[int]]] = {r: (None, []) for r in order}
+    for i in range(1, len(order)):
+        parent = order[i - (1 << (i.bit_length() - 1))]
+        tree[order[i]] = (parent, tree[order[i]][1])
+        tree[parent][1].append(order[i])
+    return tree
+
+
+def _receivers_of(src: int, receivers: Sequence[int] | None, group: Any) -> list[int]:
+    if receivers is None:  # every other member of the group
+        receivers = dist.get_process_group_ranks(group)
+    return sorted(r for r in set(receivers) if r != src)
+
+
+def send_tensors(
+    tensors: Sequence[torch.Tensor], src: int, receivers: Sequence[int] | None, group: Any, chunk_bytes: int = CHUNK_BYTES
+) -> None:
+    """Copy ``tensors`` from global rank ``src`` into the same-shaped ``tensors`` of each receiver, in place.
+
+    ``src`` and every receiver (global ranks, members of ``group``; ``None``: all other members)
+    call this with tensors of the same shapes and dtypes in the same order; any other rank may
+    call it too and returns at once. Point-to-point messages on ``group`` along
+    :func:`transfer_tree`, in pieces of at most ``chunk_bytes`` that a receiver forwards as soon as
+    it has them; each message waits at most the group's timeout. Bit-exact: bytes are copied, no
+    arithmetic.
+    """
+    rank = dist.get_rank()
+    tree = transfer_tree(src, _receivers_of(src, receivers, group))
+    if rank not in tree or len(tree) == 1:
+        return
+    parent, children = tree[rank]
+    pieces = list(_pieces(tensors, chunk_bytes))
+    # Post every receive first, so a sender never waits for this rank to ask for the next piece.
+    receiving = [dist.irecv(piece, src=parent, group=group) for piece, _ in pieces] if parent is not None else None
+    sending = []
+    for index, (piece, targets) in enumerate(pieces):
+        if receiving is not None:
+            receiving[index].wait()
+            _unpack(piece, targets)
+        if parent is None and targets:
+            _pack(piece, targets)
+        sending.extend(dist.isend(piece, dst=child, group=group) for child in children)
+    for work in sending:
+        work.wait()
+
+
+def _pieces(tensors: Sequence[torch.Tensor], chunk_bytes: int) -> Iterator[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """``(message, targets)``: a slice of one large contiguous tensor (``targets`` empty), or a
+    staging buffer standing for the small tensors ``targets`` (same device and dtype, in order)."""
+    small: list[torch.Tensor] = []
+
+    def staged() -> Iterator[tuple[torch.Tensor, list[torch.Tensor]]]:
+        if small:
+            buffer = torch.empty(sum(t.numel() for t in small), dtype=small[0].dtype, device=small[0].device)
+            yield buffer, list(small)
+            small.clear()
+
     for t in tensors:
-        if id(t) in seen or t.numel() == 0:
-            continue  # tied weights are sent once
-        seen.add(id(t))
-        buckets.setdefault((t.device, t.dtype), []).append(t)
-    sending = dist.get_rank() == src
-    for (device, dtype), bucket in buckets.items():
-        if sending:
-            flat = torch.cat([t.reshape(-1) for t in bucket])
-        else:
-            flat = torch.empty(sum(t.numel() for t in bucket), dtype=dtype, device=device)
-        dist.broadcast(flat, src=src, group=group)
-        if sending:
+        if t.numel() == 0:
             continue
-        offset = 0
-        for t in bucket:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t))
-            offset += n
+        nbytes = t.numel() * t.element_size()
+        if nbytes >= COALESCE_BYTES and t.is_contiguous():
+            yield from staged()
+            flat = t.view(-1)
+            step = max(1, chunk_bytes // t.element_size())
+            for offset in range(0, flat.numel(), step):
+                yield flat[offset : offset + step], []
+            continue
+        if small and (
+            small[0].dtype != t.dtype
+            or small[0].device != t.device
+            or (sum(s.numel() for s in small) + t.numel()) * t.element_size() > chunk_bytes
+        ):
+            yield from staged()
+        small.append(t)
+    yield from staged()
 
 
-def broadcast_state(state: Any, src: int, group: Any) -> Any:
-    """A nested state (optimizer and scheduler state dicts) from global rank ``src`` to all of ``group``.
+def _pack(buffer: torch.Tensor, targets: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in targets:
+        buffer[offset : offset + t.numel()].view(t.shape).copy_(t)
+        offset += t.numel()
 
-    The structure goes as a small pickled skeleton, the tensors as flat buffers per dtype (no
-    pickling of hundreds of MB of momentum). Received tensors are on the CPU;
-    ``Optimizer.load_state_dict`` moves them to each parameter's device. Returns the state
-    (on ``src``: as given).
+
+def _unpack(buffer: torch.Tensor, targets: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in targets:
+        t.copy_(buffer[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+
+
+def module_state_tensors(module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``module``'s parameters and buffers (detached, sharing memory), each storage once."""
+    seen: set[tuple[int, int, torch.dtype]] = set()
+
+    def unique(tensors: Iterator[torch.Tensor]) -> list[torch.Tensor]:
+        kept = []
+        for t in tensors:
+            key = (t.data_ptr(), t.numel(), t.dtype)
+            if key not in seen:  # tied weights are sent once
+                seen.add(key)
+                kept.append(t.detach())
+        return kept
+
+    return unique(module.parameters()), unique(module.buffers())
+
+
+def broadcast_module_state(module: nn.Module, src: int, group: Any, receivers: Sequence[int] | None = None) -> None:
+    """``module``'s parameters from global rank ``src`` to ``receivers``, its buffers to all of ``group``.
+
+    Every member of ``group`` calls this. ``receivers`` (global ranks; default: every other member)
+    get the parameters straight into their own memory, with no staging copy for the large ones
+    (see :func:`send_tensors`). Buffers (running statistics and the like: small, and replicas'
+    may differ after their last forward) go to every member, so that all replicas start from
+    ``src``'s.
     """
+    params, buffers = module_state_tensors(module)
+    with torch.no_grad():
+        send_tensors(buffers, src, None, group)
+        send_tensors(params, src, receivers, group)
+
+
+def broadcast_state(state: Any, src: int, group: Any, receivers: Sequence[int] | None = None) -> Any:
+    """A nested state (optimizer and scheduler state dicts) from global rank ``src`` to ``receivers``.
+
+    ``receivers``: global ranks (default: all other members of ``group``); other ranks may call
+    this and get ``None``. The structure and the small tensors go as one pickled object along the
+    tree, the large tensors as messages (:func:`send_tensors`; no pickling of hundreds of MB of
+    momentum). Received large tensors are on the device kind ``src`` had them on (CPU, or this
+    rank's current CUDA device); ``Optimizer.load_state_dict`` moves them to each parameter's
+    device. Returns the state (on ``src``: as given).
+    """
+    rank = dist.get_rank()
+    receivers = _receivers_of(src, receivers, group)
+    tree = transfer_tree(src, receivers)
+    if rank not in tree:
+        return None
     tensors: list[torch.Tensor] = []
-    skeleton = _skeleton(state, tensors) if dist.get_rank() == src else None
-    skeleton, specs = broadcast_object(
-        (skeleton, [(tuple(t.shape), t.dtype) for t in tensors]) if dist.get_rank() == src else None, src, group
-    )
-    if dist.get_rank() != src:
-        tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for index, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(index)
-    for dtype, indices in sorted(by_dtype.items(), key=lambda item: str(item[0])):
-        flat = torch.cat([tensors[i].detach().reshape(-1).cpu() for i in indices]) if dist.get_rank() == src else None
-        if flat is None:
-            flat = torch.empty(sum(tensors[i].numel() for i in indices), dtype=dtype)
-        dist.broadcast(flat, src=src, group=group)
-        if dist.get_rank() != src:
-            offset = 0
-            for i in indices:
-                n = tensors[i].numel()
-                tensors[i] = flat[offset : offset + n].view(tensors[i].shape)
-                offset += n
-    return state if dist.get_rank() == src else _fill(skeleton, tensors)
+    message = None
+    if rank == src:
+        skeleton = _skeleton(state, tensors)
+        message = (skeleton, [(tuple(t.shape), t.dtype, t.device.type) for t in tensors])
+    skeleton, specs = _send_object(message, tree, group)
+    if rank != src:
+        tensors = [torch.empty(shape, dtype=dtype, device=_device_of_kind(kind)) for shape, dtype, kind in specs]
+    send_tensors(tensors, src, receivers, group)
+    return state if rank == src else _fill(skeleton, tensors)
+
+
+def _device_of_kind(kind: str) -> torch.device:
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
+
+
+def _send_object(obj: Any, tree: dict[int, tuple[int | None, list[int]]], group: Any) -> Any:
+    """A small picklable object from the tree's root to every rank in it (one message per edge)."""
+    import pickle
+
+    parent, children = tree[dist.get_rank()]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    if parent is None:
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    else:
+        size = torch.empty(1, dtype=torch.int64, device=device)
+        dist.recv(size, src=parent, group=group)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        dist.recv(payload, src=parent, group=group)
+        obj = pickle.loads(payload.cpu().numpy().tobytes())
+    works = [w for child in children for w in (dist.isend(size, dst=child, group=group), dist.isend(payload, dst=child, group=group))]
+    for work in works:
+        work.wait()
+    return obj
+
+
+def without_state_of(optimizer_state: dict[str, Any], optimizer: torch.optim.Optimizer, params: Any) -> dict[str, Any]:
+    """``optimizer_state`` (``optimizer.state_dict()``) without the per-parameter state of ``params``.
+
+    For parameters that AutoFreeze has frozen: they never thaw, so a new replica never reads
+    their momentum; ``Optimizer.load_state_dict`` accepts a state without their entries.
+    """
+    dropped = {id(p) for p in params}
+    indices = {i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"]) if id(p) in dropped}
+    return {**optimizer_state, "state": {k: v for k, v in optimizer_state["state"].items() if k not in indices}}
+
+
+def frozen_for_good(autofreeze: Any) -> list[nn.Parameter]:
+    """The parameters AutoFreeze has frozen (``requires_grad`` off): they never thaw."""
+    if autofreeze is None or autofreeze.stack is None or not autofreeze.num_frozen:
+        return []
+    from .core.freezing import frozen_parameters
+
+    params = frozen_parameters(autofreeze.stack, autofreeze.num_frozen, autofreeze.freeze_embeddings)
+    return [p for p in params if not p.requires_grad]
 
 
 class _TensorSlot:
@@ -184,7 +340,9 @@ class _TensorSlot:
 
 def _skeleton(value: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
-        tensors.append(value)
+        if value.numel() * value.element_size() < PICKLE_BYTES:
+            return value.detach().cpu().clone()  # pickled with the structure
+        tensors.append(value.detach())
         return _TensorSlot(len(tensors) - 1)
     if isinstance(value, dict):
         return {k: _skeleton(v, tensors) for k, v in value.items()}

@@ -92,6 +92,7 @@ def main() -> None:
     torch.save(
         {
             "state": module.state_dict(), "momentum": momentum, "epochs": record.epochs,
+            "trainable": sorted(name for name, p in module.named_parameters() if p.requires_grad),
             "global_step": trainer.global_step, "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
         },
         out / f"rank{trainer.global_rank}.pt",

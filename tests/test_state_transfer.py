@@ -1,0 +1,223 @@
+"""State transfer for AutoDP transitions (lightning_pipetransformer.elastic), on gloo CPU processes.
+
+The functions move model weights and optimizer state from global rank 0 to the ranks that join
+the replicas, point to point along a binomial tree, in pieces. These tests check, with a few
+processes and small tensors: bit-exact copies, that only the named receivers are touched (except
+buffers), chunking and coalescing across dtypes, an optimizer state without the frozen
+parameters' entries that ``load_state_dict`` accepts, and that a missing sender ends in an error
+within the group's timeout rather than a hang. Every run has a hard deadline.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from lightning_pipetransformer import elastic
+
+
+def test_transfer_tree_is_a_binomial_tree_over_src_and_receivers():
+    for receivers in ([], [1], [1, 2, 3], [2, 3], [5, 1, 7, 3, 2, 6, 4], list(range(1, 16))):
+        tree = elastic.transfer_tree(0, receivers)
+        assert set(tree) == {0, *receivers}
+        assert tree[0][0] is None
+        rounds = math.ceil(math.log2(len(receivers) + 1))
+        assert len(tree[0][1]) == rounds  # src sends at most log2 copies
+        order = [0, *receivers]
+        for position, rank in enumerate(order[1:], start=1):
+            parent = tree[rank][0]
+            assert order.index(parent) < position  # data flows from ranks that already have it
+            assert rank in tree[parent][1]
+    assert elastic.transfer_tree(2, [0, 2, 1])[2] == (None, [0, 1])  # src is the root, listed once
+
+
+# ---------------------------------------------------------------------------------- multi-process
+
+TIMEOUT = timedelta(seconds=20)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(fn, nprocs: int, deadline: float = 180.0) -> None:
+    """Run ``fn(rank, world, port)`` in ``nprocs`` processes; fail (and kill them) past ``deadline`` s."""
+    port = _free_port()
+    context = mp.spawn(_entry, args=(fn, nprocs, port), nprocs=nprocs, join=False)
+    end = time.monotonic() + deadline
+    while not context.join(timeout=1):
+        if time.monotonic() > end:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            pytest.fail(f"{fn.__name__} did not finish within {deadline} s")
+
+
+def _entry(rank: int, fn, world: int, port: int) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
+    try:
+        fn(rank, world)
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _tensors(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(700_000, generator=g),  # > COALESCE_BYTES: sent straight, in several chunks
+        torch.randn(3, 5, generator=g),  # small float32 ...
+        torch.randn(4, generator=g).to(torch.float16),  # ... another dtype: its own staging buffer
+        torch.randint(0, 1000, (7,), generator=g),  # int64
+        torch.randn(600, 700, generator=g).t(),  # large but not contiguous: staged
+        torch.randn(0, generator=g),  # empty: skipped
+        torch.randn(300_000, generator=g).to(torch.float64),  # large float64
+        torch.rand(9, generator=g) > 0.5,  # bool
+    ]
+
+
+def _send_tensors_to_some(rank: int, world: int) -> None:
+    tensors = _tensors(seed=rank)  # different on every rank before the transfer
+    before = [t.clone() for t in tensors]
+    # Rank 1 is an already-active replica: not a receiver, never touched. Small chunks: many pieces.
+    elastic.send_tensors(tensors, src=0, receivers=[2, 3], group=dist.group.WORLD, chunk_bytes=1 << 20)
+    expected = _tensors(seed=0) if rank in (0, 2, 3) else before
+    for got, want in zip(tensors, expected):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want), rank
+    dist.barrier()
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(3000, 128)  # 1.5 MB: sent straight
+        self.block = nn.Linear(128, 128)
+        self.norm = nn.BatchNorm1d(128)  # buffers
+        self.head = nn.Linear(128, 4)
+        self.tied = nn.Linear(128, 128, bias=False)
+        self.tied.weight = self.block.weight  # tied weights: sent once
+
+
+def _module_state(rank: int, world: int) -> None:
+    torch.manual_seed(rank)
+    net = _Net()
+    with torch.no_grad():
+        net.norm.running_mean.fill_(float(rank))  # replicas' buffers differ
+    mine = {k: v.clone() for k, v in net.state_dict().items()}
+    torch.manual_seed(0)
+    src = _Net()
+    with torch.no_grad():
+        src.norm.running_mean.fill_(0.0)
+    elastic.broadcast_module_state(net, src=0, group=dist.group.WORLD, receivers=[2])
+    buffers = {"norm.running_mean", "norm.running_var", "norm.num_batches_tracked"}
+    for key, value in net.state_dict().items():
+        if rank in (0, 2) or key in buffers:
+            assert torch.equal(value, src.state_dict()[key]), (rank, key)  # params to 2, buffers to all
+        else:
+            assert torch.equal(value, mine[key]), (rank, key)  # rank 1 keeps its own parameters
+    dist.barrier()
+
+
+def _optimizer_state(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    net = _Net()
+    sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    adam = torch.optim.Adam(net.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.StepLR(sgd, step_size=1, gamma=0.5)
+    if rank == 0:  # the only replica so far: it has trained
+        for _ in range(3):
+            loss = net.head(net.norm(net.block(net.embed(torch.arange(16))))).square().mean()
+            sgd.zero_grad()
+            adam.zero_grad()
+            loss.backward()
+            sgd.step()
+            adam.step()
+            scheduler.step()
+    frozen = list(net.embed.parameters())  # "frozen by AutoFreeze": their state is not sent
+    for p in frozen:
+        p.requires_grad_(False)
+    state = None
+    if rank == 0:
+        state = {
+            "optimizers": [elastic.without_state_of(o.state_dict(), o, frozen) for o in (sgd, adam)],
+            "schedulers": [scheduler.state_dict()],
+        }
+    state = elastic.broadcast_state(state, src=0, group=dist.group.WORLD, receivers=[1, 2, 3])
+    # Reference: what rank 0 has, sent as a (small) pickled object.
+    reference = [None]
+    if rank == 0:
+        reference = [{"sgd": sgd.state_dict(), "adam": adam.state_dict(), "sched": scheduler.state_dict(),
+                      "params": {k: v.clone() for k, v in net.state_dict().items()}}]
+    dist.broadcast_object_list(reference, src=0)
+    reference = reference[0]
+    if rank != 0:
+        sgd.load_state_dict(state["optimizers"][0])
+        adam.load_state_dict(state["optimizers"][1])
+        scheduler.load_state_dict(state["schedulers"][0])
+        assert scheduler.state_dict() == reference["sched"]
+        ids = {id(p): i for i, p in enumerate(net.parameters())}
+        frozen_ids = {ids[id(p)] for p in frozen}
+        for name, optimizer in (("sgd", sgd), ("adam", adam)):
+            got = optimizer.state_dict()
+            want = reference[name]
+            assert got["param_groups"] == want["param_groups"]
+            assert set(got["state"]) == set(want["state"]) - frozen_ids  # frozen entries left out
+            for index, entry in got["state"].items():
+                for key, value in entry.items():
+                    assert torch.equal(torch.as_tensor(value), torch.as_tensor(want["state"][index][key])), (name, index, key)
+        net.load_state_dict(reference["params"])
+    # One more step everywhere from the same state: the trainable parameters stay bit-identical.
+    loss = net.head(net.norm(net.block(net.embed(torch.arange(16))))).square().mean()
+    sgd.zero_grad()
+    adam.zero_grad()
+    loss.backward()
+    sgd.step()
+    adam.step()
+    params = [torch.cat([p.detach().reshape(-1) for p in net.parameters()])]
+    gathered = [torch.empty_like(params[0]) for _ in range(world)]
+    dist.all_gather(gathered, params[0])
+    for other in gathered[1:]:
+        assert torch.equal(other, gathered[0])
+
+
+def _missing_sender(rank: int, world: int) -> None:
+    group = dist.new_group(ranks=[0, 1], backend="gloo", timeout=timedelta(seconds=3))
+    if rank == 1:  # rank 0 never sends: the receive must give up within the group's timeout
+        start = time.monotonic()
+        with pytest.raises(RuntimeError):
+            elastic.send_tensors([torch.empty(10)], src=0, receivers=[1], group=group)
+        assert time.monotonic() - start < 15
+    dist.barrier(group=dist.group.WORLD)
+
+
+def _all(rank: int, world: int) -> None:
+    # One set of processes for every check: starting processes dominates the cost here.
+    for check in (_send_tensors_to_some, _module_state, _optimizer_state, _missing_sender):
+        check(rank, world)
+        dist.barrier()
+
+
+def test_state_transfer_on_four_processes():
+    """send_tensors reaches exactly the receivers (rank 1: an already-active replica, untouched),
+    bit-exact over chunks, staging buffers and dtypes; module state: parameters to the receivers,
+    buffers to all; an optimizer state without the frozen parameters' entries loads and the next
+    step is identical everywhere; a receive whose sender never comes fails within the timeout."""
+    _spawn(_all, 4)
