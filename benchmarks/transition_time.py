@@ -4,6 +4,9 @@ Run (Lightning re-launches this script for ranks 1..3)::
 
     MASTER_PORT=29700 python benchmarks/transition_time.py --out docs/transition_time.json
 
+``--pipe-len 2`` starts with two replicas (ranks 0 and 2) instead, so that only ranks 1 and 3
+join: replicas that were already active receive no parameters or optimizer state.
+
 Epoch 0 trains with pipe length 4 (rank 0 is the only replica, ranks 1..3 idle); at the start of
 epoch 1 AutoFreeze freezes 9 of 12 blocks, the planner (``frozen_cost=0``) compresses to K = 1,
 and ranks 1..3 become replicas: plan broadcast, pipeline rebuild, new gloo group, model +
@@ -62,14 +65,19 @@ class Collect(Callback):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="transition_time.json")
+    parser.add_argument(
+        "--pipe-len", type=int, default=4, choices=[2, 4],
+        help="pipe length in epoch 0: 4 (1 replica, ranks 1-3 join) or 2 (replicas 0 and 2, ranks 1 and 3 join)",
+    )
     args = parser.parse_args()
+    load_before = os.getloadavg()
     out = Path(args.out).resolve()
     module = BertBase()
     params = sum(p.numel() for p in module.parameters())
     data = TensorDataset(torch.randint(0, 30522, (16, 16)), torch.randint(0, 2, (16,)))
     trainer = pl.Trainer(
         accelerator="cpu", devices=4, max_epochs=2, limit_train_batches=2,
-        strategy=PipeTransformerStrategy(pipe_len=4, frozen_cost=0.0, process_group_backend="gloo", timeout=600),
+        strategy=PipeTransformerStrategy(pipe_len=args.pipe_len, frozen_cost=0.0, process_group_backend="gloo", timeout=600),
         callbacks=[AutoFreeze(schedule={1: 9}), Collect(out)], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )
@@ -82,11 +90,14 @@ def main() -> None:
         (out.parent / f".transition_rank{r}.json").unlink()
     result = {
         "date": time.strftime("%Y-%m-%d"),
-        "command": f"MASTER_PORT={os.environ.get('MASTER_PORT', '')} python benchmarks/transition_time.py --out {args.out}",
+        "command": f"MASTER_PORT={os.environ.get('MASTER_PORT', '')} python benchmarks/transition_time.py --out {args.out}"
+        + (f" --pipe-len {args.pipe_len}" if args.pipe_len != 4 else ""),
         "model": f"BertForSequenceClassification (BERT-base config), {params / 1e6:.1f}M parameters, SGD momentum + StepLR",
-        "transition": "pipe length 4 -> 1, replicas 1 -> 4 (3 ranks receive state)",
+        "transition": f"pipe length {args.pipe_len} -> 1, replicas {4 // args.pipe_len} -> 4 "
+        f"({4 - 4 // args.pipe_len} ranks receive state)",
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), torch {torch.__version__}",
         "fit_seconds": time.perf_counter() - start,
+        "load_average_1_5_15": {"start": list(load_before), "end": list(os.getloadavg())},
         "ranks": ranks,
     }
     out.write_text(json.dumps(result, indent=2))
