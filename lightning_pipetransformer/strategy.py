@@ -10,12 +10,12 @@ epoch, and the strategy re-plans: the pipeline shrinks when the compression rule
 
 Process layout. Lightning starts one process per device. With ``devices=1`` the one process
 drives all K stages on its device ("virtual stages": the CPU, or streams of one GPU), which is
-how everything is tested on CPU. With ``devices=G > 1`` (AutoDP) local rank ``r < G/K`` drives
-a pipeline replica over devices ``[r*K, (r+1)*K)`` and the other processes are shadow ranks that
-follow the loop without model work; as K shrinks they become replicas (see
-:mod:`~lightning_pipetransformer.elastic` and :meth:`PipeTransformerStrategy._transition`).
-Several processes with ``pipe_len > 1`` run on CPU only for now (GPU placement of the replicas'
-first stage is not done yet and is refused).
+how everything is tested on CPU. With ``devices=G > 1`` (AutoDP) local rank ``j*K`` drives a
+pipeline replica over devices ``[j*K, (j+1)*K)`` (so each replica's first stage is its own
+process's device and nothing outside the stack moves when K shrinks) and the other processes
+are shadow ranks that follow the loop without model work; as K shrinks they become replicas
+(see :mod:`~lightning_pipetransformer.elastic`, :mod:`~lightning_pipetransformer.idle_ranks`
+and :meth:`PipeTransformerStrategy._transition`).
 
 Everything outside the stack (embeddings, head, loss, metrics) stays on the first stage's
 device, and the pipeline's output is handed back there, so ``training_step`` needs no change.
@@ -43,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
-from . import elastic
+from . import elastic, idle_ranks
 
 from .core.costs import parameter_costs, parameter_count
 from .core.discovery import BlockStack
@@ -232,6 +232,7 @@ class PipeTransformerStrategy(DDPStrategy):
                 # Right after AutoFreeze (or first): later callbacks see the new loader length.
                 at = next((i + 1 for i, c in enumerate(trainer.callbacks) if c is autofreeze), 0)
                 trainer.callbacks.insert(at, elastic.TransitionCallback(self))
+            self._prepare_idle_ranks(trainer)
             plan = self._plan
         # DDPStrategy.setup: accelerator, precision, model_to_device, DDP (only if > 1 process:
         # see configure_ddp), optimizers, then all optimizer state to the root device.
@@ -240,6 +241,22 @@ class PipeTransformerStrategy(DDPStrategy):
         # Each optimizer state tensor belongs with its parameter, which may sit on another
         # stage's device than the root one DDPStrategy.setup moved everything to.
         _optimizer_state_to_param_devices(self.optimizers)
+
+    def _prepare_idle_ranks(self, trainer: pl.Trainer) -> None:
+        """Idle ranks skip the module's batch and epoch-end hooks and get rank 0's metrics."""
+        module = self.lightning_module
+        assert module is not None
+        idle_ranks.skip_module_hooks_when_idle(
+            module, lambda: self.is_active, after={"on_train_epoch_end": lambda: self._share_metrics(trainer)}
+        )
+        if self.is_active:  # torchmetrics sync over the replicas, not WORLD (idle ranks never compute)
+            elastic.point_metrics_at(module, self._active_group)
+        trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, idle_ranks.ShareMetrics)]
+        # First of all callbacks: its on_validation_end runs before the monitoring ones read metrics.
+        trainer.callbacks.insert(0, idle_ranks.ShareMetrics(self, idle_ranks.monitors_every_n_steps(trainer)))
+
+    def _share_metrics(self, trainer: pl.Trainer) -> None:
+        idle_ranks.share_callback_metrics(trainer, self.is_active, self._control_group)
 
     def _setup_cache(self, trainer: pl.Trainer, autofreeze: Any) -> None:
         """AutoCache: check the directory now (before training) and key on the right inputs."""
@@ -259,6 +276,18 @@ class PipeTransformerStrategy(DDPStrategy):
         self._cache_include_pre = bool(autofreeze is None or autofreeze.freeze_embeddings)
         if self._cache_include_pre:
             self._autocache.attach(self.stack)
+        if self.world_size > 1:
+            from .autocache import BoundarySync
+
+            # After each transition, on every rank: open the new boundary's store and advance the
+            # old entries together (appended last: after the TransitionCallback setup inserts).
+            trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, BoundarySync)]
+            trainer.callbacks.append(
+                BoundarySync(
+                    self._autocache, lambda: self._plan.num_frozen if self._plan is not None else None,
+                    lambda: self._control_group, node=self.node_rank,
+                )
+            )
 
     @property
     def cache_stats(self) -> dict[str, float] | None:
@@ -280,26 +309,6 @@ class PipeTransformerStrategy(DDPStrategy):
                 )
 
     def _check_supported(self, trainer: pl.Trainer) -> None:
-        if self.num_processes > 1 and self.pipe_len > 1 and self.root_device.type != "cpu":
-            raise ValueError(
-                f"pipe_len={self.pipe_len} with {self.num_processes} GPU processes per node (AutoDP) is implemented and "
-                "tested on CPU processes only: placing each replica's first stage on its own GPU is not done yet. "
-                "Use devices=1 with pipe_len=K (K stages on one process), or pipe_len=1 for data parallelism."
-            )
-        if self.world_size > 1 and self.pipe_len > 1:
-            from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
-
-            monitoring = [
-                type(c).__name__ for c in trainer.callbacks
-                if isinstance(c, EarlyStopping) or (isinstance(c, ModelCheckpoint) and c.monitor is not None)
-            ]
-            if monitoring:
-                raise ValueError(
-                    f"{', '.join(monitoring)} with a monitored metric is not supported yet with idle processes "
-                    f"(pipe_len={self.pipe_len} over {self.world_size} processes): idle processes do not see the "
-                    "replicas' metrics, so their decisions would differ. Use ModelCheckpoint(monitor=None, save_last=True) "
-                    "or every_n_epochs, or pipe_len=1."
-                )
         if self.num_processes > 1 and trainer.lightning_module is not None and not trainer.lightning_module.automatic_optimization:
             raise ValueError("strategy='pipetransformer' with several processes supports automatic optimization only.")
 
@@ -356,7 +365,8 @@ class PipeTransformerStrategy(DDPStrategy):
 
     @override
     def determine_ddp_device_ids(self) -> list[int] | None:
-        if self.root_device.type == "cpu":
+        # A replica whose stages span several devices is a multi-device module: DDP wants None.
+        if self.root_device.type == "cpu" or len(set(self.stage_devices)) > 1:
             return None
         return [self.root_device.index]
 
@@ -489,6 +499,31 @@ class PipeTransformerStrategy(DDPStrategy):
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        # LightningModule.all_gather runs in steps and module hooks: on the active ranks only
+        # (idle ranks skip those hooks and get their input back, stacked as a group of one).
+        if self.world_size > 1 and group is None and self._active_group is not None:
+            if not self.is_active:
+                return tensor.unsqueeze(0)
+            group = self._active_group
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        # Every rank, over the gloo control group (no device ids, whatever the data backend).
+        if self._control_group is not None:
+            dist.barrier(group=self._control_group)
+            return
+        super().barrier(name)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        # Callbacks' broadcasts (ModelCheckpoint paths, times) are control messages: all ranks.
+        if self._control_group is not None:
+            return elastic.broadcast_object(obj, src=src, group=self._control_group)
+        return super().broadcast(obj, src)
+
+    @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         # Control flow (should_stop, checkpoint decisions) must agree on every rank: over all of them.
         if self.world_size == 1 or self._control_group is None:
@@ -527,16 +562,16 @@ class PipeTransformerStrategy(DDPStrategy):
         if plan.num_frozen == old.num_frozen and plan.active_ranks == old.active_ranks and plan.partition == old.partition:
             return
         # 3. Partitions rebuilt: this rank's pipeline for the new plan (none on a shadow rank).
-        was_active = self.is_active
         self._apply_plan(plan, announce=True)
         clock.lap("partition")
         # 4. Groups + DDP rebuilt; ranks that were idle receive the replicas' state.
         self.model = self.lightning_module  # unwrap: the old reducer holds the old group and frozen set
         if plan.active_ranks != old.active_ranks:
+            idle_ranks.restart_metric_order(trainer)
             self._active_group = elastic.active_group(plan.active_ranks, self._get_process_group_backend(), self._timeout)
             clock.lap("new_group")
             if self.is_active:
-                self._send_state(trainer, receive=not was_active, clock=clock)
+                self._send_state(trainer, joining=[r for r in plan.active_ranks if r not in old.active_ranks], clock=clock)
         if self.is_active:
             elastic.point_metrics_at(self.lightning_module, self._active_group)
         self._ddp_init_sync = False
@@ -577,26 +612,28 @@ class PipeTransformerStrategy(DDPStrategy):
                 autofreeze.load_state_dict(message["autofreeze"])
         return Plan.from_dict(message["plan"])
 
-    def _send_state(self, trainer: pl.Trainer, receive: bool, clock: elastic.PhaseClock) -> None:
-        """Global rank 0's model, optimizer and LR-scheduler state to the new active group's members.
+    def _send_state(self, trainer: pl.Trainer, joining: list[int], clock: elastic.PhaseClock) -> None:
+        """Global rank 0's model, optimizer and LR-scheduler state to the ranks that join the replicas.
 
-        Loop counters need no transfer (shadow ranks kept them in lock-step, checked by _agree) and
-        AutoFreeze state came with the plan.
+        Runs on every active rank. Only ``joining`` (the ranks that were idle) receive parameters and
+        optimizer state: replicas that were already active hold the same (DDP kept them equal);
+        buffers go to all replicas. The optimizer state of parameters AutoFreeze has frozen is not
+        sent: they never thaw, so it is never read again (global rank 0, which writes
+        checkpoints, keeps it). Loop counters need no transfer (shadow ranks kept them in
+        lock-step, checked by _agree) and AutoFreeze state came with the plan.
         """
         group = self._active_group
-        elastic.broadcast_module_state(self.lightning_module, src=0, group=group)
+        elastic.broadcast_module_state(self.lightning_module, src=0, group=group, receivers=joining)
         clock.lap("model_state")
-        state = elastic.broadcast_state(
-            {
-                "optimizers": [o.state_dict() for o in self.optimizers],
+        state = None
+        if self.global_rank == 0:
+            frozen = elastic.frozen_for_good(_autofreeze_of(trainer))
+            state = {
+                "optimizers": [elastic.without_state_of(o.state_dict(), o, frozen) for o in self.optimizers],
                 "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
             }
-            if self.global_rank == 0
-            else None,
-            src=0,
-            group=group,
-        )
-        if receive:
+        state = elastic.broadcast_state(state, src=0, group=group, receivers=joining)
+        if self.global_rank in joining:
             self._load_sent_state(trainer, state)
         clock.lap("optimizer_state")
 
@@ -639,15 +676,15 @@ class PipeTransformerStrategy(DDPStrategy):
         """Install the AutoCache runner for ``plan``; False when nothing is cached at this boundary."""
         cache, stack = self._autocache, self.stack
         assert cache is not None and stack is not None
-        store = cache.store
-        if store is None or store.boundary != plan.num_frozen:
-            # One process advances the previous boundary's entries; with several, each replica
-            # starts the new boundary cold (correct, slower: see docs/cache.md).
-            cache.move_boundary(
-                stack, plan.num_frozen, self._cache_include_pre, devices[0],
-                shard=(0, 1), advance=self.world_size == 1,
-            )
-        if cache.store is None:
+        if not cache.serves(plan.num_frozen):
+            if self.world_size == 1:  # one process: open the store and advance the previous entries now
+                cache.move_boundary(stack, plan.num_frozen, self._cache_include_pre, devices[0], shard=(0, 1))
+            else:
+                # Several: a new replica gets its weights after this (the store's name is their
+                # fingerprint), so the store opens in BoundarySync, where all ranks advance the
+                # previous boundary's entries together (see docs/cache.md).
+                cache.defer_boundary(stack, plan.num_frozen, self._cache_include_pre, devices[0])
+        if not cache.serves(plan.num_frozen):
             return False
         blocks = stack.blocks
         balance, stages = active_balance(plan.partition, plan.num_frozen)
@@ -718,6 +755,8 @@ class PipeTransformerStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        if self.lightning_module is not None:
+            idle_ranks.restore_module_hooks(self.lightning_module)
         if self.stack is not None:
             remove_pipeline(self.stack.container)
         if self._autocache is not None:

@@ -65,9 +65,18 @@ def assert_replicas_identical_and_match(ranks: list[dict], expected: dict[str, t
         for rank in ranks[1:]:
             torch.testing.assert_close(rank["state"][key], ranks[0]["state"][key], rtol=0, atol=0, msg=key)
         torch.testing.assert_close(ranks[0]["state"][key], value, rtol=1e-4, atol=1e-5, msg=key)
-    for name, buffer in ranks[0]["momentum"].items():  # optimizer state reached the new replicas
-        for rank in ranks[1:]:
-            torch.testing.assert_close(rank["momentum"][name], buffer, rtol=0, atol=0, msg=name)
+    # Optimizer state reached the new replicas: every trainable parameter's momentum is on every
+    # rank and identical. A joining rank is not sent the momentum of parameters AutoFreeze has
+    # frozen (they never thaw, so it is never read again): it holds those only if it was a replica
+    # before they froze, and then they equal rank 0's. Rank 0 (checkpoints) keeps the full state.
+    trainable = ranks[0]["trainable"]
+    assert trainable and all(rank["trainable"] == trainable for rank in ranks)
+    assert set(ranks[0]["momentum"]) == {name for name, _ in TextClassifier(num_layers=4).named_parameters()}
+    for rank in ranks:
+        assert set(trainable) <= set(rank["momentum"]) <= set(ranks[0]["momentum"])
+        for name, buffer in rank["momentum"].items():
+            torch.testing.assert_close(buffer, ranks[0]["momentum"][name], rtol=0, atol=0, msg=name)
+    assert set(ranks[1]["momentum"]) == set(trainable)  # rank 1 joined last: no frozen state was sent
 
 
 @pytest.mark.parametrize(
@@ -117,7 +126,7 @@ def test_checkpoint_with_idle_ranks_then_resume_equals_uninterrupted(tmp_path):
 
 
 def test_a_dead_rank_ends_the_run_with_an_error_not_a_hang(tmp_path):
-    # Rank 1 (a replica in epoch 1, with idle ranks 2 and 3) dies in the middle of the epoch.
+    # Rank 2 (a replica in epoch 1, with idle ranks 1 and 3) dies in the middle of the epoch.
     # The timeout must also cover start-up (the rendezvous) on a loaded 2-core machine.
     timeout = 60.0
     start = time.monotonic()

@@ -5,7 +5,7 @@ Lightning re-launches this script once per extra rank (same arguments). Tiny BER
 active replicas grow 1 -> 2 -> 4. Each rank writes what it saw and its final state to ``--out``.
 
 Modes: ``train`` (3 epochs), ``first`` (2 epochs, last.ckpt), ``resume`` (from ``--ckpt`` to 3
-epochs), ``kill`` (rank 1 dies in the middle of epoch 1; the others must exit with an error).
+epochs), ``kill`` (rank 2 dies in the middle of epoch 1; the others must exit with an error).
 """
 
 import argparse
@@ -66,7 +66,7 @@ def main() -> None:
     rank = int(os.environ.get("LOCAL_RANK", 0))
     (out / f"pid{rank}").write_text(str(os.getpid()))
 
-    record = Record(kill_rank=1 if args.mode == "kill" else None)
+    record = Record(kill_rank=2 if args.mode == "kill" else None)
     callbacks = [AutoFreeze(schedule=SCHEDULE), record]
     if args.mode == "first":
         callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", save_last=True, save_top_k=0))
