@@ -184,4 +184,5 @@ def test_two_nodes_on_localhost_replicas_grow_across_nodes_and_match_reference(t
 
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
     check_plan_and_split(ranks, per_replica)
-    assert_replicas_identical_and_match(ranks, reference(global_batch))
+    # Ranks 1 and 3 join at epoch 1, before block 2 freezes: they hold its momentum too.
+    assert_replicas_identical_and_match(ranks, reference(global_batch), joined_last=None)

@@ -102,6 +102,7 @@ def main() -> None:
     torch.save(
         {
             "state": module.state_dict(), "momentum": momentum, "epochs": record.epochs,
+            "trainable": sorted(name for name, p in module.named_parameters() if p.requires_grad),
             "global_step": trainer.global_step, "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
             "node_rank": trainer.node_rank, "local_rank": trainer.local_rank, "global_rank": trainer.global_rank,
             "world_size": trainer.world_size, "env_node_rank": node, "env_local_rank": local,
