@@ -85,6 +85,7 @@ OTHER_TABLES = (
     ("docs/cache.md", "AutoCache: lookup vs recompute per sample, storage and keys"),
     ("docs/cost_model.md", "simulated multi-GPU speed-ups, validated against the paper"),
     ("docs/autofreeze.md", "step time with 0..L-1 frozen blocks (no cache)"),
+    ("docs/autodp.md", "AutoDP: one transition of BERT-base on 4 CPU processes, per phase (transition-time table)"),
 )
 #: Per-step milliseconds of MiniLM-L6 at batch 32 x 64 tokens on an idle 2-core CPU, fused AdamW
 #: (shared/notes/offline-assets.md): {frozen blocks: ms} without / with the frozen prefix cached.

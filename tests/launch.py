@@ -65,3 +65,15 @@ def kill_session(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)  # rank 0's process group: the ranks it launched too
     except ProcessLookupError:
         pass
+
+
+def is_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, not yet reaped by its parent, counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False

@@ -11,17 +11,13 @@ and never computed the prefix themselves.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from launch import clean_env
+from launch import launch_ranks
 
 SCRIPT = Path(__file__).parent / "scripts" / "autocache_autodp.py"
 PLAN = {0: (0, 4, 1), 1: (2, 2, 2), 2: (3, 1, 4)}  # epoch: (frozen blocks, pipe length, replicas)
@@ -30,31 +26,13 @@ LAUNCH_TIMEOUT = 240
 
 
 def launch(out: Path, *args: str) -> str:
-    """Rank 0 in a session of its own (Lightning starts ranks 1..3 from it); killed as a group, never waited past the timeout."""
+    """One 4-process run; no rank outlives it, and it never waits past the timeout."""
     out.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--out", str(out), *args], env=clean_env(),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
     start = time.monotonic()
-    try:
-        stdout, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        _kill_session(proc.pid)
-        stdout, _ = proc.communicate()
-        pytest.fail(f"AutoCache/AutoDP run hung for {LAUNCH_TIMEOUT}s:\n{stdout[-4000:]}")
-    finally:
-        _kill_session(proc.pid)  # no rank may outlive the run (it would join the next rendezvous)
-    assert proc.returncode == 0, stdout[-5000:]
+    proc = launch_ranks(SCRIPT, out, *args, timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-5000:]
     print(f"{' '.join(args)}: {time.monotonic() - start:.1f}s")
-    return stdout
-
-
-def _kill_session(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    return proc.stdout
 
 
 def results(out: Path) -> list[dict]:

@@ -14,7 +14,6 @@ on ``perm`` in slices of the global batch ``b*R``.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-from launch import kill_session, launch_ranks
+from launch import is_alive, kill_session, launch_ranks
 from models import TextClassifier, text_dataset
 from train_reference import freeze_by_hand
 
@@ -139,24 +138,12 @@ def test_a_dead_rank_ends_the_run_with_an_error_not_a_hang(tmp_path):
         # Every other rank ends too (with its own error, or killed by rank 0's launcher), in bounded time.
         pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(4)]
         deadline = time.monotonic() + timeout
-        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        while any(is_alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not any(_alive(pid) for pid in pids), "a rank outlived the timeout after a peer died"
+        assert not any(is_alive(pid) for pid in pids), "a rank outlived the timeout after a peer died"
         print(f"dead-rank run ended after {time.monotonic() - start:.0f}s: {(tmp_path / 'error0').read_text()[:300]}")
     finally:
         kill_session(proc.pid)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead for our purposes (its parent has not reaped it yet).
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def test_batch_policy_is_checked():

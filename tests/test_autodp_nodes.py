@@ -18,8 +18,6 @@ end, so a hang on either "node" fails the test instead of blocking it.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -28,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import clean_env
+from launch import clean_env, is_alive, kill_session
 from test_autodp import NUM_SAMPLES, SCHEDULE, assert_replicas_identical_and_match, reference
 
 SCRIPT = Path(__file__).parent / "scripts" / "autodp_nodes.py"
@@ -38,25 +36,6 @@ PIPE_LEN = {0: 2, 1: 1, 2: 1}  # what the planner makes of SCHEDULE with frozen_
 REPLICAS = {0: 2, 1: 4, 2: 4}  # one replica per node, then every process
 STRATEGY_TIMEOUT = 120.0  # seconds, every collective (and the start-up rendezvous) of the run
 RUN_TIMEOUT = 300.0  # seconds for the whole 2-node run, start-up included, on a loaded 2-core machine
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, not yet reaped by its parent, counts as dead)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)  # a launcher's session: the local rank it started too
-    except ProcessLookupError:
-        pass
 
 
 def launch_nodes(out: Path, *args: str, timeout: float = RUN_TIMEOUT) -> list[subprocess.CompletedProcess]:
@@ -83,14 +62,14 @@ def launch_nodes(out: Path, *args: str, timeout: float = RUN_TIMEOUT) -> list[su
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             launchers = [p.poll() is None for p in procs]
-            if not any(launchers) and not any(_alive(pid) for pid in _rank_pids(out)):
+            if not any(launchers) and not any(is_alive(pid) for pid in _rank_pids(out)):
                 break
             time.sleep(0.5)
         hung = [f"launcher {node}" for node, p in enumerate(procs) if p.poll() is None]
-        hung += [f"pid {pid}" for pid in _rank_pids(out) if _alive(pid) and pid not in {p.pid for p in procs}]
+        hung += [f"pid {pid}" for pid in _rank_pids(out) if is_alive(pid) and pid not in {p.pid for p in procs}]
     finally:
         for p in procs:
-            _kill_group(p.pid)
+            kill_session(p.pid)
         for p in procs:
             p.wait()
     outputs = [log.read_text() for log in logs]
@@ -180,7 +159,7 @@ def test_two_nodes_on_localhost_replicas_grow_across_nodes_and_match_reference(t
     print(f"2-node run ({policy}): {time.monotonic() - start:.0f}s")
     # Every rank of both nodes is gone (killed sessions included).
     assert len(_rank_pids(tmp_path)) == WORLD
-    assert not any(_alive(pid) for pid in _rank_pids(tmp_path))
+    assert not any(is_alive(pid) for pid in _rank_pids(tmp_path))
 
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
     check_plan_and_split(ranks, per_replica)
