@@ -144,12 +144,7 @@ def _optimizer_state(rank: int, world: int) -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(sgd, step_size=1, gamma=0.5)
     if rank == 0:  # the only replica so far: it has trained
         for _ in range(3):
-            loss = net.head(net.norm(net.block(net.embed(torch.arange(16))))).square().mean()
-            sgd.zero_grad()
-            adam.zero_grad()
-            loss.backward()
-            sgd.step()
-            adam.step()
+            _step(net, (sgd, adam))
             scheduler.step()
     frozen = list(net.embed.parameters())  # "frozen by AutoFreeze": their state is not sent
     for p in frozen:
@@ -185,12 +180,7 @@ def _optimizer_state(rank: int, world: int) -> None:
                     assert torch.equal(torch.as_tensor(value), torch.as_tensor(want["state"][index][key])), (name, index, key)
         net.load_state_dict(reference["params"])
     # One more step everywhere from the same state: the trainable parameters stay bit-identical.
-    loss = net.head(net.norm(net.block(net.embed(torch.arange(16))))).square().mean()
-    sgd.zero_grad()
-    adam.zero_grad()
-    loss.backward()
-    sgd.step()
-    adam.step()
+    _step(net, (sgd, adam))
     params = [torch.cat([p.detach().reshape(-1) for p in net.parameters()])]
     gathered = [torch.empty_like(params[0]) for _ in range(world)]
     dist.all_gather(gathered, params[0])
@@ -221,3 +211,13 @@ def test_state_transfer_on_four_processes():
     buffers to all; an optimizer state without the frozen parameters' entries loads and the next
     step is identical everywhere; a receive whose sender never comes fails within the timeout."""
     _spawn(_all, 4)
+
+
+def _step(net: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+    """One training step of the toy net with every optimizer (the same on every rank)."""
+    loss = net.head(net.norm(net.block(net.embed(torch.arange(16))))).square().mean()
+    for optimizer in optimizers:
+        optimizer.zero_grad()
+    loss.backward()
+    for optimizer in optimizers:
+        optimizer.step()

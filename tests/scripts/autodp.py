@@ -87,16 +87,18 @@ def main() -> None:
     except BaseException as error:  # noqa: BLE001 - recorded for the test, then re-raised
         (out / f"error{rank}").write_text(f"{time.monotonic() - start:.1f}s {type(error).__name__}: {error}")
         raise
+    torch.save(final_record(trainer, module, record), out / f"rank{trainer.global_rank}.pt")
+
+
+def final_record(trainer: pl.Trainer, module: pl.LightningModule, record: Callback) -> dict:
+    """What a rank ends with: weights, SGD momentum, trainable names, what it saw per epoch, counters."""
     optimizer = trainer.strategy.optimizers[0]
     momentum = {name: optimizer.state[p]["momentum_buffer"] for name, p in module.named_parameters() if p in optimizer.state}
-    torch.save(
-        {
-            "state": module.state_dict(), "momentum": momentum, "epochs": record.epochs,
-            "trainable": sorted(name for name, p in module.named_parameters() if p.requires_grad),
-            "global_step": trainer.global_step, "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
-        },
-        out / f"rank{trainer.global_rank}.pt",
-    )
+    return {
+        "state": module.state_dict(), "momentum": momentum, "epochs": record.epochs,
+        "trainable": sorted(name for name, p in module.named_parameters() if p.requires_grad),
+        "global_step": trainer.global_step, "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
+    }
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.elastic import is_idle_batch
+from autodp import final_record  # this script's folder is on sys.path
 from models import TextClassifier, text_dataset
 
 SCHEDULE = {1: 2, 2: 3}
@@ -97,13 +98,9 @@ def main() -> None:
     except BaseException as error:  # noqa: BLE001 - recorded for the test, then re-raised
         (out / f"error{node}_{local}").write_text(f"{time.monotonic() - start:.1f}s {type(error).__name__}: {error}")
         raise
-    optimizer = trainer.strategy.optimizers[0]
-    momentum = {name: optimizer.state[p]["momentum_buffer"] for name, p in module.named_parameters() if p in optimizer.state}
     torch.save(
         {
-            "state": module.state_dict(), "momentum": momentum, "epochs": record.epochs,
-            "trainable": sorted(name for name, p in module.named_parameters() if p.requires_grad),
-            "global_step": trainer.global_step, "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
+            **final_record(trainer, module, record),
             "node_rank": trainer.node_rank, "local_rank": trainer.local_rank, "global_rank": trainer.global_rank,
             "world_size": trainer.world_size, "env_node_rank": node, "env_local_rank": local,
         },
