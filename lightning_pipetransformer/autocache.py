@@ -14,7 +14,9 @@ installs the pipeline: the model's own loop calls it once). For every batch it
 3. runs the frozen blocks, under ``no_grad``, only for the misses and stores their outputs;
 4. runs the active blocks (the pipeline over ``blocks[F:]``) on the merged boundary activations.
 
-The embeddings still run on every batch in this version (about a tenth of a block for BERT).
+Once the embeddings' output is seen to reach the stack unchanged, they are skipped too
+(:class:`~.core.embedding_skip.EmbeddingSkipper`): the model's forward gets a NaN placeholder
+of the right shape from them, and only the rows the stack must compute run the real embeddings.
 
 Two safety nets, both cheap: the first batch with hits at each boundary is also recomputed
 and compared with what the store returned (a mismatch raises: something outside the frozen
@@ -37,7 +39,8 @@ from .core.cache_keys import content_keys, index_keys
 from .core.cache_store import ActivationStore
 from .core.cache_validity import check_deterministic, prefix_fingerprint, prefix_modules
 from .core.discovery import BlockStack
-from .core.pipeline import hidden_of
+from .core.embedding_skip import EmbeddingSkipper
+from .core.pipeline import hidden_of, installed_pipeline
 
 __all__ = ["AutoCache", "BoundarySync", "CachedStack", "StaleCacheError"]
 
@@ -91,6 +94,14 @@ class CachedStack:
 
     def __call__(self, hidden: Tensor, *args: Any, **kwargs: Any) -> Any:
         cache = self.cache
+        # ``hidden`` is a placeholder when the embeddings were skipped: ``rows`` runs them for
+        # the rows that need real values (misses, verified hits), ``full`` for all rows.
+        skipped, pending = cache.arrived(hidden)
+        rows: Callable[[Tensor], Tensor] = skipped.rows if skipped is not None else (lambda m: hidden[m.to(hidden.device)])
+
+        def full() -> Tensor:
+            return skipped.rows() if skipped is not None else hidden
+
         store = cache.current_store(self.num_frozen)
         if torch.is_grad_enabled() and hidden.requires_grad:
             # Something before the frozen blocks still trains (freeze_embeddings=False): the
@@ -98,21 +109,22 @@ class CachedStack:
             cache.skip_once("the input of the frozen blocks requires grad (trainable embeddings)")
             return self.active(self._prefix(hidden, *args, **kwargs), *args, **kwargs)
         if store is None or not cache.enabled:
-            return self.active(self._prefix_plain(hidden, args, kwargs), *args, **kwargs)
+            return self.active(self._prefix_plain(full(), args, kwargs), *args, **kwargs)
         batch = hidden.shape[0]
-        keys = cache.keys_for(hidden, args, kwargs)
+        keys = cache.keys_for(hidden, args, kwargs, pending)
         try:
             extras = pack_block_inputs(args, kwargs, batch)
         except TypeError as err:
             cache.skip_once(f"a block argument cannot be stored per sample ({err})")
             keys = None
         if keys is None:
-            return self.active(self._prefix_plain(hidden, args, kwargs), *args, **kwargs)
+            return self.active(self._prefix_plain(full(), args, kwargs), *args, **kwargs)
         timing: dict[str, float] = {}
 
         def compute(miss: Tensor) -> Tensor:
-            h, a, k = select_rows((hidden, args, kwargs), miss, batch)
             start = time.perf_counter()
+            h = rows(miss)
+            a, k = select_rows((args, kwargs), miss, batch)
             with torch.no_grad():
                 out = self._prefix(h, *a, **k)
             timing["compute"] = (time.perf_counter() - start) / max(1, h.shape[0])
@@ -127,7 +139,7 @@ class CachedStack:
         if "compute" in timing:
             cache.compute_time = timing["compute"]
         if bool(hit_mask.any()):
-            cache.after_hits(hidden, args, kwargs, hit_mask, boundary, self._prefix, total, batch)
+            cache.after_hits(rows, args, kwargs, hit_mask, boundary, self._prefix, total, batch)
         return self.active(boundary, *args, **kwargs)
 
     def _prefix_plain(self, hidden: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
@@ -150,6 +162,8 @@ class AutoCache:
         key: ``"content"`` (exact) or ``"index"`` (the batch's ``"index"`` entry, set per batch
             with :meth:`set_batch`; reuses the first view of an augmented sample, so the
             first-hit verification is skipped).
+        skip_embeddings: skip the first module before the stack on batches the cache serves
+            (see :class:`~.core.embedding_skip.EmbeddingSkipper`).
     """
 
     def __init__(
@@ -160,8 +174,16 @@ class AutoCache:
         storage_dtype: torch.dtype | None = None,
         write_through: bool = False,
         key: Literal["content", "index"] = "content",
+        skip_embeddings: bool = True,
     ) -> None:
         self.mode = mode
+        self.skip_embeddings = skip_embeddings
+        self.skipper: EmbeddingSkipper | None = None
+        #: The embeddings' output reached the stack as the same tensor (seen once): skipping them is safe.
+        self.pre_reaches_stack = False
+        #: Forwards that got a placeholder instead of the embeddings' output (reported as a metric).
+        self.embeddings_skipped = 0
+        self._container: nn.Module | None = None
         self.key = key
         self._index_keys: list[str] | None = None
         self.cache_dir = cache_dir
@@ -195,16 +217,51 @@ class AutoCache:
 
     # ------------------------------------------------------------------ wiring
 
-    def attach(self, stack: BlockStack) -> None:
-        """Record the inputs of the first module before the stack (cheap keys)."""
+    def attach(self, stack: BlockStack, root: nn.Module | None = None) -> None:
+        """Record the inputs of the first module before the stack (cheap keys); skip it when possible.
+
+        Only for a prefix that includes the embeddings (frozen with the first block). ``root``
+        (the module the stack was found in) lets the skipper find the forward that calls both.
+        """
         self.detach()
-        if stack.pre:
-            self._hook = stack.pre[0][1].register_forward_hook(self._recorder, with_kwargs=True)
+        if not stack.pre:
+            return
+        pre = stack.pre[0][1]
+        self._container = stack.container
+        if self.skip_embeddings and root is not None:
+            self.skipper = EmbeddingSkipper.for_stack(root, pre, stack.container, self._may_skip_pre)
+        # Registered after the skipper's lazy forward: the recorder sees the placeholder as the output.
+        self._hook = pre.register_forward_hook(self._recorder, with_kwargs=True)
 
     def detach(self) -> None:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self.skipper is not None:
+            self.skipper.detach()
+            self.skipper = None
+
+    def _may_skip_pre(self) -> bool:
+        """The embeddings may return a placeholder: a cached runner serves this forward's boundary."""
+        if not (self.enabled and self.pre_reaches_stack and self._container is not None):
+            return False
+        runner = installed_pipeline(self._container)
+        return isinstance(runner, CachedStack) and runner.cache is self and self.serves(runner.num_frozen)
+
+    def arrived(self, hidden: Tensor) -> tuple[Any, tuple[tuple[Any, ...], dict[str, Any], Any] | None]:
+        """At the stack: ``(skipped, pending)``, what the embeddings did in this forward.
+
+        ``skipped`` is the skipper's record if the embeddings returned ``hidden`` as a
+        placeholder (else ``None``); ``pending`` the recorded inputs and output of their last
+        call. A real output that arrives unchanged marks skipping as safe from the next forward on.
+        """
+        skipped = self.skipper.take(hidden) if self.skipper is not None else None
+        pending = self._recorder.take()
+        if skipped is None and pending is not None and pending[2] is hidden:
+            self.pre_reaches_stack = True
+        if skipped is not None:
+            self.embeddings_skipped += 1
+        return skipped, pending
 
     def set_batch(self, batch: Any, namespace: str) -> None:
         """``key="index"``: take the sample indices of the next forward from ``batch["index"]``."""
@@ -216,8 +273,15 @@ class AutoCache:
         keys = index_keys(batch["index"], f"{self.namespace}{namespace}")
         self._index_keys = keys if (self.store is not None or self._pending is not None) and self.enabled else None
 
-    def keys_for(self, hidden: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str] | None:
-        """Keys of what enters the frozen prefix, or ``None`` when they cannot be exact."""
+    def keys_for(
+        self, hidden: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any],
+        pending: tuple[tuple[Any, ...], dict[str, Any], Any] | None,
+    ) -> list[str] | None:
+        """Keys of what enters the frozen prefix, or ``None`` when they cannot be exact.
+
+        ``pending``: the embeddings' last inputs and output (:meth:`arrived`); their inputs
+        name ``hidden`` only if their output is this very tensor.
+        """
         batch = hidden.shape[0]
         if self.key == "index":
             keys, self._index_keys = self._index_keys, None
@@ -227,8 +291,6 @@ class AutoCache:
                     f"{None if keys is None else len(keys)}. Each forward must see its batch's samples once, in order."
                 )
             return keys
-        pending = self._recorder.take()
-        # The embeddings' inputs name the hidden state only if their output is this very tensor.
         source: Any = (pending[0], pending[1]) if pending is not None and pending[2] is hidden else hidden
         try:
             return content_keys(source, args, kwargs, batch_size=batch)
@@ -381,17 +443,19 @@ class AutoCache:
     # ------------------------------------------------------------------ checks and decisions
 
     def after_hits(
-        self, hidden: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any], hit_mask: Tensor, boundary: Tensor,
-        prefix: Callable[..., Tensor], total: float, batch: int,
+        self, rows: Callable[[Tensor], Tensor], args: tuple[Any, ...], kwargs: dict[str, Any], hit_mask: Tensor,
+        boundary: Tensor, prefix: Callable[..., Tensor], total: float, batch: int,
     ) -> None:
-        """Verify the first hits at a boundary; under ``"auto"`` keep the cache only if it pays."""
+        """Verify the first hits at a boundary; under ``"auto"`` keep the cache only if it pays.
+
+        ``rows(mask)``: the input of the frozen blocks for the rows in ``mask``.
+        """
         if not self._verified and self.key == "content":
             self._verified = True
-            rows = hit_mask.to(hidden.device)
-            h, a, k = select_rows((hidden, args, kwargs), hit_mask, batch)
+            a, k = select_rows((args, kwargs), hit_mask, batch)
             with torch.no_grad():
-                fresh = prefix(h, *a, **k)
-            cached = boundary[rows]
+                fresh = prefix(rows(hit_mask), *a, **k)
+            cached = boundary[hit_mask.to(boundary.device)]
             if not torch.allclose(fresh.float(), cached.float(), rtol=1e-3, atol=1e-4):
                 raise StaleCacheError(
                     "AutoCache returned an activation that differs from recomputing the frozen prefix: something "
@@ -415,6 +479,7 @@ class AutoCache:
         metrics["autocache/enabled"] = float(self.enabled)
         metrics["autocache/boundary"] = float(self.store.boundary)
         metrics["autocache/advanced"] = float(self.advanced)
+        metrics["autocache/embeddings_skipped"] = float(self.embeddings_skipped)
         return metrics
 
 

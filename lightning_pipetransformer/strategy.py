@@ -91,6 +91,9 @@ class PipeTransformerStrategy(DDPStrategy):
         cache_dir: node-local directory for entries beyond ``cache_memory``; default
             ``<default_root_dir>/pipetransformer_cache``.
         cache_memory: host bytes for cached entries in memory; the rest spills to ``cache_dir``.
+        cache_skip_embeddings: also skip the embeddings on batches the cache serves (default).
+            Checked for safety at run time (their output must reach the blocks unchanged); turn
+            it off only if that check raises for your model.
     """
 
     strategy_name = "pipetransformer"
@@ -108,6 +111,7 @@ class PipeTransformerStrategy(DDPStrategy):
         cache_key: Literal["content", "index"] = "content",
         cache_dir: str | None = None,
         cache_memory: int = 4 * 2**30,
+        cache_skip_embeddings: bool = True,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -148,6 +152,7 @@ class PipeTransformerStrategy(DDPStrategy):
         self.cache_key = cache_key
         self.cache_dir = cache_dir
         self.cache_memory = cache_memory
+        self.cache_skip_embeddings = bool(cache_skip_embeddings)
         self._autocache: AutoCache | None = None
         self._cache_include_pre = True
         self.stack: BlockStack | None = None
@@ -265,7 +270,7 @@ class PipeTransformerStrategy(DDPStrategy):
         probe_cache_dir(directory)
         self._autocache = AutoCache(
             self.cache, directory, self.cache_memory, write_through=self.num_processes > 1,
-            key=self.cache_key,
+            key=self.cache_key, skip_embeddings=self.cache_skip_embeddings,
         )
         # Entries computed at another precision must never be returned; index keys are only
         # unique within this set-up (this run, these loaders).
@@ -275,7 +280,7 @@ class PipeTransformerStrategy(DDPStrategy):
         # hidden state itself (exact, a little dearer) instead of the embeddings' inputs.
         self._cache_include_pre = bool(autofreeze is None or autofreeze.freeze_embeddings)
         if self._cache_include_pre:
-            self._autocache.attach(self.stack)
+            self._autocache.attach(self.stack, self.lightning_module)
         if self.world_size > 1:
             from .autocache import BoundarySync
 

@@ -83,6 +83,8 @@ def test_cache_on_equals_cache_off_and_new_replicas_hit_advanced_entries(tmp_pat
         e2 = r["epochs"][2]
         assert stat(e2, "boundary") == 3 and stat(e2, "misses") == 0
         assert stat(e2, "hits") == TRAIN / WORLD + VAL / WORLD
+    # The ranks that already served boundary 2 skip the embeddings in epoch 2 too (under DDP).
+    assert all(stat(r["epochs"][2], "embeddings_skipped") > stat(r["epochs"][1], "embeddings_skipped") for r in replicas)
     for r in joined:
         e2 = r["epochs"][2]
         assert stat(e2, "stored") == 0 and stat(e2, "advanced") == 0 and stat(e2, "disk_hits") == stat(e2, "hits")

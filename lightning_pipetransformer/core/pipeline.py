@@ -34,7 +34,7 @@ from lightning_pipetransformer.core.devices import Device, Stream
 from lightning_pipetransformer.core.microbatch import BatchArgs, Kwargs, gather, map_tensors, scatter
 from lightning_pipetransformer.core.partition import boundaries
 
-__all__ = ["Pipeline", "clock_cycles", "hidden_of", "install_pipeline", "remove_pipeline", "pipelined"]
+__all__ = ["Pipeline", "clock_cycles", "hidden_of", "install_pipeline", "installed_pipeline", "remove_pipeline", "pipelined"]
 
 Blocks = tuple[nn.Module, ...]
 Schedule = list[tuple[int, int]]
@@ -321,6 +321,11 @@ def install_pipeline(container: nn.Module, pipeline: Pipeline) -> None:
         container.__class__ = _pipelined_class(base)
     # object.__setattr__: the pipeline is not a submodule and must not be registered as one.
     object.__setattr__(container, _PIPELINE_ATTR, pipeline)
+
+
+def installed_pipeline(container: nn.Module) -> Any:
+    """What :func:`install_pipeline` installed on ``container`` (``None`` if nothing is installed)."""
+    return container.__dict__.get(_PIPELINE_ATTR)
 
 
 def remove_pipeline(container: nn.Module) -> None:

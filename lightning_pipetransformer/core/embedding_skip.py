@@ -1,0 +1,189 @@
+"""Skip the embeddings while the frozen prefix is served from the cache.
+
+Once AutoCache holds a sample's activation at the frozen boundary, the embeddings' output is
+not needed for it at all. But the embeddings run inside the model's own forward, before the
+block stack (``embedding_output = self.embeddings(...)``, then ``self.encoder(embedding_output,
+...)``), and a forward pre-hook cannot skip a module. So :class:`EmbeddingSkipper` replaces
+the first module before the stack with a *lazy* forward for as long as it is attached:
+
+- it records the module's inputs and returns a **placeholder** of the right shape, dtype and
+  device, filled with NaN (never uninitialised memory: if anything other than the stack reads
+  it, the NaN shows);
+- the stack (``CachedStack``) receives the placeholder, looks the samples up, and calls
+  :meth:`Skipped.rows` to run the real embeddings only for the rows it must compute (misses,
+  and the first hits it verifies).
+
+It skips only when all of these hold, otherwise the module runs normally:
+
+- ``may_skip()`` (AutoCache: a cached runner is installed, the cache serves its boundary and
+  the embeddings' output was seen to reach the stack *as the same tensor* in an earlier
+  forward, so nothing transforms it on the way);
+- the call happens inside the forward of the smallest module holding both the embeddings
+  and the stack (``BertModel``), not in a user's own call of the embeddings;
+- no parameter of the module requires grad;
+- an earlier real call with inputs of the same shapes showed the output's shape (the shape
+  map is per input signature, so length buckets cost one real call each).
+
+And it fails loudly: a placeholder that does not reach the stack as the same tensor, or that
+the stack never consumes before the enclosing forward returns, raises :class:`SkipError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["EmbeddingSkipper", "SkipError", "Skipped"]
+
+
+class SkipError(RuntimeError):
+    """The skipped embeddings' placeholder did not reach the block stack unchanged."""
+
+
+@dataclass
+class Skipped:
+    """One skipped call: the recorded inputs, the placeholder returned, and the real forward."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    placeholder: Tensor
+    forward: Callable[..., Any]
+
+    def rows(self, mask: Tensor | None = None) -> Tensor:
+        """The real embeddings of the rows in ``mask`` (a ``[B]`` bool tensor; ``None``: all rows)."""
+        from .cache_advance import select_rows
+
+        args, kwargs = self.args, self.kwargs
+        if mask is not None:
+            args, kwargs = select_rows((args, kwargs), mask, self.placeholder.shape[0])
+        with torch.no_grad():
+            return self.forward(*args, **kwargs)
+
+
+class EmbeddingSkipper:
+    """Installs the lazy forward on ``module`` (the first module before the stack); see the module docstring.
+
+    Args:
+        module: the embeddings.
+        scope: the smallest module whose forward calls both ``module`` and the stack.
+        may_skip: asked at every call inside ``scope``; AutoCache's decision.
+    """
+
+    def __init__(self, module: nn.Module, scope: nn.Module, may_skip: Callable[[], bool]) -> None:
+        self.module = module
+        self.scope = scope
+        self.may_skip = may_skip
+        self.skips = 0  # calls answered with a placeholder (tests and reports read it)
+        self._depth = 0
+        self._shapes: dict[Any, tuple[torch.Size, torch.dtype, torch.device]] = {}
+        self._skipped: Skipped | None = None
+        self._own_forward = module.__dict__.get("forward")
+        self._real = module.forward
+        module.forward = self._forward  # type: ignore[method-assign]
+        self._hooks = [
+            scope.register_forward_pre_hook(self._enter),
+            scope.register_forward_hook(self._leave, always_call=True),
+        ]
+
+    @classmethod
+    def for_stack(cls, root: nn.Module, pre: nn.Module, container: nn.Module, may_skip: Callable[[], bool]) -> EmbeddingSkipper | None:
+        """The skipper for ``pre`` before ``container`` inside ``root``; ``None`` if no common scope is found."""
+        names = {id(m): name for name, m in root.named_modules()}
+        if id(pre) not in names or id(container) not in names:
+            return None
+        pre_path, stack_path = names[id(pre)].split("."), names[id(container)].split(".")
+        common: list[str] = []
+        for a, b in zip(pre_path, stack_path):
+            if a != b:
+                break
+            common.append(a)
+        scope = root.get_submodule(".".join(common)) if common else root
+        return cls(pre, scope, may_skip)
+
+    def detach(self) -> None:
+        """Restore the module's forward and remove the hooks."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self._own_forward is not None:
+            self.module.forward = self._own_forward  # type: ignore[method-assign]
+        else:
+            self.module.__dict__.pop("forward", None)
+        self._skipped = None
+
+    def take(self, hidden: Tensor) -> Skipped | None:
+        """What the stack receives instead of the embeddings' output, if this forward skipped them.
+
+        Raises:
+            SkipError: a placeholder was returned but ``hidden`` is another tensor (something
+                between the embeddings and the stack changed it).
+        """
+        skipped, self._skipped = self._skipped, None
+        if skipped is None:
+            return None
+        if skipped.placeholder is not hidden:
+            raise SkipError(
+                f"AutoCache skipped {type(self.module).__name__} but its output was changed before it reached the "
+                "block stack (the stack got another tensor). This model cannot skip its embeddings: pass "
+                "cache_skip_embeddings=False to the strategy (or cache=False)."
+            )
+        return skipped
+
+    # ------------------------------------------------------------------ hooks
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        self._depth += 1
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._depth = max(0, self._depth - 1)
+        if self._depth == 0 and self._skipped is not None:
+            self._skipped = None
+            raise SkipError(
+                f"AutoCache skipped {type(self.module).__name__} but the block stack never received its output in "
+                f"this forward of {type(self.scope).__name__}. Pass cache_skip_embeddings=False to the strategy."
+            )
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        signature = self._signature(args, kwargs) if self._depth > 0 else None
+        known = self._shapes.get(signature) if signature is not None else None
+        if known is not None and self._skipped is None and self._frozen() and self.may_skip():
+            shape, dtype, device = known
+            batch = signature[0]
+            placeholder = torch.full((batch, *shape), float("nan"), dtype=dtype, device=device)
+            self._skipped = Skipped(args, kwargs, placeholder, self._real)
+            self.skips += 1
+            return placeholder
+        output = self._real(*args, **kwargs)
+        if (
+            signature is not None and isinstance(output, Tensor) and output.is_floating_point()
+            and output.dim() > 0 and output.shape[0] == signature[0]
+        ):
+            self._shapes[signature] = (output.shape[1:], output.dtype, output.device)
+        return output
+
+    def _frozen(self) -> bool:
+        return not any(p.requires_grad for p in self.module.parameters())
+
+    @staticmethod
+    def _signature(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...] | None:
+        """``(batch, per-argument description)``: equal signatures give equal output shapes; ``None``: do not skip."""
+        parts: list[Any] = []
+        batch: int | None = None
+        autocast = False
+        for name, value in [*enumerate(args), *sorted(kwargs.items())]:
+            if isinstance(value, Tensor):
+                if batch is None and value.dim() > 0:
+                    batch = int(value.shape[0])
+                    autocast = torch.is_autocast_enabled(value.device.type)
+                parts.append((name, tuple(value.shape), value.dtype, value.device))
+            elif value is None or isinstance(value, (bool, int, float, str)):
+                parts.append((name, value))
+            else:
+                return None  # something we cannot compare cheaply: run the real forward
+        if batch is None:
+            return None
+        return (batch, autocast, tuple(parts))
