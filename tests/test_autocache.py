@@ -30,7 +30,7 @@ def grads_and_logits(model, ids, mask):
 def install(model, cache, num_frozen):
     stack = find_block_stack(model)
     apply_freeze(stack, num_frozen, include_pre=True)
-    cache.attach(stack)
+    cache.attach(stack, model)  # with the model as root: the embeddings are skipped where that is exact
     cache.move_boundary(stack, num_frozen, True, torch.device("cpu"), (0, 1))
     runner = CachedStack(cache, stack.blocks, num_frozen, run_blocks(stack.blocks[num_frozen:]))
     install_pipeline(stack.container, runner)  # type: ignore[arg-type]

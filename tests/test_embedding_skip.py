@@ -6,23 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipetransformer.autocache import AutoCache, CachedStack, run_blocks
+from lightning_pipetransformer.autocache import AutoCache
 from lightning_pipetransformer.core.discovery import find_block_stack
 from lightning_pipetransformer.core.embedding_skip import SkipError
 from lightning_pipetransformer.core.freezing import apply_freeze
-from lightning_pipetransformer.core.pipeline import install_pipeline, remove_pipeline
+from lightning_pipetransformer.core.pipeline import remove_pipeline
 from models import SEQ, VOCAB, tiny_bert, tiny_vit
-from test_autocache import batch, grads_and_logits
-
-
-def install(model, cache, num_frozen):
-    """Like test_autocache.install, with the model as root so that the embeddings can be skipped."""
-    stack = find_block_stack(model)
-    apply_freeze(stack, num_frozen, include_pre=True)
-    cache.attach(stack, model)
-    cache.move_boundary(stack, num_frozen, True, torch.device("cpu"), (0, 1))
-    install_pipeline(stack.container, CachedStack(cache, stack.blocks, num_frozen, run_blocks(stack.blocks[num_frozen:])))
-    return stack
+from test_autocache import batch, grads_and_logits, install
 
 
 def count_rows(module: nn.Module) -> list[int]:
@@ -39,7 +29,7 @@ def test_skipped_embeddings_equal_plain_model_and_run_only_for_misses(tmp_path, 
     cached.load_state_dict(plain.state_dict())
     apply_freeze(find_block_stack(plain), 1, include_pre=True)
     cache = AutoCache(True, str(tmp_path), budget)
-    stack = install(cached, cache, 1)
+    stack, _ = install(cached, cache, 1)
     word_rows = count_rows(cached.bert.embeddings.word_embeddings)  # runs only inside the real embeddings
 
     def check(ids, mask):
