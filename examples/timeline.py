@@ -1,9 +1,9 @@
 """A Lightning callback that records what PipeTransformer did each epoch, as a table and a plot.
 
 Per epoch: frozen blocks (from an :class:`~lightning_pipetransformer.AutoFreeze` among the
-trainer's callbacks), pipeline length, replicas and cache hits (read from the strategy's ``plan``
-and ``cache_stats`` when it has them, else ``-``), training throughput, epoch time and the
-validation metric. At the end of ``fit``, rank 0 prints the table and, if asked, writes a PNG
+trainer's callbacks), pipeline length, replicas, cache hits and the cache's bytes in host memory
+and on disk (read from the strategy's ``plan`` and ``cache_stats`` when it has them, else ``-``),
+training throughput, epoch time and the validation metric. At the end of ``fit``, rank 0 prints the table and, if asked, writes a PNG
 (and a JSON file) of the same timeline::
 
     callbacks:
@@ -44,6 +44,11 @@ class EpochRecord:
     epoch_s: float  # the whole epoch, validation included
     total_s: float  # since the start of the first epoch
     metric: float | None
+    # The cache's footprint at the epoch's end: the current frozen boundary's store (the previous
+    # boundary's entries are dropped when it moves). None: no cache, or no store yet (nothing frozen).
+    # Defaults keep rows saved before these fields existed loadable.
+    cache_mem_bytes: int | None = None
+    cache_disk_bytes: int | None = None  # the store's directory, every process's files
 
 
 def _batch_size(batch: Any) -> int:
@@ -83,22 +88,28 @@ def _plan_fields(trainer: pl.Trainer) -> tuple[str, str]:
     )
 
 
-def _cache_hits(trainer: pl.Trainer) -> str:
-    """The strategy's cache statistics in one short cell: ``hits/lookups (rate)`` if it can."""
+def _cache_stats(trainer: pl.Trainer) -> dict[str, Any] | None:
+    """The strategy's cache statistics under plain names (``hits``, ``bytes_in_memory``, ...); ``None`` without."""
     stats = getattr(trainer.strategy, "cache_stats", None)
     if callable(stats):
         try:
             stats = stats()
         except Exception:  # a report, not a reason to fail training
-            return MISSING
+            return None
+    if stats is None:
+        return None
+    if not isinstance(stats, Mapping):
+        names = ("hits", "misses", "hit_rate", "bytes_in_memory", "bytes_on_disk")
+        stats = {k: getattr(stats, k) for k in names if hasattr(stats, k)}
+        return stats or None
+    # The strategy reports logger-ready names ("autocache/hits"); plain names work too.
+    return {str(k).rsplit("/", 1)[-1]: v for k, v in stats.items()}
+
+
+def _cache_hits(stats: Mapping[str, Any] | None) -> str:
+    """The cache statistics in one short cell: ``hits/lookups (rate)`` if it can."""
     if stats is None:
         return MISSING
-    if not isinstance(stats, Mapping):
-        stats = {k: getattr(stats, k) for k in ("hits", "misses", "hit_rate") if hasattr(stats, k)}
-        if not stats:
-            return MISSING
-    # The strategy reports logger-ready names ("autocache/hits"); plain names work too.
-    stats = {str(k).rsplit("/", 1)[-1]: v for k, v in stats.items()}
     hits, misses = stats.get("hits"), stats.get("misses")
     if isinstance(hits, (int, float)) and isinstance(misses, (int, float)) and hits + misses > 0:
         return f"{int(hits)}/{int(hits + misses)} ({hits / (hits + misses):.0%})"
@@ -106,6 +117,21 @@ def _cache_hits(trainer: pl.Trainer) -> str:
     if isinstance(rate, (int, float)):
         return f"{rate:.0%}"
     return str(hits) if hits is not None else MISSING
+
+
+def _cache_bytes(stats: Mapping[str, Any] | None, name: str) -> int | None:
+    """One byte count of the stats as an int (the logger-ready metrics are floats); ``None`` if absent."""
+    value = stats.get(name) if stats is not None else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        return None
+    return int(value)
+
+
+def _mb_cell(mem: int | None, disk: int | None) -> str:
+    """``"mem/disk"`` in MB (one decimal), ``-`` for an unknown part; ``-`` alone if both are unknown."""
+    if mem is None and disk is None:
+        return MISSING
+    return "/".join(MISSING if b is None else f"{b / 1e6:.1f}" for b in (mem, disk))
 
 
 def _metric(trainer: pl.Trainer, key: str) -> float | None:
@@ -118,10 +144,12 @@ def _metric(trainer: pl.Trainer, key: str) -> float | None:
 
 def format_table(rows: list[EpochRecord], metric_name: str = "val/acc") -> str:
     """The timeline as a fixed-width text table."""
-    head = ("epoch", "frozen", "pipe", "replicas", "cache hits", "samples/s", "train s", "epoch s", "total s", metric_name)
+    head = ("epoch", "frozen", "pipe", "replicas", "cache hits", "cache MB (mem/disk)", "samples/s", "train s", "epoch s",
+            "total s", metric_name)  # fmt: skip
     body = [
         (
-            str(r.epoch), r.frozen, r.pipe_len, r.replicas, r.cache_hits, f"{r.samples_per_s:.1f}",
+            str(r.epoch), r.frozen, r.pipe_len, r.replicas, r.cache_hits, _mb_cell(r.cache_mem_bytes, r.cache_disk_bytes),
+            f"{r.samples_per_s:.1f}",
             f"{r.train_s:.1f}", f"{r.epoch_s:.1f}", f"{r.total_s:.1f}",
             MISSING if r.metric is None else f"{r.metric:.4f}",
         )
@@ -192,18 +220,21 @@ class Timeline(Callback):
         train_s = max(epoch_s - self._val_s, 1e-9)
         pipe_len, replicas = _plan_fields(trainer)
         n_replicas = int(replicas) if replicas.isdigit() else trainer.world_size
+        cache = _cache_stats(trainer)
         self.rows.append(
             EpochRecord(
                 epoch=trainer.current_epoch,
                 frozen=_frozen(trainer),
                 pipe_len=pipe_len,
                 replicas=replicas,
-                cache_hits=_cache_hits(trainer),
+                cache_hits=_cache_hits(cache),
                 samples_per_s=self._samples * n_replicas / train_s,
                 train_s=train_s,
                 epoch_s=epoch_s,
                 total_s=now - (self._start or self._epoch_start),
                 metric=_metric(trainer, self.monitor),
+                cache_mem_bytes=_cache_bytes(cache, "bytes_in_memory"),
+                cache_disk_bytes=_cache_bytes(cache, "bytes_on_disk"),
             )
         )
 

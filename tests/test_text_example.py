@@ -156,5 +156,7 @@ def test_cli_fit_with_autofreeze_and_timeline(tiny_assets: tuple[Path, Path], tm
     else:
         assert all(r["pipe_len"].isdigit() and r["replicas"] == "1" for r in rows)
     assert all(r["metric"] is not None and 0.0 <= r["metric"] <= 1.0 for r in rows)
+    # The JSON carries the cache's bytes per epoch; neither strategy here caches (cache=False by default).
+    assert all(r["cache_mem_bytes"] is None and r["cache_disk_bytes"] is None for r in rows)
     assert (tmp_path / "timeline.png").stat().st_size > 1000
     assert not (tmp_path / "no-assets").exists()

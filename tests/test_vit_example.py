@@ -152,6 +152,59 @@ def test_short_fit_with_autofreeze_and_pipeline_learns(tmp_path: Path) -> None:
     assert float(trainer.callback_metrics["val/acc"]) > 0.3  # chance is 0.1
 
 
+def _strategy_cache_stats(trainer: object) -> dict[str, float] | None:
+    """``trainer.strategy.cache_stats``, a method or a property."""
+    stats = getattr(trainer.strategy, "cache_stats", None)  # type: ignore[attr-defined]
+    return stats() if callable(stats) else stats
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_timeline_records_the_cache_bytes_per_epoch(tmp_path: Path, cache: bool) -> None:
+    """Each EpochRecord's cache bytes are the strategy's cache stats at that epoch's end (read by a
+    callback placed right after the Timeline); without a cache they stay ``None``."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+    from timeline import Timeline, format_table
+
+    from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
+
+    class StatsAtEpochEnd(Callback):
+        def __init__(self) -> None:
+            self.seen: list[dict[str, float] | None] = []
+
+        def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self.seen.append(_strategy_cache_stats(trainer))
+
+    folder = _fashion_dir(tmp_path, n_train=64, n_test=32)
+    pl.seed_everything(0, verbose=False)
+    model = vf.ViTClassifier(hidden_size=32, num_layers=3, num_heads=2, intermediate_size=64, lr=3e-3, warmup_ratio=0.0)
+    dm = vf.ImageDataModule(source="fashion-mnist", data_dir=str(folder), batch_size=16)
+    # A budget above one batch of boundary activations (~70 kB here) but below all 96 samples' (~220 kB):
+    # some entries stay in memory and the rest spill to disk, so both byte counts are nonzero and differ.
+    strategy = PipeTransformerStrategy(pipe_len=1, cache=cache, cache_dir=str(tmp_path / "cache"), cache_memory=150_000)
+    timeline, probe = Timeline(print_table=False), StatsAtEpochEnd()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_epochs=3, callbacks=[AutoFreeze(schedule={1: 1}), timeline, probe],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(model, datamodule=dm)
+
+    rows = timeline.rows
+    assert len(rows) == len(probe.seen) == 3
+    if not cache:
+        assert probe.seen == [None, None, None]
+        assert all(r.cache_mem_bytes is None and r.cache_disk_bytes is None for r in rows)
+        return
+    for row, stats in zip(rows, probe.seen):
+        assert stats is not None
+        for got, name in ((row.cache_mem_bytes, "autocache/bytes_in_memory"), (row.cache_disk_bytes, "autocache/bytes_on_disk")):
+            assert got == (int(stats[name]) if name in stats else None), (row.epoch, name, got, stats)
+    last = rows[-1]
+    assert last.cache_mem_bytes and last.cache_disk_bytes  # frozen since epoch 1: a store in both places
+    assert f"{last.cache_mem_bytes / 1e6:.1f}/{last.cache_disk_bytes / 1e6:.1f}" in format_table(rows)
+
+
 def test_yaml_config_runs_through_the_cli(tmp_path: Path) -> None:
     """The shipped YAML, pointed at synthetic idx files and shrunk, fits two short epochs."""
     config = yaml.safe_load((EXAMPLES / "configs" / "vit_fashion_mnist.yaml").read_text())
