@@ -37,6 +37,23 @@ def install(model, cache, num_frozen):
     return stack, runner
 
 
+def count_rows(module: torch.nn.Module) -> list[int]:
+    """The batch size of every real call of ``module``."""
+    calls: list[int] = []
+    module.register_forward_hook(lambda m, args, out: calls.append(out.shape[0]))
+    return calls
+
+
+def assert_same_step(plain, cached, ids, mask):
+    """Logits and gradients of one step agree between the plain and the cached model."""
+    expected = grads_and_logits(plain, ids, mask)
+    actual = grads_and_logits(cached, ids, mask)
+    torch.testing.assert_close(actual[0], expected[0], rtol=1e-5, atol=1e-6)
+    assert actual[1].keys() == expected[1].keys()
+    for name in expected[1]:
+        torch.testing.assert_close(actual[1][name], expected[1][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("budget", [10**7, 0])  # in memory, and all on disk
 def test_cached_equals_uncached_over_epochs_and_boundary_moves(tmp_path, budget):
     torch.manual_seed(0)
@@ -45,29 +62,29 @@ def test_cached_equals_uncached_over_epochs_and_boundary_moves(tmp_path, budget)
     apply_freeze(find_block_stack(plain), 1, include_pre=True)
     cache = AutoCache(True, str(tmp_path), budget)
     stack, _ = install(cached, cache, 1)
-    batches = [batch(0), batch(1), batch(0), batch(1)]  # epoch 1, then epoch 2 hits
-    for ids, mask in batches:
-        expected = grads_and_logits(plain, ids, mask)
-        actual = grads_and_logits(cached, ids, mask)
-        torch.testing.assert_close(actual[0], expected[0], rtol=1e-5, atol=1e-6)
-        assert actual[1].keys() == expected[1].keys()
-        for name in expected[1]:
-            torch.testing.assert_close(actual[1][name], expected[1][name], rtol=1e-5, atol=1e-6, msg=name)
+    word_rows = count_rows(cached.bert.embeddings.word_embeddings)  # runs only inside the real embeddings
+    for seed in (0, 1):  # epoch 1: all misses; the first forward shows the embeddings' output reaches the stack
+        assert_same_step(plain, cached, *batch(seed))
+    assert word_rows == [6, 6] and cache.embeddings_skipped == 1  # batch 1 skipped them, then ran them for its 6 misses
+    word_rows.clear()
+    for seed in (0, 1):  # epoch 2: all hit; the embeddings run only for the one-off verification of the first hits
+        assert_same_step(plain, cached, *batch(seed))
+    assert word_rows == [6] and cache.embeddings_skipped == 3
     assert cache.store.stats().hits == 12 and cache.store.stats().misses == 12
 
     # Move the boundary 1 -> 3: entries are advanced, not recomputed from the input.
     apply_freeze(find_block_stack(plain), 3, include_pre=True)
     remove_pipeline(stack.container)
     _, runner = install(cached, cache, 3)
+    cache.pre_reaches_stack = True  # attach() starts unverified; this model was verified above
     computed = []
     original = runner._prefix
     runner._prefix = lambda *a, **k: computed.append(a[0].shape[0]) or original(*a, **k)
-    ids, mask = batch(0)
-    expected = grads_and_logits(plain, ids, mask)
-    actual = grads_and_logits(cached, ids, mask)
-    torch.testing.assert_close(actual[0], expected[0], rtol=1e-5, atol=1e-6)
-    # All 6 hit; the only prefix run is the one-off verification of the first hits.
-    assert cache.store.stats().hits == 6 and computed == [6]
+    word_rows.clear()
+    assert_same_step(plain, cached, *batch(0))
+    assert_same_step(plain, cached, *batch(1))
+    # All 12 hit; the only prefix (and embeddings) run is the one-off verification of the first hits.
+    assert cache.store.stats().hits == 12 and computed == [6] and word_rows == [6]
 
 
 def test_input_changed_in_forward_misses(tmp_path):

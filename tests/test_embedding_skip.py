@@ -12,59 +12,21 @@ from lightning_pipetransformer.core.embedding_skip import SkipError
 from lightning_pipetransformer.core.freezing import apply_freeze
 from lightning_pipetransformer.core.pipeline import remove_pipeline
 from models import SEQ, VOCAB, tiny_bert, tiny_vit
-from test_autocache import batch, grads_and_logits, install
+from test_autocache import batch, count_rows, install
 
 
-def count_rows(module: nn.Module) -> list[int]:
-    """The batch size of every real call of ``module``."""
-    calls: list[int] = []
-    module.register_forward_hook(lambda m, args, out: calls.append(out.shape[0]))
-    return calls
-
-
-@pytest.mark.parametrize("budget", [10**7, 0])
-def test_skipped_embeddings_equal_plain_model_and_run_only_for_misses(tmp_path, budget):
-    torch.manual_seed(0)
-    plain, cached = tiny_bert(4), tiny_bert(4)
-    cached.load_state_dict(plain.state_dict())
-    apply_freeze(find_block_stack(plain), 1, include_pre=True)
-    cache = AutoCache(True, str(tmp_path), budget)
-    stack, _ = install(cached, cache, 1)
-    word_rows = count_rows(cached.bert.embeddings.word_embeddings)  # runs only inside the real embeddings
-
-    def check(ids, mask):
-        expected = grads_and_logits(plain, ids, mask)
-        actual = grads_and_logits(cached, ids, mask)
-        torch.testing.assert_close(actual[0], expected[0], rtol=1e-5, atol=1e-6)
-        assert actual[1].keys() == expected[1].keys()
-        for name in expected[1]:
-            torch.testing.assert_close(actual[1][name], expected[1][name], rtol=1e-5, atol=1e-6, msg=name)
-
-    for seed in (0, 1):  # epoch 1: all misses; the first forward shows the output reaches the stack
-        check(*batch(seed))
-    assert word_rows == [6, 6] and cache.embeddings_skipped == 1  # batch 1 was already skipped (all missed: 6 rows)
-    word_rows.clear()
-    for seed in (0, 1):  # epoch 2: all hit; embeddings run only for the one-off verification of the first hits
-        check(*batch(seed))
-    assert word_rows == [6] and cache.embeddings_skipped == 3
-    assert cache.store.stats().hits == 12
-
-    # A new boundary: entries are advanced; the embeddings run for the verification only.
-    apply_freeze(find_block_stack(plain), 3, include_pre=True)
-    remove_pipeline(stack.container)
-    install(cached, cache, 3)
-    cache.pre_reaches_stack = True  # attach() starts unverified; this model was verified above
-    word_rows.clear()
-    check(*batch(0))
-    check(*batch(1))
-    assert word_rows == [6] and cache.store.stats().hits == 12
-
-
-def test_half_hit_batch_runs_embeddings_for_the_misses_only(tmp_path):
+@pytest.fixture
+def bert_with_cache(tmp_path):
+    """A 3-block BERT with 2 blocks frozen and served by an AutoCache that may skip its embeddings."""
     torch.manual_seed(0)
     model = tiny_bert(3)
     cache = AutoCache(True, str(tmp_path), 10**7)
     install(model, cache, 2)
+    return model, cache
+
+
+def test_half_hit_batch_runs_embeddings_for_the_misses_only(bert_with_cache):
+    model, cache = bert_with_cache
     ids, mask = batch(0)
     model.eval()
     with torch.no_grad():
@@ -80,11 +42,8 @@ def test_half_hit_batch_runs_embeddings_for_the_misses_only(tmp_path):
         torch.testing.assert_close(out, model(input_ids=mixed, attention_mask=mask).logits, rtol=1e-5, atol=1e-6)
 
 
-def test_embeddings_called_outside_the_model_forward_are_real(tmp_path):
-    torch.manual_seed(0)
-    model = tiny_bert(3)
-    cache = AutoCache(True, str(tmp_path), 10**7)
-    install(model, cache, 2)
+def test_embeddings_called_outside_the_model_forward_are_real(bert_with_cache):
+    model, cache = bert_with_cache
     ids, mask = batch(0)
     model(input_ids=ids, attention_mask=mask)
     model(input_ids=ids, attention_mask=mask)
