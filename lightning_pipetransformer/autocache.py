@@ -62,24 +62,35 @@ def run_blocks(blocks: Sequence[nn.Module]) -> Callable[..., Tensor]:
     return run
 
 
-class _InputRecorder:
-    """A forward hook on the first module before the stack: its last inputs and output.
+#: What the recorder saw at the embeddings' last call: inputs, output, the output's version counter.
+Pending = tuple[tuple[Any, ...], dict[str, Any], Any, "int | None"]
 
-    The inputs stand for the hidden state only if that very output tensor is what reaches the
-    stack (checked by identity in :meth:`AutoCache.keys_for`): a second embedding added to it, or
-    the module called again for another input, makes the stack's input a different tensor, and
-    the hidden state itself is hashed instead.
+
+class _InputRecorder:
+    """A forward hook on the first module before the stack: its last inputs, output and the output's version.
+
+    The inputs stand for the hidden state only if that very output tensor, unmodified, is what
+    reaches the stack (checked by identity and version counter in :meth:`AutoCache.arrived`): a
+    second embedding added to it, an in-place change, or the module called again for another
+    input, and the hidden state itself is hashed instead.
     """
 
     def __init__(self) -> None:
-        self.pending: tuple[tuple[Any, ...], dict[str, Any], Any] | None = None
+        self.pending: Pending | None = None
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        self.pending = (args, kwargs, output)
+        self.pending = (args, kwargs, output, _version_of(output))
 
-    def take(self) -> tuple[tuple[Any, ...], dict[str, Any], Any] | None:
+    def take(self) -> Pending | None:
         pending, self.pending = self.pending, None
         return pending
+
+
+def _version_of(value: Any) -> int | None:
+    """A tensor's version counter (bumped by in-place ops); ``None`` if it has none (inference tensors)."""
+    if not isinstance(value, Tensor) or value.is_inference():
+        return None
+    return value._version
 
 
 class CachedStack:
@@ -228,6 +239,7 @@ class AutoCache:
             return
         pre = stack.pre[0][1]
         self._container = stack.container
+        self.pre_reaches_stack = False  # shown again by this model's first forward
         if self.skip_embeddings and root is not None:
             self.skipper = EmbeddingSkipper.for_stack(root, pre, stack.container, self._may_skip_pre)
         # Registered after the skipper's lazy forward: the recorder sees the placeholder as the output.
@@ -248,17 +260,28 @@ class AutoCache:
         runner = installed_pipeline(self._container)
         return isinstance(runner, CachedStack) and runner.cache is self and self.serves(runner.num_frozen)
 
-    def arrived(self, hidden: Tensor) -> tuple[Any, tuple[tuple[Any, ...], dict[str, Any], Any] | None]:
+    def arrived(self, hidden: Tensor) -> tuple[Any, Pending | None]:
         """At the stack: ``(skipped, pending)``, what the embeddings did in this forward.
 
         ``skipped`` is the skipper's record if the embeddings returned ``hidden`` as a
-        placeholder (else ``None``); ``pending`` the recorded inputs and output of their last
-        call. A real output that arrives unchanged marks skipping as safe from the next forward on.
+        placeholder (else ``None``); ``pending`` their recorded call when its inputs name
+        ``hidden`` (else ``None``: the hidden state is hashed). A real output that arrives as the
+        same tensor with the same version counter marks skipping as safe from the next forward
+        on. Under ``inference_mode`` versions are not tracked: the inputs then name ``hidden``
+        only once a tracked forward has shown that they do.
         """
         skipped = self.skipper.take(hidden) if self.skipper is not None else None
         pending = self._recorder.take()
-        if skipped is None and pending is not None and pending[2] is hidden:
-            self.pre_reaches_stack = True
+        if pending is not None and skipped is None:
+            if pending[2] is not hidden:
+                pending = None
+            elif pending[3] is not None:
+                if pending[3] == hidden._version:
+                    self.pre_reaches_stack = True
+                else:
+                    pending = None  # changed in place after the embeddings: their inputs do not name it
+            elif not self.pre_reaches_stack:
+                pending = None
         if skipped is not None:
             self.embeddings_skipped += 1
         return skipped, pending
@@ -274,13 +297,11 @@ class AutoCache:
         self._index_keys = keys if (self.store is not None or self._pending is not None) and self.enabled else None
 
     def keys_for(
-        self, hidden: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any],
-        pending: tuple[tuple[Any, ...], dict[str, Any], Any] | None,
+        self, hidden: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any], pending: Pending | None,
     ) -> list[str] | None:
         """Keys of what enters the frozen prefix, or ``None`` when they cannot be exact.
 
-        ``pending``: the embeddings' last inputs and output (:meth:`arrived`); their inputs
-        name ``hidden`` only if their output is this very tensor.
+        ``pending``: the embeddings' recorded call when its inputs name ``hidden`` (:meth:`arrived`), else ``None``.
         """
         batch = hidden.shape[0]
         if self.key == "index":
@@ -291,7 +312,7 @@ class AutoCache:
                     f"{None if keys is None else len(keys)}. Each forward must see its batch's samples once, in order."
                 )
             return keys
-        source: Any = (pending[0], pending[1]) if pending is not None and pending[2] is hidden else hidden
+        source: Any = (pending[0], pending[1]) if pending is not None else hidden
         try:
             return content_keys(source, args, kwargs, batch_size=batch)
         except TypeError:

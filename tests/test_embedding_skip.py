@@ -76,6 +76,7 @@ class Rescaled(nn.Module):
         self.head = nn.Linear(dim, 2)
         self.scale = False
         self.early_exit = False
+        self.inplace = False
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
@@ -83,12 +84,14 @@ class Rescaled(nn.Module):
             return x.mean(dim=1)
         if self.scale:
             x = x * 2
+        if self.inplace:
+            x.mul_(2)  # the same tensor object, a new version
         for block in self.blocks:
             x = block(x)
         return self.head(x.mean(dim=1))
 
 
-@pytest.mark.parametrize("change", ["scale", "early_exit"])
+@pytest.mark.parametrize("change", ["scale", "early_exit", "inplace"])
 def test_placeholder_that_does_not_reach_the_stack_raises(tmp_path, change):
     torch.manual_seed(0)
     model = Rescaled()
@@ -115,3 +118,74 @@ def test_skipping_off_runs_the_embeddings_every_time(tmp_path):
     assert word_rows == [6, 6, 6] and cache.embeddings_skipped == 0
     cache.detach()
     assert "forward" not in model.bert.embeddings.__dict__
+
+
+def test_in_place_change_after_the_embeddings_is_never_skipped_and_stays_exact(tmp_path):
+    torch.manual_seed(0)
+    model, plain = Rescaled(), Rescaled()
+    plain.load_state_dict(model.state_dict())
+    model.inplace = plain.inplace = True
+    cache = AutoCache(True, str(tmp_path), 10**7)
+    install(model, cache, 1)
+    apply_freeze(find_block_stack(plain), 1, include_pre=True)
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(0, VOCAB, (4, SEQ), generator=g) for _ in range(2))
+    for ids in (a, b, a, b):
+        torch.testing.assert_close(model(ids), plain(ids))
+    assert not cache.pre_reaches_stack and cache.embeddings_skipped == 0
+    assert cache.store.stats().hits == 8  # keyed on the hidden state itself, which is exact
+
+
+def soft_prompt_grads(model, soft, ids, mask):
+    """One step with ``inputs_embeds = word embeddings + a trainable soft prompt``: the prompt's gradient."""
+    soft.grad = None
+    embeds = model.bert.embeddings.word_embeddings(ids) + soft
+    model(inputs_embeds=embeds, attention_mask=mask).logits.square().sum().backward()
+    return soft.grad
+
+
+def test_trainable_inputs_embeds_keep_their_gradient(tmp_path):
+    torch.manual_seed(0)
+    plain, cached = tiny_bert(3), tiny_bert(3)
+    cached.load_state_dict(plain.state_dict())
+    apply_freeze(find_block_stack(plain), 2, include_pre=True)
+    cache = AutoCache(True, str(tmp_path), 10**7)
+    install(cached, cache, 2)
+    soft = torch.nn.Parameter(torch.randn(1, SEQ, 32) * 0.1)
+    ids, mask = batch(0)
+    for _ in range(3):
+        expected = soft_prompt_grads(plain, soft, ids, mask).clone()
+        actual = soft_prompt_grads(cached, soft, ids, mask)
+        assert actual is not None
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+    assert cache.embeddings_skipped == 0
+
+
+def test_output_made_to_require_grad_by_a_hook_is_never_skipped(tmp_path):
+    torch.manual_seed(0)
+    model = tiny_bert(3)
+    cache = AutoCache(True, str(tmp_path), 10**7)
+    install(model, cache, 2)
+    model.enable_input_require_grads()  # a forward hook on the word embeddings: their output requires grad
+    ids, mask = batch(0)
+    for _ in range(3):
+        model(input_ids=ids, attention_mask=mask).logits.sum().backward()
+    assert cache.embeddings_skipped == 0
+
+
+def test_validation_under_inference_mode_skips_and_is_exact(bert_with_cache):
+    model, cache = bert_with_cache
+    ids, mask = batch(0)
+    model(input_ids=ids, attention_mask=mask)  # a training-mode forward shows the output reaches the stack
+    other, _ = batch(5)
+    with torch.inference_mode():
+        # Real (a new signature: no grad; its entries keyed by the inputs, shown to name the hidden
+        # state above), then skipped and all hits (verified once), then skipped again.
+        outputs = [model(input_ids=other, attention_mask=mask).logits for _ in range(3)]
+    assert cache.embeddings_skipped == 2 and cache.store.stats().hits == 12
+    remove_pipeline(find_block_stack(model).container)
+    cache.detach()
+    with torch.inference_mode():
+        expected = model(input_ids=other, attention_mask=mask).logits
+    for out in outputs:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)

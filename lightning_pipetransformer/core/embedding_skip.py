@@ -16,16 +16,20 @@ the first module before the stack with a *lazy* forward for as long as it is att
 It skips only when all of these hold, otherwise the module runs normally:
 
 - ``may_skip()`` (AutoCache: a cached runner is installed, the cache serves its boundary and
-  the embeddings' output was seen to reach the stack *as the same tensor* in an earlier
-  forward, so nothing transforms it on the way);
+  the embeddings' output was seen to reach the stack *as the same tensor*, not modified in
+  place (same version counter), in an earlier forward, so nothing transforms it on the way);
 - the call happens inside the forward of the smallest module holding both the embeddings
   and the stack (``BertModel``), not in a user's own call of the embeddings;
-- no parameter of the module requires grad;
-- an earlier real call with inputs of the same shapes showed the output's shape (the shape
-  map is per input signature, so length buckets cost one real call each).
+- no parameter of the module requires grad, no tensor argument requires grad (a trainable
+  soft prompt in ``inputs_embeds``), and an earlier real call with inputs of the same shapes,
+  in the same grad and autocast mode, showed the output's shape and that it did *not* require
+  grad (a hook such as ``enable_input_require_grads`` makes it require grad: then the real
+  output must flow, and the stack runs the blocks in the graph instead of the cache). The
+  shape map is per input signature, so length buckets cost one real call each.
 
-And it fails loudly: a placeholder that does not reach the stack as the same tensor, or that
-the stack never consumes before the enclosing forward returns, raises :class:`SkipError`.
+And it fails loudly: a placeholder that does not reach the stack as the same tensor, that was
+modified in place on the way, or that the stack never consumes before the enclosing forward
+returns, raises :class:`SkipError`.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class Skipped:
     kwargs: dict[str, Any]
     placeholder: Tensor
     forward: Callable[..., Any]
+    version: int = 0  # the placeholder's version counter when it was returned
 
     def rows(self, mask: Tensor | None = None) -> Tensor:
         """The real embeddings of the rows in ``mask`` (a ``[B]`` bool tensor; ``None``: all rows)."""
@@ -78,6 +83,7 @@ class EmbeddingSkipper:
         self.scope = scope
         self.may_skip = may_skip
         self._depth = 0
+        # Input signature -> output (shape, dtype, device), for outputs that did not require grad.
         self._shapes: dict[Any, tuple[torch.Size, torch.dtype, torch.device]] = {}
         self._skipped: Skipped | None = None
         self._own_forward = module.__dict__.get("forward")
@@ -124,11 +130,12 @@ class EmbeddingSkipper:
         skipped, self._skipped = self._skipped, None
         if skipped is None:
             return None
-        if skipped.placeholder is not hidden:
+        if skipped.placeholder is not hidden or skipped.placeholder._version != skipped.version:
+            how = "modified in place" if skipped.placeholder is hidden else "replaced (the stack got another tensor)"
             raise SkipError(
-                f"AutoCache skipped {type(self.module).__name__} but its output was changed before it reached the "
-                "block stack (the stack got another tensor). This model cannot skip its embeddings: pass "
-                "cache_skip_embeddings=False to the strategy (or cache=False)."
+                f"AutoCache skipped {type(self.module).__name__} but its output was {how} before it reached the "
+                "block stack. This model cannot skip its embeddings: pass cache_skip_embeddings=False to the "
+                "strategy (or cache=False)."
             )
         return skipped
 
@@ -152,13 +159,15 @@ class EmbeddingSkipper:
         if known is not None and self._skipped is None and self._frozen() and self.may_skip():
             shape, dtype, device = known
             batch = signature[0]
-            placeholder = torch.full((batch, *shape), float("nan"), dtype=dtype, device=device)
-            self._skipped = Skipped(args, kwargs, placeholder, self._real)
+            # A normal tensor even under inference_mode, so that its version counter tracks in-place changes.
+            with torch.inference_mode(False):
+                placeholder = torch.full((batch, *shape), float("nan"), dtype=dtype, device=device)
+            self._skipped = Skipped(args, kwargs, placeholder, self._real, placeholder._version)
             return placeholder
         output = self._real(*args, **kwargs)
         if (
             signature is not None and isinstance(output, Tensor) and output.is_floating_point()
-            and output.dim() > 0 and output.shape[0] == signature[0]
+            and output.dim() > 0 and output.shape[0] == signature[0] and not output.requires_grad
         ):
             self._shapes[signature] = (output.shape[1:], output.dtype, output.device)
         return output
@@ -172,8 +181,11 @@ class EmbeddingSkipper:
         parts: list[Any] = []
         batch: int | None = None
         autocast = False
+        grad = torch.is_grad_enabled()
         for name, value in [*enumerate(args), *sorted(kwargs.items())]:
             if isinstance(value, Tensor):
+                if grad and value.requires_grad:
+                    return None  # gradient must flow through the real embeddings (e.g. a trainable soft prompt)
                 if batch is None and value.dim() > 0:
                     batch = int(value.shape[0])
                     autocast = torch.is_autocast_enabled(value.device.type)
@@ -184,4 +196,4 @@ class EmbeddingSkipper:
                 return None  # something we cannot compare cheaply: run the real forward
         if batch is None:
             return None
-        return (batch, autocast, tuple(parts))
+        return (batch, autocast, grad, tuple(parts))
