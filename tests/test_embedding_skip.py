@@ -15,6 +15,17 @@ from models import SEQ, VOCAB, tiny_bert, tiny_vit
 from test_autocache import batch, count_rows, install
 
 
+def plain_and_cached(make, tmp_path, num_frozen):
+    """Two equal models with ``num_frozen`` blocks frozen: one plain, one served by an AutoCache; and the cache."""
+    torch.manual_seed(0)
+    plain, cached = make(), make()
+    cached.load_state_dict(plain.state_dict())
+    apply_freeze(find_block_stack(plain), num_frozen, include_pre=True)
+    cache = AutoCache(True, str(tmp_path), 10**7)
+    install(cached, cache, num_frozen)
+    return plain, cached, cache
+
+
 @pytest.fixture
 def bert_with_cache(tmp_path):
     """A 3-block BERT with 2 blocks frozen and served by an AutoCache that may skip its embeddings."""
@@ -53,12 +64,7 @@ def test_embeddings_called_outside_the_model_forward_are_real(bert_with_cache):
 
 
 def test_vit_skips_patch_embeddings_exactly(tmp_path):
-    torch.manual_seed(0)
-    plain, cached = tiny_vit(3), tiny_vit(3)
-    cached.load_state_dict(plain.state_dict())
-    apply_freeze(find_block_stack(plain), 2, include_pre=True)
-    cache = AutoCache(True, str(tmp_path), 10**7)
-    install(cached, cache, 2)
+    plain, cached, cache = plain_and_cached(lambda: tiny_vit(3), tmp_path, 2)
     images = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(3))
     for _ in range(3):
         expected = plain(pixel_values=images).logits
@@ -121,13 +127,8 @@ def test_skipping_off_runs_the_embeddings_every_time(tmp_path):
 
 
 def test_in_place_change_after_the_embeddings_is_never_skipped_and_stays_exact(tmp_path):
-    torch.manual_seed(0)
-    model, plain = Rescaled(), Rescaled()
-    plain.load_state_dict(model.state_dict())
+    plain, model, cache = plain_and_cached(Rescaled, tmp_path, 1)
     model.inplace = plain.inplace = True
-    cache = AutoCache(True, str(tmp_path), 10**7)
-    install(model, cache, 1)
-    apply_freeze(find_block_stack(plain), 1, include_pre=True)
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randint(0, VOCAB, (4, SEQ), generator=g) for _ in range(2))
     for ids in (a, b, a, b):
@@ -145,12 +146,7 @@ def soft_prompt_grads(model, soft, ids, mask):
 
 
 def test_trainable_inputs_embeds_keep_their_gradient(tmp_path):
-    torch.manual_seed(0)
-    plain, cached = tiny_bert(3), tiny_bert(3)
-    cached.load_state_dict(plain.state_dict())
-    apply_freeze(find_block_stack(plain), 2, include_pre=True)
-    cache = AutoCache(True, str(tmp_path), 10**7)
-    install(cached, cache, 2)
+    plain, cached, cache = plain_and_cached(lambda: tiny_bert(3), tmp_path, 2)
     soft = torch.nn.Parameter(torch.randn(1, SEQ, 32) * 0.1)
     ids, mask = batch(0)
     for _ in range(3):
