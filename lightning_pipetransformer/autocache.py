@@ -272,7 +272,10 @@ class AutoCache:
         """
         skipped = self.skipper.take(hidden) if self.skipper is not None else None
         pending = self._recorder.take()
-        if pending is not None and skipped is None:
+        if skipped is not None:
+            # The inputs of the very call that returned the placeholder (not whatever call came last).
+            pending = (skipped.args, skipped.kwargs, hidden, skipped.version)
+        elif pending is not None:
             if pending[2] is not hidden:
                 pending = None
             elif pending[3] is not None:

@@ -83,9 +83,12 @@ class Rescaled(nn.Module):
         self.scale = False
         self.early_exit = False
         self.inplace = False
+        self.peek: torch.Tensor | None = None  # embed these too, after ``ids``, and ignore them
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
+        if self.peek is not None:
+            self.embed(self.peek)
         if self.early_exit:
             return x.mean(dim=1)
         if self.scale:
@@ -185,3 +188,14 @@ def test_validation_under_inference_mode_skips_and_is_exact(bert_with_cache):
         expected = model(input_ids=other, attention_mask=mask).logits
     for out in outputs:
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_keys_come_from_the_skipped_call_not_a_later_one(tmp_path):
+    plain, model, cache = plain_and_cached(Rescaled, tmp_path, 1)
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(0, VOCAB, (4, SEQ), generator=g) for _ in range(2))
+    model(a)  # arms skipping
+    model(b)  # skipped, stores b
+    model.peek = b  # the embeddings run again (for real, on b) between the skipped call on a and the stack
+    torch.testing.assert_close(model(a), plain(a))  # a's entry, never b's
+    assert cache.embeddings_skipped == 2

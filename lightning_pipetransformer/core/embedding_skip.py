@@ -19,7 +19,8 @@ It skips only when all of these hold, otherwise the module runs normally:
   the embeddings' output was seen to reach the stack *as the same tensor*, not modified in
   place (same version counter), in an earlier forward, so nothing transforms it on the way);
 - the call happens inside the forward of the smallest module holding both the embeddings
-  and the stack (``BertModel``), not in a user's own call of the embeddings;
+  and the stack (``BertModel``), not in a user's own call of the embeddings, and it is the
+  first call of the embeddings in that forward (later ones, if any, run for real);
 - no parameter of the module requires grad, no tensor argument requires grad (a trainable
   soft prompt in ``inputs_embeds``), and an earlier real call with inputs of the same shapes,
   in the same grad and autocast mode, showed the output's shape and that it did *not* require
@@ -83,6 +84,7 @@ class EmbeddingSkipper:
         self.scope = scope
         self.may_skip = may_skip
         self._depth = 0
+        self._calls = 0  # calls of the module in the current forward of ``scope``
         # Input signature -> output (shape, dtype, device), for outputs that did not require grad.
         self._shapes: dict[Any, tuple[torch.Size, torch.dtype, torch.device]] = {}
         self._skipped: Skipped | None = None
@@ -142,6 +144,8 @@ class EmbeddingSkipper:
     # ------------------------------------------------------------------ hooks
 
     def _enter(self, module: nn.Module, args: Any) -> None:
+        if self._depth == 0:
+            self._calls = 0
         self._depth += 1
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -154,9 +158,11 @@ class EmbeddingSkipper:
             )
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        first = self._calls == 0
+        self._calls += 1
         signature = self._signature(args, kwargs) if self._depth > 0 else None
         known = self._shapes.get(signature) if signature is not None else None
-        if known is not None and self._skipped is None and self._frozen() and self.may_skip():
+        if known is not None and first and self._frozen() and self.may_skip():
             shape, dtype, device = known
             batch = signature[0]
             # A normal tensor even under inference_mode, so that its version counter tracks in-place changes.
