@@ -39,7 +39,7 @@ from .core.cache_keys import content_keys, index_keys
 from .core.cache_store import ActivationStore
 from .core.cache_validity import check_deterministic, prefix_fingerprint, prefix_modules
 from .core.discovery import BlockStack
-from .core.embedding_skip import EmbeddingSkipper
+from .core.embedding_skip import EmbeddingSkipper, input_versions, version_of
 from .core.pipeline import hidden_of, installed_pipeline
 
 __all__ = ["AutoCache", "BoundarySync", "CachedStack", "StaleCacheError"]
@@ -62,8 +62,8 @@ def run_blocks(blocks: Sequence[nn.Module]) -> Callable[..., Tensor]:
     return run
 
 
-#: What the recorder saw at the embeddings' last call: inputs, output, the output's version counter.
-Pending = tuple[tuple[Any, ...], dict[str, Any], Any, "int | None"]
+#: What the recorder saw at the embeddings' last call: inputs, output, the output's and the inputs' version counters.
+Pending = tuple[tuple[Any, ...], dict[str, Any], Any, "int | None", "tuple[int | None, ...]"]
 
 
 class _InputRecorder:
@@ -79,18 +79,11 @@ class _InputRecorder:
         self.pending: Pending | None = None
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        self.pending = (args, kwargs, output, _version_of(output))
+        self.pending = (args, kwargs, output, version_of(output), input_versions(args, kwargs))
 
     def take(self) -> Pending | None:
         pending, self.pending = self.pending, None
         return pending
-
-
-def _version_of(value: Any) -> int | None:
-    """A tensor's version counter (bumped by in-place ops); ``None`` if it has none (inference tensors)."""
-    if not isinstance(value, Tensor) or value.is_inference():
-        return None
-    return value._version
 
 
 class CachedStack:
@@ -190,8 +183,10 @@ class AutoCache:
         self.mode = mode
         self.skip_embeddings = skip_embeddings
         self.skipper: EmbeddingSkipper | None = None
-        #: The embeddings' output reached the stack as the same tensor (seen once): skipping them is safe.
-        self.pre_reaches_stack = False
+        #: The modes (``scope.training``) in which the embeddings' output was seen to reach the stack
+        #: as the same, unmodified tensor: skipping them is safe in those modes (a dropout between them
+        #: is the identity in eval mode only).
+        self.verified_modes: set[bool] = set()
         #: Forwards that got a placeholder instead of the embeddings' output (reported as a metric).
         self.embeddings_skipped = 0
         self._container: nn.Module | None = None
@@ -239,7 +234,7 @@ class AutoCache:
             return
         pre = stack.pre[0][1]
         self._container = stack.container
-        self.pre_reaches_stack = False  # shown again by this model's first forward
+        self.verified_modes = set()  # shown again by this model's first forward
         if self.skip_embeddings and root is not None:
             self.skipper = EmbeddingSkipper.for_stack(root, pre, stack.container, self._may_skip_pre)
         # Registered after the skipper's lazy forward: the recorder sees the placeholder as the output.
@@ -255,10 +250,14 @@ class AutoCache:
 
     def _may_skip_pre(self) -> bool:
         """The embeddings may return a placeholder: a cached runner serves this forward's boundary."""
-        if not (self.enabled and self.pre_reaches_stack and self._container is not None):
+        if not (self.enabled and self._mode() in self.verified_modes and self._container is not None):
             return False
         runner = installed_pipeline(self._container)
         return isinstance(runner, CachedStack) and runner.cache is self and self.serves(runner.num_frozen)
+
+    def _mode(self) -> bool:
+        """The mode the skip decision depends on: the training flag of the forward that calls the embeddings."""
+        return self.skipper.scope.training if self.skipper is not None else True
 
     def arrived(self, hidden: Tensor) -> tuple[Any, Pending | None]:
         """At the stack: ``(skipped, pending)``, what the embeddings did in this forward.
@@ -274,16 +273,21 @@ class AutoCache:
         pending = self._recorder.take()
         if skipped is not None:
             # The inputs of the very call that returned the placeholder (not whatever call came last).
-            pending = (skipped.args, skipped.kwargs, hidden, skipped.version)
+            pending = (skipped.args, skipped.kwargs, hidden, skipped.version, skipped.inputs)
         elif pending is not None:
-            if pending[2] is not hidden:
-                pending = None
+            mode = self._mode()
+            if pending[2] is not hidden or input_versions(pending[0], pending[1]) != pending[4]:
+                pending = None  # another tensor, or inputs changed in place since: they do not name it
             elif pending[3] is not None:
                 if pending[3] == hidden._version:
-                    self.pre_reaches_stack = True
+                    self.verified_modes.add(mode)
                 else:
                     pending = None  # changed in place after the embeddings: their inputs do not name it
-            elif not self.pre_reaches_stack:
+            elif self.verified_modes:
+                # inference_mode tracks no versions: identity suffices once a tracked forward ruled out
+                # in-place changes (a placeholder, a normal tensor, is still checked at the stack).
+                self.verified_modes.add(mode)
+            else:
                 pending = None
         if skipped is not None:
             self.embeddings_skipped += 1

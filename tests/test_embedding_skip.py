@@ -10,7 +10,7 @@ from lightning_pipetransformer.autocache import AutoCache
 from lightning_pipetransformer.core.discovery import find_block_stack
 from lightning_pipetransformer.core.embedding_skip import SkipError
 from lightning_pipetransformer.core.freezing import apply_freeze
-from lightning_pipetransformer.core.pipeline import remove_pipeline
+from lightning_pipetransformer.core.pipeline import installed_pipeline, remove_pipeline
 from models import SEQ, VOCAB, tiny_bert, tiny_vit
 from test_autocache import batch, count_rows, install
 
@@ -36,17 +36,23 @@ def bert_with_cache(tmp_path):
     return model, cache
 
 
-def test_half_hit_batch_runs_embeddings_for_the_misses_only(bert_with_cache):
+def test_half_hit_batch_runs_the_frozen_blocks_for_the_misses_only(bert_with_cache):
     model, cache = bert_with_cache
     ids, mask = batch(0)
     model.eval()
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask)  # stores all 6, shows the output reaches the stack
-        model(input_ids=ids[:1], attention_mask=mask[:1])  # verification of the first hit: one real row
+        model(input_ids=ids[:1], attention_mask=mask[:1])  # verification of the first hit
+        runner = installed_pipeline(find_block_stack(model).container)
+        prefix_rows: list[int] = []
+        original = runner._prefix
+        runner._prefix = lambda h, *a, **k: prefix_rows.append(h.shape[0]) or original(h, *a, **k)
         word_rows = count_rows(model.bert.embeddings.word_embeddings)
         mixed = torch.cat([ids[:3], torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(9))])
         out = model(input_ids=mixed, attention_mask=mask).logits
-    assert word_rows == [3]  # the 3 new samples; the 3 hits skip the embeddings
+    # The embeddings run once, on the whole batch (they are cheap; see Skipped.rows); the frozen
+    # blocks only for the 3 new samples.
+    assert word_rows == [6] and prefix_rows == [3] and cache.embeddings_skipped == 1
     remove_pipeline(find_block_stack(model).container)
     cache.detach()
     with torch.no_grad():
@@ -83,6 +89,7 @@ class Rescaled(nn.Module):
         self.scale = False
         self.early_exit = False
         self.inplace = False
+        self.bump_ids = False
         self.peek: torch.Tensor | None = None  # embed these too, after ``ids``, and ignore them
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -95,12 +102,14 @@ class Rescaled(nn.Module):
             x = x * 2
         if self.inplace:
             x.mul_(2)  # the same tensor object, a new version
+        if self.bump_ids:
+            ids.add_(0)  # the embeddings' input changed in place (a new version) after they ran
         for block in self.blocks:
             x = block(x)
         return self.head(x.mean(dim=1))
 
 
-@pytest.mark.parametrize("change", ["scale", "early_exit", "inplace"])
+@pytest.mark.parametrize("change", ["scale", "early_exit", "inplace", "bump_ids"])
 def test_placeholder_that_does_not_reach_the_stack_raises(tmp_path, change):
     torch.manual_seed(0)
     model = Rescaled()
@@ -136,7 +145,7 @@ def test_in_place_change_after_the_embeddings_is_never_skipped_and_stays_exact(t
     a, b = (torch.randint(0, VOCAB, (4, SEQ), generator=g) for _ in range(2))
     for ids in (a, b, a, b):
         torch.testing.assert_close(model(ids), plain(ids))
-    assert not cache.pre_reaches_stack and cache.embeddings_skipped == 0
+    assert not cache.verified_modes and cache.embeddings_skipped == 0
     assert cache.store.stats().hits == 8  # keyed on the hidden state itself, which is exact
 
 
@@ -199,3 +208,51 @@ def test_keys_come_from_the_skipped_call_not_a_later_one(tmp_path):
     model.peek = b  # the embeddings run again (for real, on b) between the skipped call on a and the stack
     torch.testing.assert_close(model(a), plain(a))  # a's entry, never b's
     assert cache.embeddings_skipped == 2
+
+
+def test_rows_of_a_half_hit_batch_keep_shared_inputs_whole(tmp_path):
+    # A 1-D position_ids shared by all rows, whose length equals the batch size: cutting rows out of
+    # the embeddings' inputs would cut it too and give the misses wrong positions.
+    plain, model, cache = plain_and_cached(lambda: tiny_bert(3), tmp_path, 2)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(0, VOCAB, (SEQ, SEQ), generator=g)
+    b = a.clone()
+    b[-1] = torch.randint(0, VOCAB, (SEQ,), generator=g)  # 7 hits, 1 miss
+    shared = dict(position_ids=torch.arange(SEQ), token_type_ids=torch.zeros(SEQ, SEQ, dtype=torch.long))
+    with torch.no_grad():
+        model(input_ids=a, **shared)  # stores a, arms skipping
+        model(input_ids=a, **shared)  # skipped, all hits, verified
+        out = model(input_ids=b, **shared).logits  # skipped; the real embeddings run for the miss
+        torch.testing.assert_close(out, plain(input_ids=b, **shared).logits, rtol=1e-5, atol=1e-6)
+    assert cache.embeddings_skipped == 2
+
+
+class DropoutAfterEmbeddings(nn.Module):
+    """T5-style: embeddings, then a dropout (the identity in eval mode only), then the blocks."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.drop = nn.Dropout(0.1)
+        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(3))
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.embed(ids))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(dim=1))
+
+
+def test_skipping_shown_safe_in_eval_mode_is_not_used_in_training_mode(tmp_path):
+    _, model, cache = plain_and_cached(DropoutAfterEmbeddings, tmp_path, 1)
+    ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(0))
+    model.eval()
+    with torch.no_grad():  # Trainer(inference_mode=False) validation: versions tracked, dropout is the identity
+        model(ids)
+        model(ids)
+    assert cache.verified_modes == {False} and cache.embeddings_skipped == 1
+    model.train()
+    for _ in range(2):  # the dropout makes a new tensor: never skipped here, and no SkipError
+        model(ids).sum().backward()
+    assert cache.embeddings_skipped == 1

@@ -7,11 +7,12 @@ block stack (``embedding_output = self.embeddings(...)``, then ``self.encoder(em
 the first module before the stack with a *lazy* forward for as long as it is attached:
 
 - it records the module's inputs and returns a **placeholder** of the right shape, dtype and
-  device, filled with NaN (never uninitialised memory: if anything other than the stack reads
-  it, the NaN shows);
+  device, filled with NaN (never uninitialised memory: arithmetic on it shows NaN; a comparison
+  would silently give False, which is why the placeholder must reach the stack unchanged and
+  skipping is armed only for models seen to pass the output straight through);
 - the stack (``CachedStack``) receives the placeholder, looks the samples up, and calls
-  :meth:`Skipped.rows` to run the real embeddings only for the rows it must compute (misses,
-  and the first hits it verifies).
+  :meth:`Skipped.rows` to run the real embeddings only for batches with rows it must compute
+  (misses, and the first hits it verifies); all-hit batches never run them.
 
 It skips only when all of these hold, otherwise the module runs normally:
 
@@ -42,7 +43,19 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["EmbeddingSkipper", "SkipError", "Skipped"]
+__all__ = ["EmbeddingSkipper", "SkipError", "Skipped", "input_versions", "version_of"]
+
+
+def version_of(value: Any) -> int | None:
+    """A tensor's version counter (bumped by in-place ops); ``None`` if it has none (inference tensors)."""
+    if not isinstance(value, Tensor) or value.is_inference():
+        return None
+    return value._version
+
+
+def input_versions(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[int | None, ...]:
+    """The version counters of a call's tensor arguments: a change means one was modified in place since."""
+    return tuple(version_of(v) for v in (*args, *kwargs.values()) if isinstance(v, Tensor))
 
 
 class SkipError(RuntimeError):
@@ -58,16 +71,18 @@ class Skipped:
     placeholder: Tensor
     forward: Callable[..., Any]
     version: int = 0  # the placeholder's version counter when it was returned
+    inputs: tuple[int | None, ...] = ()  # the arguments' version counters then
 
     def rows(self, mask: Tensor | None = None) -> Tensor:
-        """The real embeddings of the rows in ``mask`` (a ``[B]`` bool tensor; ``None``: all rows)."""
-        from .cache_advance import select_rows
+        """The real embeddings of the rows in ``mask`` (a ``[B]`` bool tensor; ``None``: all rows).
 
-        args, kwargs = self.args, self.kwargs
-        if mask is not None:
-            args, kwargs = select_rows((args, kwargs), mask, self.placeholder.shape[0])
+        Runs the whole batch and then selects: cutting the inputs instead would also cut a
+        tensor shared by all rows whose length happens to equal the batch size (a 1-D
+        ``position_ids`` of length S == B). The embeddings cost a few % of a block.
+        """
         with torch.no_grad():
-            return self.forward(*args, **kwargs)
+            out = self.forward(*self.args, **self.kwargs)
+        return out if mask is None else out[mask.to(out.device)]
 
 
 class EmbeddingSkipper:
@@ -132,6 +147,11 @@ class EmbeddingSkipper:
         skipped, self._skipped = self._skipped, None
         if skipped is None:
             return None
+        if input_versions(skipped.args, skipped.kwargs) != skipped.inputs:
+            raise SkipError(
+                f"AutoCache skipped {type(self.module).__name__} but its inputs were modified in place before the "
+                "block stack ran. Pass cache_skip_embeddings=False to the strategy (or cache=False)."
+            )
         if skipped.placeholder is not hidden or skipped.placeholder._version != skipped.version:
             how = "modified in place" if skipped.placeholder is hidden else "replaced (the stack got another tensor)"
             raise SkipError(
@@ -168,7 +188,7 @@ class EmbeddingSkipper:
             # A normal tensor even under inference_mode, so that its version counter tracks in-place changes.
             with torch.inference_mode(False):
                 placeholder = torch.full((batch, *shape), float("nan"), dtype=dtype, device=device)
-            self._skipped = Skipped(args, kwargs, placeholder, self._real, placeholder._version)
+            self._skipped = Skipped(args, kwargs, placeholder, self._real, placeholder._version, input_versions(args, kwargs))
             return placeholder
         output = self._real(*args, **kwargs)
         if (
@@ -186,7 +206,7 @@ class EmbeddingSkipper:
         """``(batch, per-argument description)``: equal signatures give equal output shapes; ``None``: do not skip."""
         parts: list[Any] = []
         batch: int | None = None
-        autocast = False
+        autocast: Any = None
         grad = torch.is_grad_enabled()
         for name, value in [*enumerate(args), *sorted(kwargs.items())]:
             if isinstance(value, Tensor):
@@ -194,7 +214,8 @@ class EmbeddingSkipper:
                     return None  # gradient must flow through the real embeddings (e.g. a trainable soft prompt)
                 if batch is None and value.dim() > 0:
                     batch = int(value.shape[0])
-                    autocast = torch.is_autocast_enabled(value.device.type)
+                    kind = value.device.type
+                    autocast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
                 parts.append((name, tuple(value.shape), value.dtype, value.device))
             elif value is None or isinstance(value, (bool, int, float, str)):
                 parts.append((name, value))
