@@ -231,6 +231,10 @@ class PipeTransformerStrategy(DDPStrategy):
         if self.world_size > 1:
             # AutoDP: agree on rank 0's plan and make the active group before DDP wraps on it.
             self._control_group = elastic.control_group(self._get_process_group_backend(), self._timeout)
+            if self._autocache is not None:
+                # One namespace for the node's processes: index i names the same sample on every
+                # rank (one dataset, split by the sampler), so replicas share index-keyed entries.
+                self._autocache.namespace = elastic.broadcast_object(self._autocache.namespace, src=0, group=self._control_group)
             self._plan = self._agree(trainer, self.planner.plan(num_frozen) if self.global_rank == 0 else None)
             self._active_group = elastic.active_group(self._plan.active_ranks, self._get_process_group_backend(), self._timeout)
             if trainer.state.fn == TrainerFn.FITTING and not any(isinstance(c, elastic.TransitionCallback) for c in trainer.callbacks):
@@ -273,7 +277,7 @@ class PipeTransformerStrategy(DDPStrategy):
             key=self.cache_key, skip_embeddings=self.cache_skip_embeddings,
         )
         # Entries computed at another precision must never be returned; index keys are only
-        # unique within this set-up (this run, these loaders).
+        # unique within this set-up (this run, these loaders; several processes take rank 0's).
         self._autocache.fingerprint_extra = f"precision={trainer.precision}"
         self._autocache.namespace = uuid.uuid4().hex[:12] + "-"
         # With trainable embeddings the boundary depends on more than their inputs: key on the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import lightning.pytorch as pl
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 from transformers import BertConfig, BertForSequenceClassification, ViTConfig, ViTForImageClassification
 
 VOCAB, SEQ, NUM_LABELS = 50, 8, 3
@@ -72,6 +72,24 @@ def text_dataset(n: int = 32, seed: int = 0) -> TensorDataset:
     return TensorDataset(ids, labels)
 
 
+class IndexedDataset(Dataset):
+    """``{"ids", "labels", "index"}`` samples: what ``cache_key="index"`` needs (the dataset index)."""
+
+    def __init__(self, dataset: TensorDataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        ids, labels = self.dataset[index]
+        return {"ids": ids, "labels": labels, "index": index}
+
+
+def ids_and_labels(batch):
+    return (batch["ids"], batch["labels"]) if isinstance(batch, dict) else batch
+
+
 class TextClassifier(pl.LightningModule):
     """A LightningModule around a tiny BERT; SGD with momentum so frozen-vs-active differences show."""
 
@@ -85,13 +103,13 @@ class TextClassifier(pl.LightningModule):
         return self.model(input_ids=ids).logits
 
     def training_step(self, batch, batch_idx):
-        ids, labels = batch
+        ids, labels = ids_and_labels(batch)
         loss = nn.functional.cross_entropy(self(ids), labels)
         self.log("train_loss", loss)
         return loss
 
     def validation_step(self, batch, batch_idx):
-        ids, labels = batch
+        ids, labels = ids_and_labels(batch)
         self.log("val_loss", nn.functional.cross_entropy(self(ids), labels), sync_dist=True)
 
     def configure_optimizers(self):

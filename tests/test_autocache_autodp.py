@@ -43,21 +43,36 @@ def stat(record: dict, name: str) -> float:
     return record["cache"][f"autocache/{name}"]
 
 
-@pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 60)
+@pytest.mark.timeout(3 * LAUNCH_TIMEOUT + 60)
 def test_cache_on_equals_cache_off_and_new_replicas_hit_advanced_entries(tmp_path):
+    """Both key kinds; validation too."""
     launch(tmp_path / "off", "--cache", "0")
-    launch(tmp_path / "on", "--cache", "1")
-    off, on = results(tmp_path / "off"), results(tmp_path / "on")
+    off = results(tmp_path / "off")
+    check_plan_and_replicas_agree(off)
+    # Content keys (the default), then the paper's dataset-index keys: the ranks must name a
+    # sample alike (one namespace for the run), or a joining replica would miss everything.
+    for key in ("content", "index"):
+        launch(tmp_path / key, "--cache", "1", "--key", key)
+        on = results(tmp_path / key)
+        check_plan_and_replicas_agree(on)
+        check_cache_on_equals_off_and_shared(on, off, tmp_path / key / "cache")
 
-    for run in (off, on):
-        for result in run:
-            assert {e: (r["num_frozen"], r["pipe_len"], r["replicas"]) for e, r in result["epochs"].items()} == PLAN
-        for result in run[1:]:  # DDP: every replica holds the same weights, bit for bit
-            for key, value in run[0]["state"].items():
-                torch.testing.assert_close(result["state"][key], value, rtol=0, atol=0, msg=key)
+
+def check_plan_and_replicas_agree(run: list[dict]) -> None:
+    for result in run:
+        assert {e: (r["num_frozen"], r["pipe_len"], r["replicas"]) for e, r in result["epochs"].items()} == PLAN
+    for result in run[1:]:  # DDP: every replica holds the same weights, bit for bit
+        for key, value in run[0]["state"].items():
+            torch.testing.assert_close(result["state"][key], value, rtol=0, atol=0, msg=key)
+
+
+def check_cache_on_equals_off_and_shared(on: list[dict], off: list[dict], cache_dir: Path) -> None:
     for rank in range(WORLD):  # cache on == cache off (observed bit-identical on CPU; allclose is the contract)
         for key, value in off[rank]["state"].items():
             torch.testing.assert_close(on[rank]["state"][key], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {key}")
+        # Validation is served from the cache too (train and validation index i are different samples).
+        for epoch, record in off[rank]["epochs"].items():
+            assert on[rank]["epochs"][epoch]["val_loss"] == pytest.approx(record["val_loss"], rel=1e-5, abs=1e-6)
 
     # The cache was really used. Epoch 0: nothing frozen, nothing cached.
     assert all(stat(r["epochs"][0], "enabled") == 0 for r in on)
@@ -89,7 +104,7 @@ def test_cache_on_equals_cache_off_and_new_replicas_hit_advanced_entries(tmp_pat
         e2 = r["epochs"][2]
         assert stat(e2, "stored") == 0 and stat(e2, "advanced") == 0 and stat(e2, "disk_hits") == stat(e2, "hits")
     # The old boundary's directory is gone; the new one holds every entry, readable by the user only.
-    (directory,) = (tmp_path / "on" / "cache").iterdir()
+    (directory,) = cache_dir.iterdir()
     assert directory.name == on[0]["epochs"][2]["cache_directory"]
     files = list(directory.glob("*.safetensors"))
     assert len(files) == stored_at_2 and all(f.stat().st_mode & 0o077 == 0 for f in files)

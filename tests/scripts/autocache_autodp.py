@@ -5,7 +5,8 @@ Lightning re-launches this script once per extra rank (same arguments). Tiny BER
 active replicas grow 1 -> 2 -> 4 while the frozen boundary moves 0 -> 2 -> 3. ``--cache 1`` turns
 AutoCache on with a cache directory shared by the four processes. Each rank writes, per epoch,
 its plan, whether it was active and its ``strategy.cache_stats`` at the end of the epoch (after
-validation), and its final weights to ``--out``.
+validation), and its final weights to ``--out``. Samples are dicts with their dataset index,
+so ``--key index`` (``cache_key="index"``) runs on the same data as ``--key content``.
 """
 
 import argparse
@@ -22,7 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
-from models import TextClassifier, text_dataset
+from models import IndexedDataset, TextClassifier, text_dataset
 
 SCHEDULE = {1: 2, 2: 3}
 NUM_SAMPLES = 32
@@ -45,6 +46,7 @@ class Record(Callback):
         strategy = trainer.strategy
         record = self.epochs[trainer.current_epoch]
         record["cache"] = strategy.cache_stats
+        record["val_loss"] = float(trainer.callback_metrics["val_loss"])
         cache = getattr(strategy, "_autocache", None)
         store = cache.store if cache is not None else None
         record["cache_directory"] = store.directory.name if store is not None else None
@@ -54,6 +56,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--cache", type=int, default=1)
+    parser.add_argument("--key", choices=("content", "index"), default="content")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args()
@@ -65,15 +68,15 @@ def main() -> None:
     module = TextClassifier(num_layers=4)
     strategy = PipeTransformerStrategy(
         pipe_len=4, frozen_cost=0.0, process_group_backend="gloo", timeout=args.timeout,
-        cache=bool(args.cache), cache_dir=str(out / "cache"),
+        cache=bool(args.cache), cache_key=args.key, cache_dir=str(out / "cache"),
     )
     trainer = pl.Trainer(
         accelerator="cpu", devices=4, strategy=strategy, max_epochs=args.epochs,
         callbacks=[AutoFreeze(schedule=SCHEDULE), record], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
-    train = DataLoader(text_dataset(NUM_SAMPLES), batch_size=8, shuffle=False)
-    val = DataLoader(text_dataset(16, seed=1), batch_size=4, shuffle=False)
+    train = DataLoader(IndexedDataset(text_dataset(NUM_SAMPLES)), batch_size=8, shuffle=False)
+    val = DataLoader(IndexedDataset(text_dataset(16, seed=1)), batch_size=4, shuffle=False)
     start = time.monotonic()
     try:
         trainer.fit(module, train, val)
