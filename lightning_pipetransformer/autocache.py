@@ -153,6 +153,21 @@ class CachedStack:
             return self._prefix(hidden, *args, **kwargs)
 
 
+def _with_block_arguments(keys: list[str], args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device) -> list[str] | None:
+    """Index keys plus a fingerprint of the blocks' other arguments (attention masks, flags).
+
+    An index names the sample's input (one view of it, reused); the mask the blocks get with it
+    may still change (a shuffled batch, other padding). Hashed in, a changed mask misses instead
+    of pairing the active blocks' mask with a boundary computed under another.
+    """
+    rows = torch.zeros(len(keys), 1, dtype=torch.uint8, device=device)  # a row per sample, even with no per-sample argument
+    try:
+        extras = content_keys(rows, args, kwargs, batch_size=len(keys))
+    except TypeError:
+        return None  # an argument we cannot hash reliably: compute, never guess
+    return [f"{key}-{extra}" for key, extra in zip(keys, extras)]
+
+
 class AutoCache:
     """The cache of one process: settings, the store of the current boundary, and its decisions.
 
@@ -318,7 +333,7 @@ class AutoCache:
                     f"cache_key='index': the forward got {batch} samples but the batch's 'index' entry had "
                     f"{None if keys is None else len(keys)}. Each forward must see its batch's samples once, in order."
                 )
-            return keys
+            return _with_block_arguments(keys, args, kwargs, hidden.device)
         source: Any = (pending[0], pending[1]) if pending is not None else hidden
         try:
             return content_keys(source, args, kwargs, batch_size=batch)

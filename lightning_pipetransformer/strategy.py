@@ -87,7 +87,8 @@ class PipeTransformerStrategy(DDPStrategy):
         cache_key: ``"content"`` (default): a fingerprint of each sample's input to the frozen
             prefix, exact even with random augmentation (it just misses). ``"index"``: the
             ``"index"`` entry of a dict batch, the paper's choice: it reuses the first augmented
-            view it saw, which changes training when augmentation is random.
+            view it saw, which changes training when augmentation is random (the blocks'
+            per-sample arguments, such as the attention mask, are still hashed into the key).
         cache_dir: node-local directory for entries beyond ``cache_memory``; default
             ``<default_root_dir>/pipetransformer_cache``.
         cache_memory: host bytes for cached entries in memory; the rest spills to ``cache_dir``.

@@ -10,7 +10,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.core.discovery import BlockStackError
-from lightning_models import Classifier, data_for
+from lightning_models import Classifier, data_for, indexed_text
 
 SCHEDULE = {1: 1, 2: 3}
 
@@ -248,6 +248,61 @@ def test_index_cache_key_needs_dict_batches_from_the_first_step(tmp_path):
         trainer_for(PipeTransformerStrategy(cache=True, cache_key="index", cache_dir=str(tmp_path)),
                     [AutoFreeze(schedule={1: 1}), Steps()]).fit(Classifier("bert"), data_for("bert"))
     assert Steps.count == 1  # the first step, long before the first freeze
+
+
+class ValLosses(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_validation_end(self, trainer, pl_module):
+        self.losses.append(float(trainer.callback_metrics["val_loss"]))
+
+
+def fit_indexed(strategy, train, val=None, schedule=SCHEDULE, max_epochs=4):
+    module, losses = Classifier("bert"), ValLosses()
+    trainer = trainer_for(strategy, [AutoFreeze(schedule=schedule), losses], max_epochs=max_epochs)
+    trainer.fit(module, train, val)
+    return module, trainer, losses.losses
+
+
+def test_index_cache_key_equals_cache_off(tmp_path):
+    # Shuffled training batches (index != position) and a validation set whose indices 0..23 name
+    # other samples than training's 0..23: index keys are namespaced per loader. Classifier's
+    # attention mask depends on the position in the batch, so shuffling changes a sample's mask:
+    # an index key must then miss (the mask is hashed in), exactly when a content key misses.
+    def loaders():
+        return indexed_text(shuffle=True), indexed_text(seed=5)
+
+    def cached(key):
+        strategy = PipeTransformerStrategy(pipe_len=2, cache=True, cache_key=key, cache_dir=str(tmp_path / key))
+        module, trainer, losses = fit_indexed(strategy, *loaders())
+        return module, trainer.strategy.cache_stats, losses
+
+    by_index, stats, index_losses = cached("index")
+    _, content_stats, _ = cached("content")
+    assert stats["autocache/boundary"] == 3 and stats["autocache/hits"] >= 24 + 24  # epochs 2-3, train + val
+    assert (stats["autocache/hits"], stats["autocache/misses"]) == (content_stats["autocache/hits"], content_stats["autocache/misses"])
+    plain, _, plain_losses = fit_indexed("auto", *loaders())
+    assert_close_state(by_index.state_dict(), plain.state_dict(), rtol=1e-4, atol=1e-5)
+    assert index_losses == pytest.approx(plain_losses, rel=1e-5, abs=1e-6)
+
+
+def test_random_augmentation_misses_under_content_keys_and_reuses_a_view_under_index_keys(tmp_path):
+    # The documented difference (docs/cache.md): content keys stay exact, index keys serve the
+    # first augmented view of each sample in later epochs, which changes training.
+    plain, _, _ = fit_indexed("auto", indexed_text(augment=True))
+    by_content, trainer, _ = fit_indexed(
+        PipeTransformerStrategy(cache=True, cache_dir=str(tmp_path / "content")), indexed_text(augment=True)
+    )
+    assert trainer.strategy.cache_stats["autocache/misses"] > 0
+    assert_close_state(by_content.state_dict(), plain.state_dict(), rtol=1e-4, atol=1e-5)
+    by_index, trainer, _ = fit_indexed(
+        PipeTransformerStrategy(cache=True, cache_key="index", cache_dir=str(tmp_path / "index")),
+        indexed_text(augment=True),
+    )
+    assert trainer.strategy.cache_stats["autocache/hits"] >= 2 * 24
+    head = "model.classifier.weight"
+    assert not torch.allclose(by_index.state_dict()[head], plain.state_dict()[head], rtol=1e-4, atol=1e-5)
 
 
 def test_cache_with_trainable_embeddings_and_with_everything_frozen(tmp_path):
