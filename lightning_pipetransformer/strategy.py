@@ -47,11 +47,11 @@ from . import elastic, idle_ranks
 
 from .core.costs import parameter_costs, parameter_count
 from .core.discovery import BlockStack
-from .core.pipeline import Pipeline, install_pipeline, remove_pipeline
+from .core.pipeline import install_pipeline, remove_pipeline
 from .core.planner import AutoPipe, Plan
-from .auto_chunks import ChunkTuner
-from .autocache import AutoCache, CachedStack, active_balance, probe_cache_dir
+from .autocache import AutoCache, probe_cache_dir
 from .module_stack import block_stack_of
+from .stack_runners import cached_runner, pipeline_runner
 
 __all__ = ["PipeTransformerStrategy"]
 
@@ -670,19 +670,14 @@ class PipeTransformerStrategy(DDPStrategy):
                 self._log_plan(plan)
             return
         devices = self.stage_devices
-        if self._autocache is not None and self._cached_runner(plan, devices, announce):
-            return
-        pipeline = Pipeline(self.stack.blocks, plan.partition, devices, chunks=plan.chunks, num_frozen=plan.num_frozen)
-        pipeline.place()
-        runner: Any = pipeline
-        if tune:
-            runner = ChunkTuner(self.stack.blocks, plan.partition, devices, plan.num_frozen, self._chunks_measured)
-        if tune or plan.pipe_len > 1 or plan.chunks > 1:
-            install_pipeline(self.stack.container, _ReturnTo(runner, devices[0]))  # type: ignore[arg-type]
+        if self._autocache is None or not self._install_cached_runner(plan, devices):
+            runner = pipeline_runner(self.stack.blocks, plan, devices, self._chunks_measured if tune else None)
+            if runner is not None:
+                install_pipeline(self.stack.container, runner)  # type: ignore[arg-type]
         if announce:
             self._log_plan(plan)
 
-    def _cached_runner(self, plan: Plan, devices: tuple[torch.device, ...], announce: bool) -> bool:
+    def _install_cached_runner(self, plan: Plan, devices: tuple[torch.device, ...]) -> bool:
         """Install the AutoCache runner for ``plan``; False when nothing is cached at this boundary."""
         cache, stack = self._autocache, self.stack
         assert cache is not None and stack is not None
@@ -696,20 +691,11 @@ class PipeTransformerStrategy(DDPStrategy):
                 cache.defer_boundary(stack, plan.num_frozen, self._cache_include_pre, devices[0])
         if not cache.serves(plan.num_frozen):
             return False
-        blocks = stack.blocks
-        balance, stages = active_balance(plan.partition, plan.num_frozen)
-        for block in blocks[: plan.num_frozen]:
-            block.to(devices[0])  # the misses run the frozen prefix where the hidden state is
-        chunks = plan.chunks if self.chunks != "auto" else self._auto_chunks.get(len(balance), 1)
-        if balance:
-            active = Pipeline(blocks[plan.num_frozen :], balance, [devices[i] for i in stages], chunks=chunks).place()
-            run_active: Any = _ReturnTo(active, devices[0])
-        else:  # every block frozen (min_active=0): the head reads the boundary directly
-            run_active = _boundary_only
-        runner = CachedStack(cache, blocks, plan.num_frozen, run_active)
-        install_pipeline(stack.container, runner)  # type: ignore[arg-type]
-        if announce:
-            self._log_plan(plan)
+        # chunks="auto": the M measured for the active blocks' pipe length (no tuning under a cache).
+        def chunks_for(pipe_len: int) -> int:
+            return plan.chunks if self.chunks != "auto" else self._auto_chunks.get(pipe_len, 1)
+
+        install_pipeline(stack.container, cached_runner(cache, stack.blocks, plan, devices, chunks_for))  # type: ignore[arg-type]
         return True
 
     def _chunks_measured(self, pipe_len: int, chunks: int) -> None:
@@ -781,33 +767,6 @@ class PipeTransformerStrategy(DDPStrategy):
             cls,
             description="PipeTransformer: pipeline the block stack, repartition as AutoFreeze freezes blocks",
         )
-
-
-class _ReturnTo:
-    """Calls the pipeline and hands its output back to the first stage's device."""
-
-    def __init__(self, pipeline: Any, device: torch.device) -> None:
-        self.pipeline = pipeline
-        self.device = device
-        # install_pipeline checks these against the container's children.
-        self.blocks = pipeline.blocks
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _to_device(self.pipeline(*args, **kwargs), self.device)
-
-
-def _boundary_only(hidden: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-    return hidden
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value if value.device == device else value.to(device)
-    if isinstance(value, tuple):
-        return type(value)(_to_device(v, device) for v in value) if not hasattr(value, "_fields") else type(value)(*(_to_device(v, device) for v in value))
-    if isinstance(value, list):
-        return [_to_device(v, device) for v in value]
-    return value
 
 
 def _optimizer_state_to_param_devices(optimizers: list[torch.optim.Optimizer]) -> None:

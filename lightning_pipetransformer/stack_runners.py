@@ -1,0 +1,101 @@
+"""What the strategy installs in place of the block stack for one plan.
+
+The model's own loop over its block stack calls one runner (see
+:func:`~lightning_pipetransformer.core.pipeline.install_pipeline`). For a plan that runner is
+
+- nothing at all: one stage and one micro-batch, the model's loop runs as written;
+- a :class:`~lightning_pipetransformer.core.pipeline.Pipeline` over the stages' devices;
+- a :class:`~lightning_pipetransformer.auto_chunks.ChunkTuner` (``chunks="auto"``: measures M
+  on the first training batch of a new pipe length, then behaves like that pipeline);
+- AutoCache's :class:`~lightning_pipetransformer.autocache.CachedStack`: the frozen prefix from the
+  cache, the active blocks as a pipeline of their own.
+
+Each pipeline's output is handed back to the first stage's device (:class:`ReturnTo`), where
+everything outside the stack (embeddings, head, loss) lives, so ``training_step`` needs no change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .auto_chunks import ChunkTuner
+from .autocache import AutoCache, CachedStack, active_balance
+from .core.pipeline import Pipeline
+from .core.planner import Plan
+
+__all__ = ["ReturnTo", "cached_runner", "pipeline_runner"]
+
+
+class ReturnTo:
+    """Calls a pipeline and hands its output back to the first stage's device."""
+
+    def __init__(self, pipeline: Any, device: torch.device) -> None:
+        self.pipeline = pipeline
+        self.device = device
+        # install_pipeline checks these against the container's children.
+        self.blocks = pipeline.blocks
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return to_device(self.pipeline(*args, **kwargs), self.device)
+
+
+def pipeline_runner(
+    blocks: Sequence[nn.Module],
+    plan: Plan,
+    devices: Sequence[torch.device],
+    tune_chunks: Callable[[int, int], None] | None = None,
+) -> ReturnTo | None:
+    """The runner for ``plan`` without a cache; ``None`` when the model's own loop is the plan.
+
+    The blocks are moved to their stages' devices now. ``tune_chunks(pipe_len, chunks)``: measure
+    M on the first training batch (``chunks="auto"``) and report it there.
+    """
+    pipeline = Pipeline(blocks, plan.partition, devices, chunks=plan.chunks, num_frozen=plan.num_frozen).place()
+    if tune_chunks is not None:
+        tuner = ChunkTuner(blocks, plan.partition, devices, plan.num_frozen, tune_chunks)
+        return ReturnTo(tuner, devices[0])
+    if plan.pipe_len > 1 or plan.chunks > 1:
+        return ReturnTo(pipeline, devices[0])
+    return None
+
+
+def cached_runner(
+    cache: AutoCache,
+    blocks: Sequence[nn.Module],
+    plan: Plan,
+    devices: Sequence[torch.device],
+    chunks_for: Callable[[int], int],
+) -> CachedStack:
+    """AutoCache's runner for ``plan``: misses run the frozen prefix on the first stage's device,
+    the active blocks a pipeline over the stages that hold them, of ``chunks_for(its length)`` micro-batches."""
+    for block in blocks[: plan.num_frozen]:
+        block.to(devices[0])  # the misses run the frozen prefix where the hidden state is
+    balance, stages = active_balance(plan.partition, plan.num_frozen)
+    run_active: Callable[..., Any]
+    if balance:
+        chunks = chunks_for(len(balance))
+        active = Pipeline(blocks[plan.num_frozen :], balance, [devices[i] for i in stages], chunks=chunks).place()
+        run_active = ReturnTo(active, devices[0])
+    else:  # every block frozen (min_active=0): the head reads the boundary directly
+        run_active = _boundary_only
+    return CachedStack(cache, blocks, plan.num_frozen, run_active)
+
+
+def _boundary_only(hidden: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    return hidden
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` (a tensor, or tuples/lists of them, named tuples too) on ``device``; other values as they are."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device == device else value.to(device)
+    if isinstance(value, tuple):
+        moved = [to_device(v, device) for v in value]
+        return type(value)(*moved) if hasattr(value, "_fields") else type(value)(moved)
+    if isinstance(value, list):
+        return [to_device(v, device) for v in value]
+    return value
