@@ -222,8 +222,9 @@ number of frozen blocks F. The rules, from the PipeTransformer paper (section 3.
 - **Micro-batches.** `chunks` is an int, a mapping K -> M, or `"auto"`: the caller's
   `measure(K, M) -> seconds` is run for M = K .. 6K (the paper's range) once per K, and the
   fastest M is cached (`state_dict()` keeps the cache for resume).
-- **Replicas.** With G devices per node and pipe length K, local rank r drives devices
-  [r*K, (r+1)*K); local ranks 0 .. G/K-1 are active on every node, global rank = node*G + r.
+- **Replicas.** With G devices per node and pipe length K, replica j of a node runs on devices
+  [j*K, (j+1)*K) and is driven by local rank j*K (so its first stage is that process's own
+  device); the other local ranks idle; global rank = node*G + local rank.
   Device names come from `node_devices` (default `cuda:0..G-1`; `["cpu"] * G` gives virtual
   CPU devices).
 

