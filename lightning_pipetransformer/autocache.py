@@ -26,6 +26,7 @@ a lookup per sample is measured faster than the frozen prefix per sample on this
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -34,9 +35,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
-from .core.cache_advance import advance_store, cached_prefix, pack_block_inputs, select_rows
+from .core.cache_advance import advance_store, cached_prefix, entry_bytes, pack_block_inputs, select_rows
 from .core.cache_keys import content_keys, index_keys
-from .core.cache_store import ActivationStore
+from .core.cache_store import ActivationStore, check_batch_fits
 from .core.cache_validity import check_deterministic, prefix_fingerprint, prefix_modules
 from .core.discovery import BlockStack
 from .core.embedding_skip import EmbeddingSkipper, input_versions, version_of
@@ -229,6 +230,12 @@ class AutoCache:
         self.fingerprint_extra = ""
         #: Index keys are only unique within one set-up (one loader, one run): prefix them with this.
         self.namespace = ""
+        #: Context the model's forward runs in (the precision plugin's autocast): the boundary advance
+        #: runs blocks F..F'-1 outside any step, and must compute what a forward would.
+        self.forward_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+        #: The largest batch of entries the first block's calls would store so far (see watch_batch_bytes).
+        self._batch_bytes = 0
+        self._size_hook: Any = None
 
     def skip_once(self, reason: str) -> None:
         """Run without the cache for this batch; warn the first time for each reason."""
@@ -259,9 +266,43 @@ class AutoCache:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self._size_hook is not None:
+            self._size_hook.remove()
+            self._size_hook = None
         if self.skipper is not None:
             self.skipper.detach()
             self.skipper = None
+
+    def watch_batch_bytes(self, first_block: nn.Module) -> None:
+        """Measure what a batch's entries will take from the first block's inputs, from the first forward on.
+
+        The store only sees a batch once blocks are frozen (the first freeze can be epochs away);
+        :meth:`check_budget` uses this to refuse a budget too small for one batch at the first step.
+        A pipeline calls the block per micro-batch: the measure is then a lower bound, and the
+        store's own check at the first store stays the exact one.
+        """
+
+        def measure(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if args and isinstance(args[0], Tensor) and args[0].dim() > 0:
+                per_sample = entry_bytes(args[0], args[1:], kwargs, self.storage_dtype)
+                if per_sample is not None:
+                    self._batch_bytes = max(self._batch_bytes, per_sample * args[0].shape[0])
+
+        if self._size_hook is not None:
+            self._size_hook.remove()
+        self._batch_bytes = 0
+        self._size_hook = first_block.register_forward_pre_hook(measure, with_kwargs=True)
+
+    def measured_batch_bytes(self) -> int:
+        """The bytes :meth:`watch_batch_bytes` measured (0: nothing seen); stops measuring."""
+        if self._size_hook is not None:
+            self._size_hook.remove()
+            self._size_hook = None
+        return self._batch_bytes
+
+    def check_budget(self, batch_bytes: int) -> None:
+        """Raise :class:`~.core.cache_store.CacheConfigError` if a batch of ``batch_bytes`` cannot fit the budget."""
+        check_batch_fits(self.memory_budget, batch_bytes)
 
     def _may_skip_pre(self) -> bool:
         """The embeddings may return a placeholder: a cached runner serves this forward's boundary."""
@@ -357,7 +398,7 @@ class AutoCache:
             return
         self.store = self._open(stack, num_frozen, include_pre)
         if previous is not None and previous.boundary < num_frozen and advance:
-            with torch.no_grad():
+            with torch.no_grad(), self.forward_context():
                 self.advanced = advance_store(
                     previous, self.store, run_blocks(stack.blocks[previous.boundary : num_frozen]),
                     device=device, shard=shard,
@@ -440,7 +481,7 @@ class AutoCache:
             me = dist.get_rank(group)
             first = peers[0] == me
             stack, device = self._where  # type: ignore[misc]
-            with torch.no_grad():
+            with torch.no_grad(), self.forward_context():
                 advanced = advance_store(
                     previous, store, run_blocks(stack.blocks[previous.boundary : store.boundary]),  # type: ignore[union-attr]
                     device=device, shard=(peers.index(me), len(peers)),

@@ -156,6 +156,7 @@ class PipeTransformerStrategy(DDPStrategy):
         self.cache_skip_embeddings = bool(cache_skip_embeddings)
         self._autocache: AutoCache | None = None
         self._cache_include_pre = True
+        self._cache_budget_checked = False
         self.stack: BlockStack | None = None
         self.planner: AutoPipe | None = None
         self._plan: Plan | None = None
@@ -281,11 +282,15 @@ class PipeTransformerStrategy(DDPStrategy):
         # unique within this set-up (this run, these loaders; several processes take rank 0's).
         self._autocache.fingerprint_extra = f"precision={trainer.precision}"
         self._autocache.namespace = uuid.uuid4().hex[:12] + "-"
+        # Entries advanced at a boundary move must equal what a forward computes (bf16-mixed: autocast).
+        self._autocache.forward_context = self.precision_plugin.forward_context
         # With trainable embeddings the boundary depends on more than their inputs: key on the
         # hidden state itself (exact, a little dearer) instead of the embeddings' inputs.
         self._cache_include_pre = bool(autofreeze is None or autofreeze.freeze_embeddings)
         if self._cache_include_pre:
             self._autocache.attach(self.stack, self.lightning_module)
+        self._autocache.watch_batch_bytes(self.stack.blocks[0])  # checked at the first training step
+        self._cache_budget_checked = False
         if self.world_size > 1:
             from .autocache import BoundarySync
 
@@ -443,9 +448,26 @@ class PipeTransformerStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self.is_active:
+            self._check_cache_budget()
             return elastic.idle_loss(self.root_device)
         self._index_keys_from(args, kwargs, "train")
-        return super().training_step(*args, **kwargs)
+        output = super().training_step(*args, **kwargs)
+        self._check_cache_budget()
+        return output
+
+    def _check_cache_budget(self) -> None:
+        """Once, after the first training forward (before any update): a ``cache_memory`` too small
+        for one batch fails now, not at the first store, which may come epochs later. Every rank
+        takes part (an idle rank measured nothing), so all of them raise together."""
+        if self._autocache is None or self._cache_budget_checked:
+            return
+        self._cache_budget_checked = True
+        needed = self._autocache.measured_batch_bytes()
+        if self.world_size > 1 and self._control_group is not None:
+            largest = torch.tensor(needed, dtype=torch.int64)
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self._control_group)
+            needed = int(largest)
+        self._autocache.check_budget(needed)
 
     def _index_keys_from(self, args: tuple[Any, ...], kwargs: dict[str, Any], stage: str) -> None:
         """cache_key='index': hand the batch's sample indices to AutoCache before the forward."""

@@ -126,6 +126,29 @@ def test_memory_budget_spilling_mid_epoch_equals_cache_off(tmp_path):
     assert_same_run(run, fit("bert", "auto", train=data_for("bert", n=40)))
 
 
+def test_budget_of_a_batch_but_not_of_an_advance_group_equals_cache_off(tmp_path):
+    # Room for 12 entries (1.5 training batches of 8): the boundary advance moves entries in
+    # groups of up to 32, which spill like any entry (before: "smaller than one batch" at epoch 2).
+    probe = stats_of(fit("bert", cached(tmp_path, "probe"), max_epochs=2)[1])
+    per_entry = probe["autocache/bytes_in_memory"] / probe["autocache/entries_in_memory"]
+    run = fit("bert", cached(tmp_path, cache_memory=int(12 * per_entry)))
+    stats = assert_served(run[1], at_least=2 * (24 + 16))
+    assert stats["autocache/disk_hits"] > 0 and stats["autocache/memory_hits"] > 0
+    assert_same_run(run, fit("bert", "auto"))
+
+
+def test_budget_below_one_batch_fails_at_the_first_step(tmp_path):
+    # Before: only at the first store, after all of epoch 0 (the first freeze can be epochs away).
+    module = Classifier("bert")
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    trainer = trainer_for(cached(tmp_path, cache_memory=1000), [AutoFreeze(schedule=SCHEDULE)])
+    with pytest.raises(ValueError, match="cache_memory=.*smaller than one batch"):
+        trainer.fit(module, data_for("bert"))
+    assert trainer.global_step == 0
+    for key, value in module.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
 def test_cache_without_skipping_embeddings_equals_cache_off(tmp_path):
     run = fit("bert", cached(tmp_path, cache_skip_embeddings=False))
     stats = assert_served(run[1], at_least=2 * (24 + 16))
@@ -166,6 +189,20 @@ def test_bf16_true_with_cache_equals_cache_off(tmp_path):
     run = fit("bert", cached(tmp_path), precision="bf16-true")
     assert_served(run[1], at_least=2 * (24 + 16))
     assert_same_run(run, fit("bert", PipeTransformerStrategy(), precision="bf16-true"))
+
+
+@pytest.mark.parametrize("key", ["content", "index"])
+def test_bf16_mixed_with_a_boundary_advance_equals_cache_off(tmp_path, key):
+    # The advance 1 -> 3 runs outside any step; it must run under the same autocast as a forward
+    # (before: fp32, so content keys raised StaleCacheError and index keys, never re-verified,
+    # trained on silently different activations).
+    def data():
+        return dict(train=indexed_text(), val=indexed_text(n=16, seed=7))
+
+    run = fit("bert", cached(tmp_path, cache_key=key), precision="bf16-mixed", **data())
+    stats = assert_served(run[1], at_least=2 * (24 + 16))
+    assert stats["autocache/advanced"] > 0
+    assert_same_run(run, fit("bert", PipeTransformerStrategy(), precision="bf16-mixed", **data()))
 
 
 def test_validation_mid_epoch_with_cache_equals_cache_off(tmp_path):

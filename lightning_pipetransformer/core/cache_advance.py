@@ -41,6 +41,7 @@ from .pipeline import hidden_of
 __all__ = [
     "advance_store",
     "cached_prefix",
+    "entry_bytes",
     "pack_block_inputs",
     "select_rows",
     "shard_of",
@@ -85,6 +86,19 @@ def pack_block_inputs(args: Sequence[Any], kwargs: Mapping[str, Any], batch_size
                 "supply it inside the run function given to advance_store."
             )
     return out
+
+
+def entry_bytes(hidden: Tensor, args: Sequence[Any], kwargs: Mapping[str, Any], storage_dtype: torch.dtype | None) -> int | None:
+    """Bytes one sample's entry takes in the store (its activation plus :func:`pack_block_inputs`' rows).
+
+    ``None`` when the arguments cannot be stored per sample (the cache then computes those batches).
+    """
+    try:
+        extras = pack_block_inputs(args, kwargs, hidden.shape[0])
+    except TypeError:
+        return None
+    itemsize = torch.empty((), dtype=storage_dtype or hidden.dtype).element_size()
+    return hidden[0].numel() * itemsize + sum(t[0].numel() * t.element_size() for t in extras.values())
 
 
 def unpack_block_inputs(extras: Mapping[str, Tensor]) -> tuple[tuple[Any, ...], Kwargs]:
@@ -220,7 +234,7 @@ def advance_store(
         with torch.no_grad():
             out = run(hidden, *args, **kwargs)
         out = out if isinstance(out, Tensor) else hidden_of(out)
-        dst.store(keys, out, extras)
+        dst.store(keys, out, extras, check_fits=False)  # a group of entries, not a training batch: it may spill
         # The old entries are done: free their memory so src + dst stay within about one budget
         # (plus one group) instead of two.
         src.discard(keys)

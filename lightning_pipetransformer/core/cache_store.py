@@ -45,7 +45,7 @@ from torch import Tensor
 from .cache_keys import KEY_PATTERN
 from .cache_validity import FORMAT_VERSION
 
-__all__ = ["ActivationStore", "CacheConfigError", "CacheStats", "StoredEntry", "merge_rows"]
+__all__ = ["ActivationStore", "CacheConfigError", "CacheStats", "StoredEntry", "check_batch_fits", "merge_rows"]
 
 _FORMAT = "pipetransformer-activation"
 _SUFFIX = ".safetensors"
@@ -56,6 +56,16 @@ _LOWER_PRECISION = (torch.bfloat16, torch.float16)
 
 class CacheConfigError(ValueError):
     """The cache cannot work as configured (directory not writable, budget below one batch)."""
+
+
+def check_batch_fits(memory_budget: int, nbytes: int) -> None:
+    """Raise :class:`CacheConfigError` if one batch of ``nbytes`` cannot fit in a positive ``memory_budget``."""
+    if 0 < memory_budget < nbytes:
+        raise CacheConfigError(
+            f"The cache's memory budget ({memory_budget:,} bytes: cache_memory= on the strategy, memory_budget= "
+            f"on the store) is smaller than one batch of activations ({nbytes:,} bytes). Raise it to at least "
+            f"{nbytes:,} bytes (a whole epoch needs batches x that), or set it to 0 to keep the cache on disk only."
+        )
 
 
 @dataclass
@@ -188,12 +198,7 @@ class ActivationStore:
 
     def check_batch_fits(self, nbytes: int) -> None:
         """Raise :class:`CacheConfigError` if one batch of ``nbytes`` cannot fit in a positive budget."""
-        if 0 < self.memory_budget < nbytes:
-            raise CacheConfigError(
-                f"memory_budget={self.memory_budget:,} bytes is smaller than one batch of activations "
-                f"({nbytes:,} bytes). Raise it to at least {nbytes:,} bytes (a whole epoch needs "
-                "batches x that), or pass memory_budget=0 to keep the cache on disk only."
-            )
+        check_batch_fits(self.memory_budget, nbytes)
 
     # ------------------------------------------------------------------ the batch API
 
@@ -252,12 +257,15 @@ class ActivationStore:
             return hit_mask, staged.to(target, non_blocking=True)
         return hit_mask, torch.stack(rows).to(device=target, dtype=out_dtype)
 
-    def store(self, keys: Sequence[str], activations: Tensor, extras: Mapping[str, Tensor] | None = None) -> None:
+    def store(
+        self, keys: Sequence[str], activations: Tensor, extras: Mapping[str, Tensor] | None = None, check_fits: bool = True,
+    ) -> None:
         """Store one activation per key (row ``i`` of ``activations`` and of each ``extras`` tensor).
 
         Keys already held (in memory, or on disk by any process) are skipped. ``extras`` are
         per-sample tensors kept with the entry in their own dtype (e.g. the attention mask the
-        next blocks need, to advance the entry later).
+        next blocks need, to advance the entry later). ``check_fits``: refuse a batch larger than
+        a positive budget (:meth:`check_batch_fits`); off for groups that are not a training batch.
         """
         _check_keys(keys)
         extras = dict(extras or {})
@@ -274,7 +282,8 @@ class ActivationStore:
         original = activations.dtype
         host = activations.detach().to("cpu", dtype=self.storage_dtype or original)
         host_extras = {n: t.detach().to("cpu") for n, t in extras.items()}
-        self.check_batch_fits(host.nbytes + sum(t.nbytes for t in host_extras.values()))
+        if check_fits:
+            self.check_batch_fits(host.nbytes + sum(t.nbytes for t in host_extras.values()))
         for i, key in enumerate(keys):
             if key in self._mem:
                 continue
