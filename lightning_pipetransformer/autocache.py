@@ -283,7 +283,7 @@ class AutoCache:
         """
 
         def measure(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if args and isinstance(args[0], Tensor) and args[0].dim() > 0:
+            if args and isinstance(args[0], Tensor) and args[0].dim() > 0 and args[0].shape[0] > 0:
                 per_sample = entry_bytes(args[0], args[1:], kwargs, self.storage_dtype)
                 if per_sample is not None:
                     self._batch_bytes = max(self._batch_bytes, per_sample * args[0].shape[0])
