@@ -170,6 +170,14 @@ class AutoFreeze(Callback):
     # ------------------------------------------------------------------ the loop
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not getattr(trainer.strategy, "autofreeze_decides_here", True):
+            # AutoDP: global rank 0 alone decides (an idle rank has no gradient norms, and stale
+            # ones from rank 0's half-finished interval would decide otherwise). Its decision and
+            # state reach this rank with the plan, right after this callback (the strategy's
+            # transition), and load_state_dict freezes the same blocks here.
+            if self.stack is not None:
+                ensure_frozen_eval(self.stack, self.num_frozen, self.freeze_embeddings)
+            return
         epoch = trainer.current_epoch
         target = self._decide(epoch)
         if target > self.num_frozen:

@@ -195,6 +195,15 @@ class PipeTransformerStrategy(DDPStrategy):
         return self._plan.is_active(self.global_rank)
 
     @property
+    def autofreeze_decides_here(self) -> bool:
+        """Whether AutoFreeze's rule decides on this process: with several, only on global rank 0.
+
+        The others take rank 0's decision with the plan (:meth:`_agree`); deciding from their own
+        (absent or stale) gradient norms could freeze blocks rank 0 keeps training.
+        """
+        return self.world_size == 1 or self.global_rank == 0
+
+    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # The data is split over the active replicas only. A shadow rank asks for an active

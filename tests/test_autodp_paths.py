@@ -170,3 +170,23 @@ def test_resume_from_a_checkpoint_with_three_idle_ranks_then_validate_mid_epoch(
     assert ranks[0]["global_step"] == steps == 6 and ranks[0]["lr"] == pytest.approx(lr)
     for key, value in expected.items():
         torch.testing.assert_close(ranks[0]["state"][key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_paper_rule_every_two_epochs_is_decided_by_rank_zero_alone(tmp_path):
+    # Only rank 0 decides under AutoDP; the others freeze what it froze, never more (before: they
+    # decided from its half-finished norms, froze 3 blocks to its 2, and the joining replica's DDP
+    # all-reduce failed with a size mismatch).
+    script = Path(__file__).parent / "scripts" / "autodp_paper_rule.py"
+    proc = launch_ranks(script, tmp_path, timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
+    assert [ranks[0]["epochs"][e]["plan_frozen"] for e in range(4)] == [0, 0, 2, 2]
+    for result in ranks:
+        for epoch, seen in result["epochs"].items():
+            assert seen["frozen_blocks"] == seen["plan_frozen"] == ranks[0]["epochs"][epoch]["plan_frozen"], (epoch, seen)
+            assert seen["trainable"] == ranks[0]["epochs"][epoch]["trainable"], (epoch, seen)
+    replicas = [r for r in ranks if r["epochs"][3]["active"]]
+    assert len(replicas) == 2  # K = 2 from epoch 2: ranks 0 and 2 (the joining one trained with rank 0)
+    for key, value in ranks[0]["state"].items():
+        torch.testing.assert_close(replicas[1]["state"][key], value, rtol=0, atol=0, msg=key)
