@@ -23,6 +23,7 @@ device, and the pipeline's output is handed back there, so ``training_step`` nee
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import uuid
@@ -410,6 +411,7 @@ class PipeTransformerStrategy(DDPStrategy):
         training = trainer is not None and trainer.state.stage == RunningStage.TRAINING
         if training:
             self._check_train_loader(dataloader)
+            self._check_val_check_interval(trainer, dataloader)
             if self.batch_policy == "global":
                 dataloader = self._per_replica_loader(dataloader)  # type: ignore[arg-type]
         if self.is_active:
@@ -432,6 +434,37 @@ class PipeTransformerStrategy(DDPStrategy):
                 "which change as the pipeline shrinks: it needs a DataLoader over a map-style dataset and Lightning's "
                 "distributed sampler (Trainer(use_distributed_sampler=True), the default, and no DistributedSampler of "
                 f"your own). Got sampler {type(sampler).__name__}."
+            )
+
+    def _check_val_check_interval(self, trainer: pl.Trainer, dataloader: Any) -> None:
+        """batch_policy='replica' shortens the epoch as replicas join: an int ``val_check_interval``
+        must fit the shortest epoch the planner can reach, or Lightning refuses it epochs later."""
+        interval = trainer.val_check_interval
+        autofreeze = _autofreeze_of(trainer)
+        if (
+            self.batch_policy != "replica" or isinstance(interval, bool) or not isinstance(interval, int)
+            or trainer.check_val_every_n_epoch is None or not trainer.limit_val_batches or autofreeze is None
+            or self.planner is None or autofreeze.stack is None
+        ):
+            return
+        most_frozen = autofreeze.max_frozen
+        if autofreeze.schedule is not None and trainer.max_epochs is not None and trainer.max_epochs > 0:
+            most_frozen = min(most_frozen, max(autofreeze.schedule(e) for e in range(trainer.max_epochs)))
+        most_frozen = max(most_frozen, autofreeze.num_frozen)
+        replicas = copy.deepcopy(self.planner).plan(most_frozen).num_replicas  # the most replicas reachable
+        sampler, batch_size = dataloader.sampler, dataloader.batch_size
+        if batch_size is None:
+            return
+        samples = len(sampler.dataset) // replicas if sampler.drop_last else -(-len(sampler.dataset) // replicas)
+        batches = samples // batch_size if dataloader.drop_last else -(-samples // batch_size)
+        limit = trainer.limit_train_batches
+        batches = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+        if interval > batches:
+            raise ValueError(
+                f"val_check_interval={interval} batches, but with batch_policy='replica' an epoch shrinks as replicas "
+                f"join: with the {replicas} replicas AutoFreeze can reach it has {batches} batches, and Lightning "
+                f"would refuse the interval then. Use val_check_interval <= {batches}, a float (a fraction of each "
+                "epoch), or batch_policy='global' (epochs keep their length)."
             )
 
     def _per_replica_loader(self, dataloader: DataLoader) -> DataLoader:

@@ -190,3 +190,17 @@ def test_paper_rule_every_two_epochs_is_decided_by_rank_zero_alone(tmp_path):
     assert len(replicas) == 2  # K = 2 from epoch 2: ranks 0 and 2 (the joining one trained with rank 0)
     for key, value in ranks[0]["state"].items():
         torch.testing.assert_close(replicas[1]["state"][key], value, rtol=0, atol=0, msg=key)
+
+
+def test_int_val_check_interval_longer_than_the_shortest_replica_epoch_fails_before_training(tmp_path):
+    # batch_policy='replica', 32 samples of batch 4: 8 batches with one replica, 2 with the four
+    # the schedule reaches. val_check_interval=3 would be refused by Lightning at the epoch-2
+    # transition, after two epochs of training; now every rank raises at setup, before step 1.
+    out = tmp_path / "run"
+    out.mkdir()
+    proc = launch_ranks(SCRIPT, out, "--policy", "replica", "--batch-size", "4", "--val-check-interval", "3",
+                        timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode != 0
+    errors = [(out / f"error{rank}").read_text() for rank in range(WORLD)]
+    assert all("val_check_interval=3" in e and "<= 2" in e for e in errors), errors
+    assert not list(out.glob("rank*.pt"))
