@@ -12,7 +12,6 @@ so ``--key index`` (``cache_key="index"``) runs on the same data as ``--key cont
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for models.py
@@ -23,6 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
+from launch import fit_recording_errors
 from models import IndexedDataset, TextClassifier, text_dataset
 
 SCHEDULE = {1: 2, 2: 3}
@@ -77,14 +77,9 @@ def main() -> None:
     )
     train = DataLoader(IndexedDataset(text_dataset(NUM_SAMPLES)), batch_size=8, shuffle=False)
     val = DataLoader(IndexedDataset(text_dataset(16, seed=1)), batch_size=4, shuffle=False)
-    start = time.monotonic()
-    try:
-        trainer.fit(module, train, val)
-    except BaseException as error:  # noqa: BLE001 - recorded for the test, then re-raised
-        (out / f"error{rank}").write_text(f"{time.monotonic() - start:.1f}s {type(error).__name__}: {error}")
-        raise
+    fit_recording_errors(trainer, module, train, val, out / f"error{rank}")
     torch.save(
-        {"state": module.state_dict(), "epochs": record.epochs, "seconds": time.monotonic() - start},
+        {"state": module.state_dict(), "epochs": record.epochs},
         out / f"rank{trainer.global_rank}.pt",
     )
 

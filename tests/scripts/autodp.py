@@ -11,7 +11,6 @@ epochs), ``kill`` (rank 2 dies in the middle of epoch 1; the others must exit wi
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for models.py
@@ -23,6 +22,7 @@ from torch.utils.data import DataLoader
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.elastic import is_idle_batch
+from launch import fit_recording_errors
 from models import TextClassifier, text_dataset
 
 SCHEDULE = {1: 2, 2: 3}
@@ -81,12 +81,7 @@ def main() -> None:
     )
     train = DataLoader(text_dataset(NUM_SAMPLES), batch_size=args.batch_size, shuffle=False)
     val = DataLoader(text_dataset(16, seed=1), batch_size=4, shuffle=False)
-    start = time.monotonic()
-    try:
-        trainer.fit(module, train, val, ckpt_path=args.ckpt)
-    except BaseException as error:  # noqa: BLE001 - recorded for the test, then re-raised
-        (out / f"error{rank}").write_text(f"{time.monotonic() - start:.1f}s {type(error).__name__}: {error}")
-        raise
+    fit_recording_errors(trainer, module, train, val, out / f"error{rank}", ckpt_path=args.ckpt)
     torch.save(final_record(trainer, module, record), out / f"rank{trainer.global_rank}.pt")
 
 

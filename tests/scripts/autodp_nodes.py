@@ -14,7 +14,6 @@ Which ranks are active is read from the strategy (``plan.active_ranks``, ``is_ac
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for models.py
@@ -27,6 +26,7 @@ from torch.utils.data import DataLoader
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.elastic import is_idle_batch
 from autodp import final_record  # this script's folder is on sys.path
+from launch import fit_recording_errors
 from models import TextClassifier, text_dataset
 
 SCHEDULE = {1: 2, 2: 3}
@@ -92,12 +92,7 @@ def main() -> None:
     )
     train = DataLoader(dataset, batch_size=args.batch_size, shuffle=False)
     val = DataLoader(text_dataset(16, seed=1), batch_size=4, shuffle=False)
-    start = time.monotonic()
-    try:
-        trainer.fit(module, train, val)
-    except BaseException as error:  # noqa: BLE001 - recorded for the test, then re-raised
-        (out / f"error{node}_{local}").write_text(f"{time.monotonic() - start:.1f}s {type(error).__name__}: {error}")
-        raise
+    fit_recording_errors(trainer, module, train, val, out / f"error{node}_{local}")
     torch.save(
         {
             **final_record(trainer, module, record),
