@@ -293,11 +293,12 @@ class AutoCache:
         self._batch_bytes = 0
         self._size_hook = first_block.register_forward_pre_hook(measure, with_kwargs=True)
 
-    def measured_batch_bytes(self) -> int:
-        """The bytes :meth:`watch_batch_bytes` measured (0: nothing seen); stops measuring."""
-        if self._size_hook is not None:
-            self._size_hook.remove()
-            self._size_hook = None
+    def measured_batch_bytes(self) -> int | None:
+        """The bytes :meth:`watch_batch_bytes` measured (0: nothing seen) and stop measuring; ``None`` once stopped."""
+        if self._size_hook is None:
+            return None
+        self._size_hook.remove()
+        self._size_hook = None
         return self._batch_bytes
 
     def check_budget(self, batch_bytes: int) -> None:

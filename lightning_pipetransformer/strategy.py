@@ -157,7 +157,6 @@ class PipeTransformerStrategy(DDPStrategy):
         self.cache_skip_embeddings = bool(cache_skip_embeddings)
         self._autocache: AutoCache | None = None
         self._cache_include_pre = True
-        self._cache_budget_checked = False
         self.stack: BlockStack | None = None
         self.planner: AutoPipe | None = None
         self._plan: Plan | None = None
@@ -300,7 +299,6 @@ class PipeTransformerStrategy(DDPStrategy):
         if self._cache_include_pre:
             self._autocache.attach(self.stack, self.lightning_module)
         self._autocache.watch_batch_bytes(self.stack.blocks[0])  # checked at the first training step
-        self._cache_budget_checked = False
         if self.world_size > 1:
             from .autocache import BoundarySync
 
@@ -501,10 +499,9 @@ class PipeTransformerStrategy(DDPStrategy):
         """Once, after the first training forward (before any update): a ``cache_memory`` too small
         for one batch fails now, not at the first store, which may come epochs later. Every rank
         takes part (an idle rank measured nothing), so all of them raise together."""
-        if self._autocache is None or self._cache_budget_checked:
+        needed = self._autocache.measured_batch_bytes() if self._autocache is not None else None
+        if needed is None:  # no cache, or checked already (every rank measured since the same set-up)
             return
-        self._cache_budget_checked = True
-        needed = self._autocache.measured_batch_bytes()
         if self.world_size > 1 and self._control_group is not None:
             largest = torch.tensor(needed, dtype=torch.int64)
             dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self._control_group)

@@ -18,11 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for mode
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
-from lightning_pipetransformer.elastic import is_idle_batch
+from autodp import Record as EpochRecord  # this script's folder is on sys.path
 from launch import fit_recording_errors
 from models import TextClassifier, text_dataset
 
@@ -43,25 +43,12 @@ class StepScheduled(TextClassifier):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-class Record(Callback):
+class Record(EpochRecord):
+    """autodp.py's per-epoch record (plan, activity, batch sizes), plus the validations that ran."""
+
     def __init__(self) -> None:
-        self.epochs: dict[int, dict] = {}
+        super().__init__()
         self.validations = 0
-
-    def on_train_epoch_start(self, trainer, pl_module):
-        plan = trainer.strategy.plan
-        self.epochs[trainer.current_epoch] = {
-            "pipe_len": plan.pipe_len, "replicas": plan.num_replicas, "active": trainer.strategy.is_active,
-            "num_frozen": plan.num_frozen, "batch_sizes": [], "idle_batches": 0,
-            "step_at_start": trainer.global_step,
-        }
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        record = self.epochs[trainer.current_epoch]
-        if is_idle_batch(batch):
-            record["idle_batches"] += 1
-        else:
-            record["batch_sizes"].append(int(batch[0].shape[0]))
 
     def on_validation_end(self, trainer, pl_module):
         if not trainer.sanity_checking:
