@@ -16,8 +16,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
+from .core.interception import StackCall, uncounted
 from .core.pipeline import Pipeline, hidden_of
 from .core.planner import chunk_candidates
 
@@ -47,43 +48,43 @@ class ChunkTuner:
         self.on_choice = on_choice
         self.pipeline: Pipeline | None = None
 
-    def __call__(self, hidden: Tensor, *args: Any, **kwargs: Any) -> Any:
+    def run(self, call: StackCall) -> Any:
         if self.pipeline is None:
             if not (torch.is_grad_enabled() and any(b.training for b in self.blocks)):
                 # A sanity-check or validation batch: forward only, not what training costs.
-                return self._pipeline(1)(hidden, *args, **kwargs)
-            self.pipeline = self._tune(hidden, args, kwargs)
-        return self.pipeline(hidden, *args, **kwargs)
+                return self._pipeline(1).run(call)
+            self.pipeline = self._tune(call)
+        return self.pipeline.run(call)
 
     def _pipeline(self, chunks: int) -> Pipeline:
         return Pipeline(self.blocks, self.balance, self.devices, chunks=chunks, num_frozen=self.num_frozen)
 
-    def _tune(self, hidden: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Pipeline:
+    def _tune(self, call: StackCall) -> Pipeline:
         k = len(self.balance)
         # Micro-batches of one sample are never faster and break batch statistics: M <= B/2.
-        candidates = [m for m in chunk_candidates(k) if m <= max(1, hidden.shape[0] // 2)] or [1]
+        candidates = [m for m in chunk_candidates(k) if m <= max(1, call.hidden.shape[0] // 2)] or [1]
         # The timing runs must leave no trace: same random stream (dropout) and same buffers
         # (BatchNorm running statistics) as a run with the chosen M fixed.
         buffers = [(b, b.detach().clone()) for block in self.blocks for b in block.buffers()]
         devices = [d for d in {*self.devices} if d.type == "cuda"]
-        with torch.random.fork_rng(devices=devices):
-            chosen = self._time(k, candidates, hidden, args, kwargs)
+        with torch.random.fork_rng(devices=devices), uncounted():
+            chosen = self._time(candidates, call)
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
         self.on_choice(k, chosen)
         return self._pipeline(chosen)
 
-    def _time(self, k: int, candidates: list[int], hidden: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    def _time(self, candidates: list[int], call: StackCall) -> int:
         params = [p for b in self.blocks for p in b.parameters() if p.requires_grad]
         timings: dict[int, float] = {}
-        probe = hidden.detach()
+        probe = StackCall(call.hidden.detach(), call.calls)  # no observer: the timing runs are not the pass
         for m in candidates:
             pipeline = self._pipeline(m)
             best = float("inf")
             for _ in range(_REPEATS):
                 start = time.perf_counter()
-                out = hidden_of(pipeline(probe, *args, **kwargs))
+                out = hidden_of(pipeline.run(probe))
                 if torch.is_grad_enabled() and params and out.requires_grad:
                     torch.autograd.grad(out.float().sum(), params, allow_unused=True)
                 _synchronize(self.devices)

@@ -28,20 +28,21 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
-from .core.cache_advance import advance_store, cached_prefix, entry_bytes, pack_block_inputs, select_rows
+from .core.cache_advance import ENTRY_FORMAT, advance_store, cached_prefix, entry_bytes, pack_block_inputs, select_rows
 from .core.cache_keys import content_keys, index_keys
-from .core.cache_store import ActivationStore, check_batch_fits
+from .core.cache_store import ActivationStore, CacheConfigError, check_batch_fits
 from .core.cache_validity import check_deterministic, prefix_fingerprint, prefix_modules
 from .core.discovery import BlockStack
 from .core.embedding_skip import EmbeddingSkipper, input_versions, version_of
-from .core.pipeline import hidden_of, installed_pipeline
+from .core.interception import StackCall, call_block, hidden_of, installed_pipeline
+from .core.microbatch import BlockArgs, tensors_in
 
 __all__ = ["AutoCache", "BoundarySync", "CachedStack", "StaleCacheError"]
 
@@ -52,15 +53,46 @@ class StaleCacheError(RuntimeError):
     """A cached activation differs from the recomputed one: caching cannot be exact for this model."""
 
 
-def run_blocks(blocks: Sequence[nn.Module]) -> Callable[..., Tensor]:
-    """``run(hidden, *args, **kwargs)`` = the encoder loop over ``blocks``."""
+def run_blocks(blocks: Sequence[nn.Module]) -> Callable[[Tensor, Sequence[BlockArgs]], Tensor]:
+    """``run(hidden, calls)`` = the model's loop over ``blocks``, block ``i`` with ``calls[i]``; returns the hidden state."""
 
-    def run(hidden: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        for block in blocks:
-            hidden = hidden_of(block(hidden, *args, **kwargs))
+    def run(hidden: Tensor, calls: Sequence[BlockArgs]) -> Tensor:
+        for block, (args, kwargs) in zip(blocks, calls, strict=True):
+            hidden = hidden_of(call_block(block, hidden, *args, **kwargs))
         return hidden
 
     return run
+
+
+def shared_once(calls: Sequence[BlockArgs]) -> Any:
+    """``calls`` with every repeat of a tensor (one mask object for every block) replaced by a reference.
+
+    Content keys hash what is left: each distinct tensor once, and which block gets which.
+    """
+    seen: dict[int, int] = {}
+
+    def ref(value: Any) -> Any:
+        if isinstance(value, Tensor):
+            if id(value) in seen:
+                return f"@{seen[id(value)]}"
+            seen[id(value)] = len(seen)
+            return value
+        if isinstance(value, Mapping):
+            return {k: ref(v) for k, v in value.items()}
+        if isinstance(value, (tuple, list)):
+            return [ref(v) for v in value]
+        return value
+
+    return [ref(call) for call in calls]
+
+
+def first_trainable(calls: Sequence[BlockArgs]) -> str | None:
+    """Names the first tensor among the blocks' arguments that requires grad (``None``: none does)."""
+    for index, (args, kwargs) in enumerate(calls):
+        for name, value in [*((f"argument {i + 1}", a) for i, a in enumerate(args)), *((repr(k), v) for k, v in kwargs.items())]:
+            if any(t.requires_grad for t in tensors_in(value)):
+                return f"block {index} argument {name}"
+    return None
 
 
 #: What the recorder saw at the embeddings' last call: inputs, output, the output's and the inputs' version counters.
@@ -90,15 +122,18 @@ class _InputRecorder:
 class CachedStack:
     """Installed in place of the stack: frozen prefix from the store, active blocks by ``active``."""
 
-    def __init__(self, cache: AutoCache, blocks: Sequence[nn.Module], num_frozen: int, active: Callable[..., Any]) -> None:
+    def __init__(self, cache: AutoCache, blocks: Sequence[nn.Module], num_frozen: int, active: Callable[[StackCall], Any]) -> None:
         self.cache = cache
         self.blocks = tuple(blocks)  # install_pipeline checks these against the container
         self.num_frozen = num_frozen
         self.active = active
         self._prefix = run_blocks(self.blocks[:num_frozen])
+        #: The boundary's per-sample shape for an input's per-sample shape (a stage may change it, e.g. Swin).
+        self._boundary_shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
 
-    def __call__(self, hidden: Tensor, *args: Any, **kwargs: Any) -> Any:
-        cache = self.cache
+    def run(self, call: StackCall) -> Any:
+        cache, frozen = self.cache, self.num_frozen
+        hidden, prefix_calls = call.hidden, call.calls[:frozen]
         # ``hidden`` is a placeholder when the embeddings were skipped: ``rows`` runs them for
         # the rows that need real values (misses, verified hits), ``full`` for all rows.
         skipped, pending = cache.arrived(hidden)
@@ -107,54 +142,62 @@ class CachedStack:
         def full() -> Tensor:
             return skipped.rows() if skipped is not None else hidden
 
-        store = cache.current_store(self.num_frozen)
-        if torch.is_grad_enabled() and hidden.requires_grad:
-            # Something before the frozen blocks still trains (freeze_embeddings=False): the
-            # gradient must flow through the frozen blocks, so there is nothing to cache.
-            cache.skip_once("the input of the frozen blocks requires grad (trainable embeddings)")
-            return self.active(self._prefix(hidden, *args, **kwargs), *args, **kwargs)
+        def active(boundary: Tensor) -> Any:
+            return self.active(call.part(frozen, hidden=boundary))
+
+        store = cache.current_store(frozen)
+        if torch.is_grad_enabled() and frozen:
+            trainable = "the input of the frozen blocks" if hidden.requires_grad else first_trainable(prefix_calls)
+            if trainable is not None:
+                # Something the frozen blocks read still trains: the gradient must flow through them,
+                # and their output changes with it, so there is nothing to cache.
+                cache.cannot_serve(trainable)
+                return active(self._prefix(hidden, prefix_calls))
         if store is None or not cache.enabled:
-            return self.active(self._prefix_plain(full(), args, kwargs), *args, **kwargs)
+            return active(self._prefix_plain(full(), prefix_calls))
         batch = hidden.shape[0]
-        keys = cache.keys_for(hidden, args, kwargs, pending)
+        keys = cache.keys_for(hidden, prefix_calls, pending)
         try:
-            extras = pack_block_inputs(args, kwargs, batch)
+            # Every block's inputs from the boundary on: an advance F -> F' runs blocks F..F'-1 with them.
+            extras = pack_block_inputs(call.calls[frozen:], frozen, batch)
         except TypeError as err:
             cache.skip_once(f"a block argument cannot be stored per sample ({err})")
             keys = None
         if keys is None:
-            return self.active(self._prefix_plain(full(), args, kwargs), *args, **kwargs)
+            return active(self._prefix_plain(full(), prefix_calls))
         timing: dict[str, float] = {}
+        shape_in = tuple(hidden.shape[1:])
 
         def compute(miss: Tensor) -> Tensor:
             start = time.perf_counter()
             h = rows(miss)
-            a, k = select_rows((args, kwargs), miss, batch)
             with torch.no_grad():
-                out = self._prefix(h, *a, **k)
+                out = self._prefix(h, select_rows(prefix_calls, miss, batch))
             timing["compute"] = (time.perf_counter() - start) / max(1, h.shape[0])
+            self._boundary_shapes[shape_in] = tuple(out.shape[1:])
             return out
 
         start = time.perf_counter()
         boundary, hit_mask = cached_prefix(
             store, keys, compute, extras=extras,
-            sample_shape=hidden.shape[1:], dtype=hidden.dtype, device=hidden.device,
+            sample_shape=self._boundary_shapes.get(shape_in, shape_in), dtype=hidden.dtype, device=hidden.device,
         )
         total = time.perf_counter() - start
         if "compute" in timing:
             cache.compute_time = timing["compute"]
+        cache.served(int(hit_mask.sum()), batch)
         if bool(hit_mask.any()):
-            cache.after_hits(rows, args, kwargs, hit_mask, boundary, self._prefix, total, batch)
-        return self.active(boundary, *args, **kwargs)
+            cache.after_hits(rows, prefix_calls, hit_mask, boundary, self._prefix, total, batch)
+        return active(boundary)
 
-    def _prefix_plain(self, hidden: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+    def _prefix_plain(self, hidden: Tensor, calls: Sequence[BlockArgs]) -> Tensor:
         if self.num_frozen == 0:
             return hidden
         with torch.no_grad():
-            return self._prefix(hidden, *args, **kwargs)
+            return self._prefix(hidden, calls)
 
 
-def _with_block_arguments(keys: list[str], args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device) -> list[str] | None:
+def _with_block_arguments(keys: list[str], calls: Sequence[BlockArgs], device: torch.device) -> list[str] | None:
     """Index keys plus a fingerprint of the blocks' other arguments (attention masks, flags).
 
     An index names the sample's input (one view of it, reused); the mask the blocks get with it
@@ -163,7 +206,7 @@ def _with_block_arguments(keys: list[str], args: tuple[Any, ...], kwargs: dict[s
     """
     rows = torch.zeros(len(keys), 1, dtype=torch.uint8, device=device)  # a row per sample, even with no per-sample argument
     try:
-        extras = content_keys(rows, args, kwargs, batch_size=len(keys))
+        extras = content_keys(rows, shared_once(calls), batch_size=len(keys))
     except TypeError:
         return None  # an argument we cannot hash reliably: compute, never guess
     return [f"{key}-{extra}" for key, extra in zip(keys, extras)]
@@ -205,6 +248,10 @@ class AutoCache:
         self.verified_modes: set[bool] = set()
         #: Forwards that got a placeholder instead of the embeddings' output (reported as a metric).
         self.embeddings_skipped = 0
+        #: Batches looked up in the store, those it answered in full, and those that ran without it.
+        self.batches_looked_up = 0
+        self.batches_served = 0
+        self.batches_skipped = 0
         self._container: nn.Module | None = None
         self.key = key
         self._index_keys: list[str] | None = None
@@ -239,9 +286,33 @@ class AutoCache:
 
     def skip_once(self, reason: str) -> None:
         """Run without the cache for this batch; warn the first time for each reason."""
+        self.batches_skipped += 1
         if reason not in self._skipped:
             self._skipped.add(reason)
             _warn(f"AutoCache is not used for these batches: {reason}. Results are exact; only the speed-up is lost.")
+
+    def cannot_serve(self, trainable: str) -> None:
+        """The frozen blocks read ``trainable``, which requires grad: refuse (``cache=True``) or stay off."""
+        if trainable == "the input of the frozen blocks":
+            # Trainable embeddings (freeze_embeddings=False): expected, and exact without the cache.
+            self.skip_once("the input of the frozen blocks requires grad (trainable embeddings)")
+            return
+        reason = (
+            f"the frozen blocks read {trainable}, which requires grad (it comes from trainable parameters, e.g. "
+            "DeBERTa's shared relative-position embeddings): their output changes as training goes and the gradient "
+            "must flow through them, so it cannot be cached"
+        )
+        if self.mode is True:
+            raise CacheConfigError(
+                f"AutoCache cannot serve this model: {reason}. Use cache=False (or cache='auto', which then stays off), "
+                "or freeze what produces that argument."
+            )
+        self.skip_once(reason)
+
+    def served(self, hits: int, batch: int) -> None:
+        """Count a batch the store answered (``hits`` of ``batch`` samples), for the logger."""
+        self.batches_looked_up += 1
+        self.batches_served += int(hits == batch)
 
     # ------------------------------------------------------------------ wiring
 
@@ -360,10 +431,9 @@ class AutoCache:
         keys = index_keys(batch["index"], f"{self.namespace}{namespace}")
         self._index_keys = keys if (self.store is not None or self._pending is not None) and self.enabled else None
 
-    def keys_for(
-        self, hidden: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any], pending: Pending | None,
-    ) -> list[str] | None:
-        """Keys of what enters the frozen prefix, or ``None`` when they cannot be exact.
+    def keys_for(self, hidden: Tensor, calls: Sequence[BlockArgs], pending: Pending | None) -> list[str] | None:
+        """Keys of what enters the frozen prefix (its input and every frozen block's arguments), or
+        ``None`` when they cannot be exact.
 
         ``pending``: the embeddings' recorded call when its inputs name ``hidden`` (:meth:`arrived`), else ``None``.
         """
@@ -375,10 +445,10 @@ class AutoCache:
                     f"cache_key='index': the forward got {batch} samples but the batch's 'index' entry had "
                     f"{None if keys is None else len(keys)}. Each forward must see its batch's samples once, in order."
                 )
-            return _with_block_arguments(keys, args, kwargs, hidden.device)
+            return _with_block_arguments(keys, calls, hidden.device)
         source: Any = (pending[0], pending[1]) if pending is not None else hidden
         try:
-            return content_keys(source, args, kwargs, batch_size=batch)
+            return content_keys(source, shared_once(calls), batch_size=batch)
         except TypeError:
             return None  # an argument we cannot hash reliably: compute, never guess
 
@@ -515,7 +585,7 @@ class AutoCache:
 
     def _open(self, stack: BlockStack, num_frozen: int, include_pre: bool) -> ActivationStore:
         store = ActivationStore(
-            self.cache_dir, prefix_fingerprint(stack, num_frozen, include_pre, extra=self.fingerprint_extra),
+            self.cache_dir, prefix_fingerprint(stack, num_frozen, include_pre, extra=f"{self.fingerprint_extra}|format={ENTRY_FORMAT}"),
             num_frozen, self.memory_budget,
             storage_dtype=self.storage_dtype, write_through=self.write_through,
         )
@@ -528,8 +598,8 @@ class AutoCache:
     # ------------------------------------------------------------------ checks and decisions
 
     def after_hits(
-        self, rows: Callable[[Tensor], Tensor], args: tuple[Any, ...], kwargs: dict[str, Any], hit_mask: Tensor,
-        boundary: Tensor, prefix: Callable[..., Tensor], total: float, batch: int,
+        self, rows: Callable[[Tensor], Tensor], calls: Sequence[BlockArgs], hit_mask: Tensor,
+        boundary: Tensor, prefix: Callable[[Tensor, Sequence[BlockArgs]], Tensor], total: float, batch: int,
     ) -> None:
         """Verify the first hits at a boundary; under ``"auto"`` keep the cache only if it pays.
 
@@ -537,9 +607,8 @@ class AutoCache:
         """
         if not self._verified and self.key == "content":
             self._verified = True
-            a, k = select_rows((args, kwargs), hit_mask, batch)
             with torch.no_grad():
-                fresh = prefix(rows(hit_mask), *a, **k)
+                fresh = prefix(rows(hit_mask), select_rows(calls, hit_mask, batch))
             cached = boundary[hit_mask.to(boundary.device)]
             if not torch.allclose(fresh.float(), cached.float(), rtol=1e-3, atol=1e-4):
                 raise StaleCacheError(
@@ -559,12 +628,16 @@ class AutoCache:
     def stats(self) -> dict[str, float]:
         """Hits, misses and bytes of the current store, for the logger."""
         if self.store is None:
-            return {"autocache/enabled": 0.0}
+            return {"autocache/enabled": 0.0, "autocache/batches_bypassed": float(self.batches_skipped)}
         metrics = self.store.stats().as_metrics("autocache/")
         metrics["autocache/enabled"] = float(self.enabled)
         metrics["autocache/boundary"] = float(self.store.boundary)
         metrics["autocache/advanced"] = float(self.advanced)
         metrics["autocache/embeddings_skipped"] = float(self.embeddings_skipped)
+        metrics["autocache/batches_served"] = float(self.batches_served)
+        metrics["autocache/batches_bypassed"] = float(self.batches_skipped)
+        looked = self.batches_looked_up + self.batches_skipped
+        metrics["autocache/served_fraction"] = self.batches_served / looked if looked else 0.0
         return metrics
 
 

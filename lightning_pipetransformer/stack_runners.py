@@ -20,10 +20,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from .auto_chunks import ChunkTuner
 from .autocache import AutoCache, CachedStack, active_balance
+from .core.interception import StackCall
 from .core.pipeline import Pipeline
 from .core.planner import Plan
 
@@ -31,7 +32,7 @@ __all__ = ["ReturnTo", "cached_runner", "pipeline_runner"]
 
 
 class ReturnTo:
-    """Calls a pipeline and hands its output back to the first stage's device."""
+    """Runs a pass through a pipeline and hands its output back to the first stage's device."""
 
     def __init__(self, pipeline: Any, device: torch.device) -> None:
         self.pipeline = pipeline
@@ -39,8 +40,8 @@ class ReturnTo:
         # install_pipeline checks these against the container's children.
         self.blocks = pipeline.blocks
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return to_device(self.pipeline(*args, **kwargs), self.device)
+    def run(self, call: StackCall) -> Any:
+        return to_device(self.pipeline.run(call), self.device)
 
 
 def pipeline_runner(
@@ -75,18 +76,18 @@ def cached_runner(
     for block in blocks[: plan.num_frozen]:
         block.to(devices[0])  # the misses run the frozen prefix where the hidden state is
     balance, stages = active_balance(plan.partition, plan.num_frozen)
-    run_active: Callable[..., Any]
+    run_active: Callable[[StackCall], Any]
     if balance:
         chunks = chunks_for(len(balance))
         active = Pipeline(blocks[plan.num_frozen :], balance, [devices[i] for i in stages], chunks=chunks).place()
-        run_active = ReturnTo(active, devices[0])
+        run_active = ReturnTo(active, devices[0]).run
     else:  # every block frozen (min_active=0): the head reads the boundary directly
         run_active = _boundary_only
     return CachedStack(cache, blocks, plan.num_frozen, run_active)
 
 
-def _boundary_only(hidden: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-    return hidden
+def _boundary_only(call: StackCall) -> Any:
+    return call.as_output(call.hidden)
 
 
 def to_device(value: Any, device: torch.device) -> Any:

@@ -725,16 +725,15 @@ class PipeTransformerStrategy(DDPStrategy):
         if self.chunks == "auto" and not tune:
             plan = dataclasses.replace(plan, chunks=self._auto_chunks[plan.pipe_len])
         self._plan = plan
-        remove_pipeline(self.stack.container)
         if not self.is_active:
+            install_pipeline(self.stack.container, None)  # a shadow rank runs no model work
             if announce:
                 self._log_plan(plan)
             return
         devices = self.stage_devices
         if self._autocache is None or not self._install_cached_runner(plan, devices):
             runner = pipeline_runner(self.stack.blocks, plan, devices, self._chunks_measured if tune else None)
-            if runner is not None:
-                install_pipeline(self.stack.container, runner)  # type: ignore[arg-type]
+            install_pipeline(self.stack.container, runner)  # None: the model's loop runs as written
         if announce:
             self._log_plan(plan)
 
@@ -756,7 +755,7 @@ class PipeTransformerStrategy(DDPStrategy):
         def chunks_for(pipe_len: int) -> int:
             return plan.chunks if self.chunks != "auto" else self._auto_chunks.get(pipe_len, 1)
 
-        install_pipeline(stack.container, cached_runner(cache, stack.blocks, plan, devices, chunks_for))  # type: ignore[arg-type]
+        install_pipeline(stack.container, cached_runner(cache, stack.blocks, plan, devices, chunks_for))
         return True
 
     def _chunks_measured(self, pipe_len: int, chunks: int) -> None:

@@ -29,6 +29,7 @@ def one_thread():
 
 BATCH, SEQ, WIDTH, DEPTH = 10, 4, 8, 8
 BALANCES = {1: (8,), 2: (4, 4), 3: (3, 3, 2), 4: (2, 2, 2, 2)}
+BALANCES_4 = {1: (4,), 2: (2, 2)}
 
 
 class Block(nn.Module):
@@ -322,11 +323,11 @@ def test_errors_are_clear():
         Pipeline(blocks, (2, 2), ["cpu"] * 2, num_frozen=5)
     with pytest.raises(ValueError, match=r"Block 0 is declared frozen .* requires grad"):
         Pipeline(blocks, (2, 2), ["cpu"] * 2, num_frozen=1)
-    pipe = Pipeline(blocks, (2, 2), ["cpu"] * 2, chunks=11)
-    with pytest.raises(ValueError, match=r"batch of 10 samples into 11 micro-batches"):
-        pipe(torch.randn(10, WIDTH))
-    with pytest.raises(TypeError, match="hidden state"):
-        pipe(None)
+    for stages in (1, 2):
+        with pytest.raises(TypeError, match="hidden state"):
+            Pipeline(blocks, BALANCES_4[stages], ["cpu"] * stages, chunks=1)(None)
+        with pytest.raises(TypeError, match="hidden state"):
+            Pipeline(blocks, BALANCES_4[stages], ["cpu"] * stages, chunks=2)([torch.randn(3, WIDTH)])
 
 
 def test_place_moves_blocks_and_inputs_follow_the_stage_device():
@@ -366,26 +367,43 @@ def param_grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def count_runs(blocks):
+    """Real runs per block (forward pre-hooks fire only when a block computes); returns (counts, hooks)."""
+    runs = {}
+    hooks = [b.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs.get(i, 0) + 1)) for i, b in enumerate(blocks)]
+    return runs, hooks
+
+
 def check_installed(model, container, pipe, call, out_of=lambda o: o):
-    """Same outputs, same gradients, unchanged container API; then removal restores it."""
+    """Same outputs, same gradients, unchanged container API, every block run once per micro-batch;
+    then removal restores the blocks' own classes."""
     keys, n, first = list(model.state_dict()), len(container), container[0]
     children = list(container.children())
+    classes = [type(b) for b in children]
     model.zero_grad(set_to_none=True)
     ref = out_of(call())
     loss_of(ref).backward()
     ref_grads = param_grads(model)
-    model.zero_grad(set_to_none=True)
+    runs, hooks = count_runs(children)
     with pipelined(container, pipe):
-        assert list(container) == [pipe]
         assert len(container) == n and container[0] is first and list(container.children()) == children
         assert list(model.state_dict()) == keys
+        assert all(isinstance(b, c) for b, c in zip(children, classes))
+        call()  # the first pass runs block by block: it learns what each block returns
+        assert runs == {i: 1 for i in range(n)}
+        runs.clear()
+        model.zero_grad(set_to_none=True)
         out = out_of(call())
+        # Engaged: every block ran once per micro-batch (a bypassed pipeline would run each once).
+        assert runs == {i: pipe.chunks for i in range(n)}
+    for hook in hooks:
+        hook.remove()
     loss_of(out).backward()
     assert_same(ref, out)
     assert param_grads(model).keys() == ref_grads.keys()
     for name in ref_grads:
         torch.testing.assert_close(param_grads(model)[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
-    assert list(container) == children and type(container).__name__ in ("ModuleList", "Sequential")
+    assert [type(b) for b in container.children()] == classes
 
 
 def test_install_into_module_list_loop():
@@ -457,18 +475,21 @@ def test_install_details():
     with pytest.raises(ValueError, match="in order"):
         install_pipeline(nn.ModuleList(list(layers)[::-1]), pipe)
     install_pipeline(layers, pipe)
-    install_pipeline(layers, pipe)  # installing twice replaces, it does not stack subclasses
-    assert type(layers).__bases__ == (nn.ModuleList,) and isinstance(layers, nn.ModuleList)
-    assert "_pipetransformer_pipeline" not in layers._modules  # not registered as a submodule
-    assert list(layers[1:3]) == list(layers._modules.values())[1:3]  # a slice iterates its blocks
+    install_pipeline(layers, pipe)  # installing twice replaces the runner, it does not stack subclasses
+    assert type(layers) is nn.ModuleList and all(type(b).__bases__ == (Block,) for b in layers)
+    assert "_pipetransformer_interceptor" not in layers._modules  # not registered as a submodule
+    assert list(layers[1:3]) == list(layers._modules.values())[1:3]  # a slice holds the same blocks
     copy.deepcopy(model)  # a deep copy works while installed
     remove_pipeline(layers)
     remove_pipeline(layers)  # idempotent
-    assert type(layers) is nn.ModuleList and len(list(layers)) == 4
+    assert all(type(b) is Block for b in layers) and len(list(layers)) == 4
     with pytest.raises(RuntimeError, match="boom"):
         with pipelined(layers, pipe):
             raise RuntimeError("boom")
-    assert type(layers) is nn.ModuleList
+    assert all(type(b) is Block for b in layers)
+    shared = nn.ModuleList([layers[0], layers[0], layers[1], layers[1]])
+    with pytest.raises(ValueError, match="shared blocks"):
+        install_pipeline(shared, Pipeline(list(shared), (4,), ["cpu"]))
 
 
 # -- the stream protocol, checked on CPU with stand-in streams -----------------------------

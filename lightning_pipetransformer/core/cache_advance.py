@@ -10,19 +10,25 @@ batch's own block arguments (attention mask ...), which the model computes as us
 
 When the boundary moves F -> F' (:func:`advance_store`), every entry at F goes through blocks
 F..F'-1 only, never again from the input, and is stored under the new prefix's fingerprint.
-Those blocks need the per-sample inputs the encoder loop passed with the hidden state (an
-attention mask, ``is_causal`` ...): they are stored *with* each entry, as extra tensors built by
-:func:`pack_block_inputs`, and turned back into ``(*args, **kwargs)`` by
-:func:`unpack_block_inputs`. Encoding of one block call's arguments after the hidden state::
+Those blocks need the per-sample inputs the model's loop passed to each of them with the hidden
+state (an attention mask, a sliding-window mask for some layers, rotary embeddings ...): they
+are stored *with* each entry, for every block from the boundary on, as extra tensors built by
+:func:`pack_block_inputs` and turned back into each block's ``(args, kwargs)`` by
+:func:`unpack_block_inputs`. A tensor that several blocks receive (one mask object for all
+layers) is stored once. Encoding of one leaf of block ``b``'s arguments, nested tuples, lists
+and dicts included (``position_embeddings=(cos, sin)``)::
 
-    tensor [B, ...]   -> "t.<slot>"  one row per sample
-    tensor [1, ...]   -> "t.<slot>"  expanded to one row per sample (broadcast: same result)
-    None              -> "n.<slot>"  an empty row, [B, 0]
-    bool / int / float-> "s.<slot>"  a [B] tensor; entries are advanced in groups of equal values
-    (always)          -> "m.inputs"  an empty row: block inputs were recorded (even if none)
+    tensor [B, ...]     -> "t.<path>"            one row per sample
+    tensor [1, ...]     -> "t.<path>"            expanded to one row per sample (broadcast: same result)
+    a tensor seen before-> "r.<path>=<path'>"    an empty row: the same tensor as <path'>
+    None                -> "n.<path>"            an empty row, [B, 0]
+    bool / int / float  -> "s.<path>"            a [B] tensor; entries are advanced in groups of equal values
+    empty tuple / list  -> "e.<path>"            an empty row
+    (always)            -> "m.inputs"            an empty row: block inputs were recorded (even if none)
 
-``<slot>`` is ``a<i>`` for positional argument i (0 = the first after the hidden state) or
-``k.<name>`` for a keyword. A BERT layer's extras are one bool mask row ``[1, S, S]``
+``<path>`` is ``b<block>`` then ``.a<i>`` for positional argument i (0 = the first after the
+hidden state) or ``.k<name>`` for a keyword, then ``.t<i>`` / ``.l<i>`` / ``.d<key>`` for an
+element of a tuple, list or dict. A BERT layer's extras are one bool mask row ``[1, S, S]``
 (S*S bytes: 4 KiB at S = 64, against 96 KiB of fp32 activation) or nothing when unpadded.
 """
 
@@ -36,9 +42,10 @@ import torch
 from torch import Tensor
 
 from .cache_store import ActivationStore, StoredEntry, merge_rows
-from .pipeline import hidden_of
+from .interception import hidden_of
 
 __all__ = [
+    "ENTRY_FORMAT",
     "advance_store",
     "cached_prefix",
     "entry_bytes",
@@ -49,92 +56,177 @@ __all__ = [
 ]
 
 Kwargs = dict[str, Any]
+BlockArgs = tuple[tuple[Any, ...], Kwargs]
+
+#: The layout of stored block inputs; part of every store's fingerprint, so entries written in
+#: another layout are never read.
+ENTRY_FORMAT = 2
 
 _MARKER = "m.inputs"
 
 
-def pack_block_inputs(args: Sequence[Any], kwargs: Mapping[str, Any], batch_size: int) -> dict[str, Tensor]:
-    """Encode a block call's arguments (after the hidden state) as per-sample tensors ``[B, ...]``.
+def pack_block_inputs(calls: Sequence[BlockArgs], first_block: int, batch_size: int) -> dict[str, Tensor]:
+    """Encode the arguments of blocks ``first_block, first_block + 1, ...`` as per-sample tensors ``[B, ...]``.
+
+    ``calls[i]`` is block ``first_block + i``'s ``(args, kwargs)`` after the hidden state.
 
     Raises:
         TypeError: an argument that is neither batch-shaped, broadcast (first dimension 1),
-            None nor a bool/int/float: it cannot be split per sample (pass it from ``run``
-            in :func:`advance_store` instead, and leave it out here).
+            None, a bool/int/float, nor a tuple/list/dict of those: it cannot be split per sample.
     """
-    slots = [(f"a{i}", v) for i, v in enumerate(args)] + [(f"k.{k}", v) for k, v in kwargs.items()]
-    # The marker says "block inputs were recorded", also for a block that takes none.
     out: dict[str, Tensor] = {_MARKER: torch.zeros(batch_size, 0, dtype=torch.uint8)}
-    for slot, value in slots:
+    seen: dict[int, str] = {}
+
+    def empty() -> Tensor:
+        return torch.zeros(batch_size, 0, dtype=torch.uint8)
+
+    def pack(path: str, value: Any) -> None:
         if value is None:
-            out[f"n.{slot}"] = torch.zeros(batch_size, 0, dtype=torch.uint8)
+            out[f"n.{path}"] = empty()
         elif isinstance(value, Tensor):
+            if id(value) in seen:
+                out[f"r.{path}={seen[id(value)]}"] = empty()
+                return
             if value.dim() > 0 and value.shape[0] == batch_size:
-                out[f"t.{slot}"] = value.detach()
+                out[f"t.{path}"] = value.detach()
             elif value.dim() > 0 and value.shape[0] == 1:
-                out[f"t.{slot}"] = value.detach().expand(batch_size, *value.shape[1:])
+                out[f"t.{path}"] = value.detach().expand(batch_size, *value.shape[1:])
             else:
                 raise TypeError(
-                    f"Block argument {slot} has shape {tuple(value.shape)}, neither [batch={batch_size}, ...] "
+                    f"Block argument {path} has shape {tuple(value.shape)}, neither [batch={batch_size}, ...] "
                     "nor broadcast [1, ...]: it cannot be stored per sample."
                 )
+            seen[id(value)] = path
         elif isinstance(value, (bool, int, float)):
             dtype = torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) else torch.float64
-            out[f"s.{slot}"] = torch.full((batch_size,), value, dtype=dtype)
+            out[f"s.{path}"] = torch.full((batch_size,), value, dtype=dtype)
+        elif isinstance(value, (tuple, list)) and type(value) in (tuple, list):
+            if not value:
+                out[f"e.{path}.{'t' if isinstance(value, tuple) else 'l'}"] = empty()
+            kind = "t" if isinstance(value, tuple) else "l"
+            for i, item in enumerate(value):
+                pack(f"{path}.{kind}{i}", item)
+        elif type(value) is dict and all(isinstance(k, str) and "." not in k and "=" not in k for k in value):
+            for key, item in value.items():
+                pack(f"{path}.d{key}", item)
         else:
             raise TypeError(
-                f"Block argument {slot} of type {type(value).__name__} cannot be stored per sample: "
+                f"Block argument {path} of type {type(value).__name__} cannot be stored per sample: "
                 "supply it inside the run function given to advance_store."
             )
+
+    for offset, (args, kwargs) in enumerate(calls):
+        block = f"b{first_block + offset}"
+        out[f"e.{block}"] = empty()  # the block was recorded (even with no arguments)
+        for i, value in enumerate(args):
+            pack(f"{block}.a{i}", value)
+        for name, value in kwargs.items():
+            pack(f"{block}.k{name}", value)
     return out
 
 
 def entry_bytes(hidden: Tensor, args: Sequence[Any], kwargs: Mapping[str, Any], storage_dtype: torch.dtype | None) -> int | None:
-    """Bytes one sample's entry takes in the store (its activation plus :func:`pack_block_inputs`' rows).
+    """Bytes one sample's entry takes in the store (its activation plus one block's :func:`pack_block_inputs` rows).
 
     ``None`` when the arguments cannot be stored per sample (the cache then computes those batches).
     """
     try:
-        extras = pack_block_inputs(args, kwargs, hidden.shape[0])
+        extras = pack_block_inputs([(tuple(args), dict(kwargs))], 0, hidden.shape[0])
     except TypeError:
         return None
     itemsize = torch.empty((), dtype=storage_dtype or hidden.dtype).element_size()
     return hidden[0].numel() * itemsize + sum(t[0].numel() * t.element_size() for t in extras.values())
 
 
-def unpack_block_inputs(extras: Mapping[str, Tensor]) -> tuple[tuple[Any, ...], Kwargs]:
-    """Inverse of :func:`pack_block_inputs` for ``n`` stacked samples: ``(args, kwargs)`` for a block."""
-    positional: dict[int, Any] = {}
-    kwargs: Kwargs = {}
+def unpack_block_inputs(extras: Mapping[str, Tensor], blocks: Sequence[int]) -> list[BlockArgs]:
+    """Inverse of :func:`pack_block_inputs` for ``n`` stacked samples: each of ``blocks``' ``(args, kwargs)``.
+
+    Raises:
+        ValueError: a block's inputs were not stored (entries from before that block's boundary).
+    """
+    values: dict[str, Any] = {}
+    references: dict[str, str] = {}
+    recorded: set[str] = set()
     for name, tensor in extras.items():
-        kind, _, slot = name.partition(".")
-        if kind == "n":
-            value: Any = None
-        elif kind == "t":
-            value = tensor
+        kind, _, path = name.partition(".")
+        if kind == "t":
+            values[path] = tensor
+        elif kind == "n":
+            values[path] = None
         elif kind == "s":
-            value = tensor[0].item()  # equal in the group (advance_store groups by value)
-        else:
-            continue  # not a block input (the caller's own extra)
-        if slot.startswith("k."):
-            kwargs[slot[2:]] = value
-        else:
-            positional[int(slot[1:])] = value
-    if sorted(positional) != list(range(len(positional))):
-        raise ValueError(f"Stored block inputs have positional slots {sorted(positional)}: some are missing.")
-    return tuple(positional[i] for i in range(len(positional))), kwargs
+            values[path] = tensor[0].item()  # equal in the group (advance_store groups by value)
+        elif kind == "r":
+            path, _, target = path.partition("=")
+            references[path] = target
+        elif kind == "e":
+            if path.count(".") == 0:
+                recorded.add(path)
+            else:
+                values[path] = "<empty>"
+    for path, target in references.items():
+        values[path] = values[target]
+    calls: list[BlockArgs] = []
+    for block in blocks:
+        prefix = f"b{block}"
+        if prefix not in recorded:
+            raise ValueError(f"The stored entry holds no inputs for block {block}: it cannot be advanced through it.")
+        tree: dict[str, Any] = {}
+        for path, value in values.items():
+            head, _, rest = path.partition(".")
+            if head == prefix:
+                _insert(tree, rest.split("."), value)
+        slots = sorted(int(k[1:]) for k in tree if k.startswith("a"))
+        if slots != list(range(len(slots))):
+            raise ValueError(f"Stored inputs of block {block} have positional slots {slots}: some are missing.")
+        args = tuple(_build(tree[f"a{i}"]) for i in slots)
+        kwargs = {k[1:]: _build(v) for k, v in tree.items() if k.startswith("k")}
+        calls.append((args, kwargs))
+    return calls
+
+
+def _insert(tree: dict[str, Any], parts: list[str], value: Any) -> None:
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+
+
+def _build(node: Any) -> Any:
+    """A packed subtree back into the tuple / list / dict it was."""
+    if not isinstance(node, dict):
+        return node
+    if set(node) in ({"t"}, {"l"}) and node[next(iter(node))] == "<empty>":
+        return () if "t" in node else []
+    kind = next(iter(node))[0]
+    if kind == "d":
+        return {k[1:]: _build(v) for k, v in node.items()}
+    items = [_build(v) for _, v in sorted(node.items(), key=lambda kv: int(kv[0][1:]))]
+    return tuple(items) if kind == "t" else items
 
 
 def select_rows(value: Any, mask: Tensor, batch_size: int) -> Any:
-    """``value`` (nested tuples/lists/dicts) with every ``[batch_size, ...]`` tensor cut to the rows in ``mask``."""
-    if isinstance(value, Tensor):
-        if value.dim() > 0 and value.shape[0] == batch_size:
-            return value[mask.to(value.device)]
-        return value
-    if isinstance(value, Mapping):
-        return {k: select_rows(v, mask, batch_size) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(select_rows(v, mask, batch_size) for v in value)
-    return value
+    """``value`` (nested tuples/lists/dicts) with every ``[batch_size, ...]`` tensor cut to the rows in ``mask``.
+
+    A tensor that appears several times (one mask for every block) is cut once.
+    """
+    memo: dict[int, Tensor] = {}
+
+    def cut(v: Any) -> Any:
+        if isinstance(v, Tensor):
+            if v.dim() > 0 and v.shape[0] == batch_size:
+                if id(v) not in memo:
+                    memo[id(v)] = v[mask.to(v.device)]
+                return memo[id(v)]
+            return v
+        if isinstance(v, Mapping):
+            return {k: cut(x) for k, x in v.items()}
+        if isinstance(v, tuple) and hasattr(v, "_fields"):
+            return type(v)(*(cut(x) for x in v))
+        if isinstance(v, (tuple, list)):
+            return type(v)(cut(x) for x in v)
+        return v
+
+    return cut(value)
 
 
 def cached_prefix(
@@ -196,10 +288,10 @@ def advance_store(
     """Advance entries of ``src`` (boundary F) through blocks F..F'-1 into ``dst`` (boundary F'); return how many.
 
     Args:
-        run: ``run(hidden, *args, **kwargs)`` runs blocks F..F'-1 exactly as the encoder loop
-            does (e.g. ``for b in blocks[F:F2]: hidden = hidden_of(b(hidden, *args, **kwargs))``)
-            and returns the hidden state (or a block output :func:`~.pipeline.hidden_of` reads).
-            It is called under ``torch.no_grad()`` with the stored block inputs.
+        run: ``run(hidden, calls)`` runs blocks F..F'-1 exactly as the model's loop does, block
+            ``F + i`` with ``calls[i]`` (its stored ``(args, kwargs)``), and returns the hidden
+            state (or a block output :func:`~.interception.hidden_of` reads). It is called under
+            ``torch.no_grad()``.
         batch_size: entries per call of ``run``.
         device: where ``run`` computes (inputs are moved there); default CPU.
         shard: ``(rank, world)``: with several processes on one node, each advances the disk
@@ -230,9 +322,9 @@ def advance_store(
         keys = [k for k, _ in group]
         hidden = torch.stack([e.hidden for _, e in group]).to(target)
         extras = {n: torch.stack([e.extras[n] for _, e in group]) for n in group[0][1].extras}
-        args, kwargs = unpack_block_inputs({n: t.to(target) for n, t in extras.items()})
+        calls = unpack_block_inputs({n: t.to(target) for n, t in extras.items()}, range(src.boundary, dst.boundary))
         with torch.no_grad():
-            out = run(hidden, *args, **kwargs)
+            out = run(hidden, calls)
         out = out if isinstance(out, Tensor) else hidden_of(out)
         dst.store(keys, out, extras, check_fits=False)  # a group of entries, not a training batch: it may spill
         # The old entries are done: free their memory so src + dst stay within about one budget

@@ -1,16 +1,26 @@
-"""Splitting a call's arguments into micro-batches, and joining the outputs back.
+"""Splitting one pass over the block stack into micro-batches, and joining the outputs back.
 
-Which arguments are batch-shaped? By default a heuristic: every tensor argument (positional
-or keyword) whose first dimension equals the batch size of the first argument (the hidden
-state) is split; everything else (``None``, scalars, tensors of other shapes such as a
-``(seq, seq)`` causal mask or a broadcastable ``(1, ...)`` mask) is passed whole. The
-heuristic is wrong when a non-batch tensor happens to have ``batch`` rows (a ``(seq, seq)``
-mask with ``seq == batch``): name the batch-shaped arguments explicitly with ``batch_args``
-(positions, ``0`` being the hidden state, and keyword names) to rule that out.
+A pass is the hidden state plus every block's own arguments (a sliding-window mask for one
+block, a full mask for the next, per-layer rotary embeddings ...). Which arguments are
+batch-shaped? By default a heuristic applied to every tensor, nested in tuples, lists and dicts
+too (Llama's ``position_embeddings=(cos, sin)``): a tensor whose first dimension equals the
+hidden state's batch size is split; everything else (``None``, scalars, a ``(seq, seq)`` causal
+mask, a broadcastable ``(1, ...)`` tensor) is passed whole. The heuristic is wrong when a
+non-batch tensor happens to have ``batch`` rows (a ``(seq, seq)`` mask with ``seq == batch``):
+name the batch-shaped arguments explicitly with ``batch_args`` (positions, ``0`` being the
+hidden state, and keyword names) to rule that out.
+
+Some models fold the batch into another axis: BLOOM's ALiBi bias is ``[batch * heads, 1, seq]``,
+batch-major. Arguments known to be folded that way (:data:`BATCH_MAJOR_FOLDED`) are cut into the
+rows of each micro-batch's samples. An unknown folded argument cannot be told from an unrelated
+tensor (DeBERTa's ``[2 * buckets, hidden]`` relative embeddings); it is passed whole, and if a
+block then fails on a micro-batch the executor's error names every such argument.
 
 Splitting follows :func:`torch.tensor_split`: ``chunks`` need not divide the batch, the first
-``batch % chunks`` micro-batches get one sample more. Only top-level tensors are split; tensors
-nested in lists or objects are passed whole.
+``batch % chunks`` micro-batches get one sample more, and a batch smaller than ``chunks`` (the
+last batch of an epoch) is cut into fewer micro-batches. The pieces are copies, not views: an
+in-place operation on one micro-batch's input (``ReLU(inplace=True)``) must not bump a version
+counter that another micro-batch's saved tensors share.
 """
 
 from __future__ import annotations
@@ -25,21 +35,28 @@ __all__: list[str] = []
 
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
+BlockArgs = tuple[Args, Kwargs]
 #: Which arguments are batch-shaped: positions (0 is the hidden state) and keyword names.
 BatchArgs = Collection[int | str]
 
+#: Keyword arguments whose first dimension is ``batch * k``, batch-major (sample ``b`` owns rows
+#: ``b*k .. b*k+k-1``): BLOOM's (and Falcon's) ALiBi bias, built by ``alibi.reshape(B * heads, 1, S)``.
+BATCH_MAJOR_FOLDED = frozenset({"alibi"})
+
 
 class Scatter(NamedTuple):
-    """One call's arguments cut into micro-batches."""
+    """One pass cut into micro-batches."""
 
-    #: Per micro-batch: its positional and keyword arguments (whole ones are the same objects).
-    batches: list[tuple[Args, Kwargs]]
-    #: Positions of the split positional arguments (always contains 0, the hidden state).
-    split_args: frozenset[int]
-    #: Names of the split keyword arguments.
-    split_kwargs: frozenset[str]
+    #: Per micro-batch: the hidden state's rows.
+    hidden: tuple[Tensor, ...]
+    #: Per micro-batch: every block's arguments (tensors passed whole are the same objects in all).
+    calls: tuple[tuple[BlockArgs, ...], ...]
     #: Samples per micro-batch.
     sizes: tuple[int, ...]
+    #: ``(name, tensor)`` of the tensors passed whole (each once), for checks and error messages.
+    whole: tuple[tuple[str, Tensor], ...]
+    #: Names of mutable objects passed to the blocks (a key-value cache): the caller must not split the pass.
+    stateful: tuple[str, ...]
 
 
 def batch_size(hidden: Any) -> int:
@@ -54,51 +71,98 @@ def batch_size(hidden: Any) -> int:
     return hidden.shape[0]
 
 
+def effective_chunks(chunks: int, batch: int) -> int:
+    """Micro-batches for a batch of ``batch`` samples: ``chunks``, fewer for a smaller batch, at least 1."""
+    return max(1, min(chunks, batch))
+
+
+def is_stateful(value: Any) -> bool:
+    """A mutable per-call object the blocks update (a Hugging Face ``Cache``: ``update`` + ``get_seq_length``)."""
+    return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
+
+
 def _is_batch_tensor(value: Any, batch: int) -> bool:
     return isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == batch
 
 
-def scatter(args: Args, kwargs: Kwargs, chunks: int, batch_args: BatchArgs | None = None) -> Scatter:
-    """Cut ``args[0]`` (the hidden state) and the other batch-shaped arguments into ``chunks``.
+def scatter(
+    hidden: Tensor, calls: Sequence[BlockArgs], chunks: int, batch_args: BatchArgs | None = None,
+) -> Scatter:
+    """Cut ``hidden`` and the batch-shaped block arguments into ``effective_chunks(chunks, batch)`` pieces.
+
+    A tensor used by several blocks (one mask object for every layer) is cut once, and its
+    pieces are shared by those blocks again.
 
     Raises:
-        ValueError: ``chunks`` is larger than the batch, or an argument named in ``batch_args``
-            is a tensor whose first dimension is not the batch size.
+        ValueError: an argument named in ``batch_args`` is a tensor whose first dimension is not
+            the batch size.
     """
-    batch = batch_size(args[0])
-    if chunks > batch:
-        raise ValueError(
-            f"Cannot split a batch of {batch} samples into {chunks} micro-batches: "
-            f"use at most {batch} micro-batches (chunks) or a larger batch."
-        )
-    if batch_args is None:
-        split_args = frozenset(i for i, a in enumerate(args) if _is_batch_tensor(a, batch))
-        split_kwargs = frozenset(k for k, v in kwargs.items() if _is_batch_tensor(v, batch))
-    else:
-        # Named arguments that are absent or None this call are simply not split.
-        split_args = frozenset(
-            {0} | {i for i in batch_args if isinstance(i, int) and i < len(args) and isinstance(args[i], Tensor)}
-        )
-        split_kwargs = frozenset(
-            k for k in batch_args if isinstance(k, str) and isinstance(kwargs.get(k), Tensor)
-        )
-        named = [(f"argument {i}", args[i]) for i in split_args] + [(repr(k), kwargs[k]) for k in split_kwargs]
-        for name, value in named:
-            if not _is_batch_tensor(value, batch):
+    batch = batch_size(hidden)
+    n = effective_chunks(chunks, batch)
+    hidden_pieces = _pieces(hidden, n)
+    sizes = tuple(int(p.shape[0]) for p in hidden_pieces)
+    cut: dict[int, tuple[Any, ...] | None] = {}  # id(tensor) -> its pieces (None: passed whole)
+    whole: dict[int, tuple[str, Tensor]] = {}
+    stateful: list[str] = []
+
+    def split_tensor(value: Tensor, name: str, key: int | str, named: bool | None) -> tuple[Any, ...]:
+        if id(value) not in cut:
+            if named is True and not _is_batch_tensor(value, batch):
                 raise ValueError(
                     f"Batch argument {name} has shape {tuple(value.shape)}, but the batch size "
                     f"(the hidden state's first dimension) is {batch}."
                 )
+            if (named is None and _is_batch_tensor(value, batch)) or named is True:
+                cut[id(value)] = _pieces(value, n)
+            elif named is None and _folded(key, value, batch):
+                k = value.shape[0] // batch
+                cut[id(value)] = _copies(torch.split(value, [s * k for s in sizes]), n)
+            else:
+                cut[id(value)] = None
+                whole[id(value)] = (name, value)
+        pieces = cut[id(value)]
+        return pieces if pieces is not None else (value,) * n
 
-    pieces_args = {i: torch.tensor_split(args[i], chunks) for i in split_args}
-    pieces_kwargs = {k: torch.tensor_split(kwargs[k], chunks) for k in split_kwargs}
-    batches = []
-    for m in range(chunks):
-        a = tuple(pieces_args[i][m] if i in pieces_args else v for i, v in enumerate(args))
-        kw = {k: pieces_kwargs[k][m] if k in pieces_kwargs else v for k, v in kwargs.items()}
-        batches.append((a, kw))
-    sizes = tuple(p.shape[0] for p in pieces_args[0])
-    return Scatter(batches, split_args, split_kwargs, sizes)
+    def split(value: Any, name: str, key: int | str, named: bool | None) -> tuple[Any, ...]:
+        if isinstance(value, Tensor):
+            return split_tensor(value, name, key, named)
+        if isinstance(value, (tuple, list)):
+            parts = [split(v, f"{name}[{i}]", key, named) for i, v in enumerate(value)]
+            return tuple(_rebuild(value, [p[m] for p in parts]) for m in range(n))
+        if isinstance(value, Mapping) and not is_stateful(value):
+            parts_by_key = {k: split(v, f"{name}[{k!r}]", key, named) for k, v in value.items()}
+            return tuple(_rebuild_mapping(value, {k: p[m] for k, p in parts_by_key.items()}) for m in range(n))
+        if is_stateful(value):
+            stateful.append(name)
+        return (value,) * n
+
+    def named(slot: int | str) -> bool | None:
+        if batch_args is None:
+            return None
+        return slot in batch_args
+
+    per_block: list[list[BlockArgs]] = [[] for _ in range(n)]
+    for index, (args, kwargs) in enumerate(calls):
+        arg_parts = [split(a, f"block {index} argument {p + 1}", p + 1, named(p + 1)) for p, a in enumerate(args)]
+        kw_parts = {k: split(v, f"block {index} argument {k!r}", k, named(k)) for k, v in kwargs.items()}
+        for m in range(n):
+            per_block[m].append((tuple(p[m] for p in arg_parts), {k: p[m] for k, p in kw_parts.items()}))
+    return Scatter(
+        hidden_pieces, tuple(tuple(b) for b in per_block), sizes, tuple(whole.values()), tuple(dict.fromkeys(stateful)),
+    )
+
+
+def _folded(key: int | str, value: Tensor, batch: int) -> bool:
+    return key in BATCH_MAJOR_FOLDED and value.dim() > 0 and value.shape[0] % batch == 0 and value.shape[0] > batch
+
+
+def _pieces(value: Tensor, n: int) -> tuple[Tensor, ...]:
+    return _copies(torch.tensor_split(value, n), n)
+
+
+def _copies(pieces: Sequence[Tensor], n: int) -> tuple[Tensor, ...]:
+    # One micro-batch: the tensor itself (the plain loop's object). Several: each its own storage.
+    return tuple(pieces) if n == 1 else tuple(p.clone() for p in pieces)
 
 
 def map_tensors(fn: Callable[[Tensor], Tensor], obj: Any) -> Any:
@@ -108,9 +172,16 @@ def map_tensors(fn: Callable[[Tensor], Tensor], obj: Any) -> Any:
     if isinstance(obj, (tuple, list)):
         items = [map_tensors(fn, v) for v in obj]
         return _rebuild(obj, items)
-    if isinstance(obj, Mapping):
-        return type(obj)(**{k: map_tensors(fn, v) for k, v in obj.items()})
+    if isinstance(obj, Mapping) and not is_stateful(obj):
+        return _rebuild_mapping(obj, {k: map_tensors(fn, v) for k, v in obj.items()})
     return obj
+
+
+def tensors_in(obj: Any) -> list[Tensor]:
+    """Every tensor in ``obj`` (nested tuples, lists and mappings)."""
+    found: list[Tensor] = []
+    map_tensors(lambda t: found.append(t) or t, obj)  # type: ignore[func-returns-value]
+    return found
 
 
 def gather(outputs: Sequence[Any], sizes: Sequence[int]) -> Any:
@@ -131,7 +202,7 @@ def gather(outputs: Sequence[Any], sizes: Sequence[int]) -> Any:
         items = [gather([o[i] for o in outputs], sizes) for i in range(len(first))]
         return _rebuild(first, items)
     if isinstance(first, Mapping):
-        return type(first)(**{k: gather([o[k] for o in outputs], sizes) for k in first})
+        return _rebuild_mapping(first, {k: gather([o[k] for o in outputs], sizes) for k in first})
     return first
 
 
@@ -139,3 +210,12 @@ def _rebuild(like: tuple | list, items: list[Any]) -> Any:
     if isinstance(like, tuple) and hasattr(like, "_fields"):  # a namedtuple takes fields
         return type(like)(*items)
     return type(like)(items)
+
+
+def _rebuild_mapping(like: Mapping, items: dict[Any, Any]) -> Any:
+    if type(like) is dict:
+        return items
+    try:
+        return type(like)(**items)  # a ModelOutput is built from keywords
+    except TypeError:
+        return type(like)(items)

@@ -1,29 +1,36 @@
 """The pipeline executor: one process drives a block stack cut into stages on K devices.
 
-GPipe fill-drain in the style of torchgpipe. A call ``pipeline(hidden, *args, **kwargs)``
-stands for the model's own loop ``for block in blocks: hidden = block(hidden, *args, **kwargs)``:
-the batch is cut into ``chunks`` micro-batches (:mod:`.microbatch`), micro-batch ``i`` runs on
-stage ``j`` at clock cycle ``i + j`` (:func:`clock_cycles`), and the last block's outputs are
-joined on the last stage's device. Autograd does the backward.
+GPipe fill-drain in the style of torchgpipe. :meth:`Pipeline.run` takes one pass of the model's
+loop over its blocks (:class:`~.interception.StackCall`: the hidden state and every block's own
+arguments), cuts it into ``chunks`` micro-batches (:mod:`.microbatch`), runs micro-batch ``i`` on
+stage ``j`` at clock cycle ``i + j`` (:func:`clock_cycles`), and joins the last block's outputs on
+the last stage's device. Autograd does the backward. ``pipeline(hidden, *args, **kwargs)`` is the
+pass where every block gets the same arguments (``for block in blocks: hidden = block(hidden,
+*args, **kwargs)``).
 
 On CUDA each stage computes on its own stream and hands its output to the next stage through
 events (:mod:`.devices`), so stages work on different micro-batches at the same time; on CPU the
 same code runs the same order with no streams, hence no overlap: micro-batching then only costs.
 
 The executor is not an ``nn.Module``: it holds references to the blocks and never registers
-them, so the user's module tree and state-dict keys stay as they are. :func:`install_pipeline`
-makes a model's own loop over a ``ModuleList`` / ``Sequential`` call it instead of the blocks.
+them, so the user's module tree and state-dict keys stay as they are.
+:func:`~.interception.install_pipeline` makes a model's own loop hand its passes to it.
 
 Micro-batching changes nothing mathematically except for layers that look across the batch
 (BatchNorm statistics are per micro-batch) and random ones (dropout draws differ from the
 full-batch draws, so results match the plain module in distribution only; use dropout 0 to
-compare). Floating-point sums may differ in the last bits (different matmul shapes).
+compare). Floating-point sums may differ in the last bits (different matmul shapes). Two things
+cannot be micro-batched and are handled loudly: a mutable object the blocks update per call (a
+key-value cache: the pass runs as one micro-batch, with a warning), and a tensor passed whole that
+a block modifies in place (it would be modified once per micro-batch: an error).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,31 +38,49 @@ from torch import Tensor, nn
 
 from lightning_pipetransformer.core import devices as dev
 from lightning_pipetransformer.core.devices import Device, Stream
-from lightning_pipetransformer.core.microbatch import BatchArgs, Kwargs, gather, map_tensors, scatter
+from lightning_pipetransformer.core.interception import (
+    InterceptionError,
+    StackCall,
+    call_block,
+    hidden_of,
+    install_pipeline,
+    installed_pipeline,
+    pipelined,
+    remove_pipeline,
+)
+from lightning_pipetransformer.core.microbatch import (
+    BatchArgs,
+    BlockArgs,
+    Scatter,
+    batch_size,
+    gather,
+    map_tensors,
+    scatter,
+    tensors_in,
+)
 from lightning_pipetransformer.core.partition import boundaries
 
-__all__ = ["Pipeline", "clock_cycles", "hidden_of", "install_pipeline", "installed_pipeline", "remove_pipeline", "pipelined"]
+__all__ = [
+    "Pipeline",
+    "PipelineStats",
+    "clock_cycles",
+    "hidden_of",
+    "install_pipeline",
+    "installed_pipeline",
+    "pipelined",
+    "remove_pipeline",
+]
 
 Blocks = tuple[nn.Module, ...]
 Schedule = list[tuple[int, int]]
 
+_warned: set[str] = set()
 
-def hidden_of(output: Any) -> Tensor:
-    """The hidden state inside a block's output, to feed the next block.
 
-    A tensor is itself; a tuple or list (older Hugging Face layers) and a ``ModelOutput``-like
-    object (anything with ``to_tuple``) give their first element.
-    """
-    if isinstance(output, Tensor):
-        return output
-    if isinstance(output, (tuple, list)):
-        return output[0]
-    if hasattr(output, "to_tuple"):
-        return output.to_tuple()[0]
-    raise TypeError(
-        f"Cannot find the hidden state in a block output of type {type(output).__name__}: "
-        "pass Pipeline(..., hidden_of=fn) with a function that extracts it."
-    )
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
 
 
 def clock_cycles(chunks: int, stages: int) -> Iterator[Schedule]:
@@ -76,6 +101,18 @@ def clock_cycles(chunks: int, stages: int) -> Iterator[Schedule]:
         yield [(k - j, j) for j in range(max(0, k - chunks + 1), min(k + 1, stages))]
 
 
+@dataclass
+class PipelineStats:
+    """What the executor did (engagement, for the user's logger)."""
+
+    #: Passes run.
+    passes: int = 0
+    #: Micro-batches run, over all passes (``micro_batches / passes`` is M when engaged).
+    micro_batches: int = 0
+    #: Passes run as one micro-batch although ``chunks`` > 1, because the blocks update a mutable object.
+    stateful_fallbacks: int = 0
+
+
 class Pipeline:
     """Run ``blocks`` as a pipeline of ``len(balance)`` stages over ``chunks`` micro-batches.
 
@@ -84,11 +121,11 @@ class Pipeline:
         balance: blocks per stage, e.g. ``(4, 4, 4)``.
         devices: one device per stage (stages may share a device; on CUDA each still gets its
             own stream). The blocks must already be there: see :meth:`place`.
-        chunks: the number of micro-batches ``M``.
+        chunks: the number of micro-batches ``M`` (fewer for a batch of fewer samples).
         num_frozen: the leading blocks that are frozen (their parameters must not require
             grad). They run under ``torch.no_grad()`` unless something upstream needs gradients
-            (a trainable embedding feeding the hidden state), in which case they must stay in
-            the graph so the gradient reaches it.
+            (a trainable embedding feeding the hidden state, a trainable tensor among their
+            arguments), in which case they must stay in the graph so the gradient reaches it.
         batch_args: which arguments are batch-shaped (positions, 0 being the hidden state, and
             keyword names); ``None`` uses the first-dimension heuristic of :mod:`.microbatch`.
         hidden_of: extracts the hidden state from a block's output (default :func:`hidden_of`).
@@ -119,7 +156,7 @@ class Pipeline:
             raise ValueError(
                 f"Got {len(devices)} devices for {len(balance)} stages (balance {balance}): give one device per stage."
             )
-        if not isinstance(chunks, int) or chunks < 1:
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"The number of micro-batches (chunks) must be a positive integer, got {chunks!r}.")
         if not 0 <= num_frozen <= len(blocks):
             raise ValueError(f"num_frozen must be in 0..{len(blocks)}, got {num_frozen}.")
@@ -138,12 +175,9 @@ class Pipeline:
         self.num_frozen = num_frozen
         self.batch_args = batch_args
         self.hidden_of = hidden_of
-        edges = boundaries(balance)
-        # Per stage: (frozen blocks, active blocks); the split is fixed, so slice once.
-        self._stages: tuple[tuple[Blocks, Blocks], ...] = tuple(
-            (blocks[a : min(b, max(a, num_frozen))], blocks[min(b, max(a, num_frozen)) : b])
-            for a, b in zip(edges[:-1], edges[1:])
-        )
+        self.stats = PipelineStats()
+        #: Per stage: the first block's index in the stack.
+        self._edges = boundaries(balance)
         self._streams: list[Stream] | None = None  # made on the first pipelined call
 
     def __repr__(self) -> str:
@@ -155,52 +189,68 @@ class Pipeline:
 
     def place(self) -> Pipeline:
         """Move each block to its stage's device (in place, as ``Module.to`` does); returns self."""
-        for (frozen, active), device in zip(self._stages, self.devices):
-            for block in frozen + active:
+        for j, device in enumerate(self.devices):
+            for block in self.blocks[self._edges[j] : self._edges[j + 1]]:
                 block.to(device)
         return self
 
     def __call__(self, hidden: Tensor, *args: Any, **kwargs: Any) -> Any:
+        """The pass in which every block gets ``(hidden, *args, **kwargs)``'s extra arguments."""
+        return self.run(StackCall.uniform(hidden, args, kwargs, len(self.blocks)))
+
+    def run(self, call: StackCall) -> Any:
+        """Run one pass (every block with its own arguments); returns the last block's output."""
+        if len(call.calls) != len(self.blocks):
+            raise ValueError(f"The pass has arguments for {len(call.calls)} blocks; this pipeline runs {len(self.blocks)}.")
+        batch_size(call.hidden)  # a clear TypeError for a hidden state that is not a batched tensor
+        self.stats.passes += 1
         if len(self.balance) == 1 and self.chunks == 1:
-            return self._call_plain(hidden, args, kwargs)
-        return self._call_pipelined(hidden, args, kwargs)
+            self.stats.micro_batches += 1
+            return self._run_plain(call)
+        split = scatter(call.hidden, call.calls, self.chunks, self.batch_args)
+        if split.stateful and len(split.sizes) > 1:
+            self.stats.stateful_fallbacks += 1
+            _warn_once(
+                f"The blocks update a mutable object ({split.stateful[0]}, e.g. a key-value cache with use_cache=True): "
+                f"running these passes as one micro-batch instead of {self.chunks}, so that it is updated once per "
+                "block as in the model's own loop. Results are exact; only the micro-batch overlap is lost. "
+                "Pass use_cache=False while training to keep the micro-batches."
+            )
+            split = scatter(call.hidden, call.calls, 1, self.batch_args)
+        self.stats.micro_batches += len(split.sizes)
+        return self._run_pipelined(split, call)
 
     # -- one stage, one micro-batch: the plain loop ------------------------------------------
 
-    def _call_plain(self, hidden: Tensor, args: tuple[Any, ...], kwargs: Kwargs) -> Any:
+    def _run_plain(self, call: StackCall) -> Any:
         device = self.devices[0]
-        if _off_device(device, hidden, args, kwargs):
-            move = lambda v: v.to(device) if isinstance(v, Tensor) else v  # noqa: E731
-            hidden = move(hidden)
-            args = tuple(move(a) for a in args)
-            kwargs = {k: move(v) for k, v in kwargs.items()}
-        return self._run_stage(0, hidden, args, kwargs)
+        hidden, calls = call.hidden, call.calls
+        if any(t.device != device for t in (hidden, *tensors_in(calls))):
+            move = lambda v: v.to(device)  # noqa: E731
+            hidden, calls = move(hidden), map_tensors(move, calls)
+        return self._run_stage(0, hidden, calls, call.observe)
 
     # -- the general case ----------------------------------------------------------------------
 
-    def _call_pipelined(self, hidden: Tensor, args: tuple[Any, ...], kwargs: Kwargs) -> Any:
-        split = scatter((hidden, *args), kwargs, self.chunks, self.batch_args)
-        stages, chunks, devices = len(self.balance), self.chunks, self.devices
+    def _run_pipelined(self, split: Scatter, call: StackCall) -> Any:
+        stages, chunks, devices = len(self.balance), len(split.sizes), self.devices
         streams = self._stage_streams()
         for stream, device in zip(streams, devices):
             # A stage must see what the caller queued before this call on its device:
             # the optimizer's parameter updates, the inputs.
             dev.wait(stream, dev.current_stream(device))
+        # A tensor passed whole (the same object in every micro-batch) goes to each stage once.
+        hopped: dict[tuple[int, int], Tensor] = {}
 
-        # Arguments passed whole go to each stage once, not once per micro-batch.
-        whole_args = [
-            {i: _hop_in(a, streams[j], devices[j]) for i, a in enumerate(split.batches[0][0]) if i not in split.split_args}
-            for j in range(stages)
-        ]
-        whole_kwargs = [
-            {k: _hop_in(v, streams[j], devices[j]) for k, v in split.batches[0][1].items() if k not in split.split_kwargs}
-            for j in range(stages)
-        ]
+        def to_stage(value: Tensor, j: int) -> Tensor:
+            key = (id(value), j)
+            if key not in hopped:
+                hopped[key] = _hop_in(value, streams[j], devices[j])
+            return hopped[key]
 
+        versions = [(name, t, t._version) for name, t in split.whole if chunks > 1 and not t.is_inference()]
         # hiddens[i]: micro-batch i's hidden state, and the stream it was produced on.
-        hiddens: list[tuple[Tensor, Stream] | None] = [
-            (a[0], dev.current_stream(a[0].device)) for a, _ in split.batches
-        ]
+        hiddens: list[tuple[Tensor, Stream] | None] = [(h, dev.current_stream(h.device)) for h in split.hidden]
         outputs: list[Any] = [None] * chunks
         for schedule in clock_cycles(chunks, stages):
             for i, j in schedule:
@@ -208,21 +258,26 @@ class Pipeline:
                 # Hold no reference past its use: under no_grad that frees activations early.
                 hiddens[i] = None
                 x = dev.hop(x, src, streams[j], devices[j])
-                args_i, kwargs_i = split.batches[i]
-                stage_args = tuple(
-                    x if p == 0 else _hop_in(a, streams[j], devices[j]) if p in split.split_args else whole_args[j][p]
-                    for p, a in enumerate(args_i)
-                )
-                stage_kwargs = {
-                    k: _hop_in(v, streams[j], devices[j]) if k in split.split_kwargs else whole_kwargs[j][k]
-                    for k, v in kwargs_i.items()
-                }
+                first, stop = self._edges[j], self._edges[j + 1]
+                stage_calls = map_tensors(lambda t: to_stage(t, j), split.calls[i][first:stop])
                 with dev.use_stream(streams[j]):
-                    out = self._run_stage(j, x, stage_args[1:], stage_kwargs)
+                    try:
+                        out = self._run_stage(j, x, stage_calls, call.observe if i == 0 else None)
+                    except InterceptionError:
+                        raise
+                    except Exception as err:
+                        _explain_failure(err, split, i, j)
+                        raise
                 if j == stages - 1:
                     outputs[i] = out
                 else:
                     hiddens[i] = (self.hidden_of(out), streams[j])
+        for name, tensor, version in versions:
+            if tensor._version != version:
+                raise InterceptionError(
+                    f"A block modified {name} in place, a tensor passed whole to each of {chunks} micro-batches: it was "
+                    f"modified {chunks} times where the model's own loop modifies it once. Use chunks=1, or pass a copy."
+                )
 
         last, last_stream = devices[-1], streams[-1]
         caller_stream = dev.current_stream(last)
@@ -236,111 +291,55 @@ class Pipeline:
             self._streams = [dev.new_stream(d) for d in self.devices]
         return self._streams
 
-    def _run_stage(self, j: int, hidden: Tensor, args: tuple[Any, ...], kwargs: Kwargs) -> Any:
-        """Stage ``j``'s blocks on one micro-batch; returns the last block's output."""
-        frozen, active = self._stages[j]
+    def _run_stage(
+        self, j: int, hidden: Tensor, calls: Sequence[BlockArgs], observe: Callable[[int, Any], None] | None,
+    ) -> Any:
+        """Stage ``j``'s blocks on one micro-batch, each with its own arguments; returns the last block's output."""
+        first, stop = self._edges[j], self._edges[j + 1]
+        frozen_stop = min(stop, max(first, self.num_frozen))
         output: Any = hidden
-        if frozen:
-            # No graph for frozen blocks unless a gradient must flow through them to
-            # something trainable upstream (then their input requires grad).
-            skip_graph = torch.is_grad_enabled() and not _needs_grad(hidden, args, kwargs)
+        if frozen_stop > first:
+            # No graph for frozen blocks unless a gradient must flow through them to something
+            # trainable: their input, or a tensor among their arguments (nested ones too).
+            skip_graph = torch.is_grad_enabled() and not _needs_grad(hidden, calls[: frozen_stop - first])
             with torch.no_grad() if skip_graph else nullcontext():
-                for block in frozen:
-                    output = block(hidden, *args, **kwargs)
+                for index in range(first, frozen_stop):
+                    args, kwargs = calls[index - first]
+                    output = call_block(self.blocks[index], hidden, *args, **kwargs)
+                    if observe is not None:
+                        observe(index, output)
                     hidden = self.hidden_of(output)
-        for block in active:
-            output = block(hidden, *args, **kwargs)
+        for index in range(frozen_stop, stop):
+            args, kwargs = calls[index - first]
+            output = call_block(self.blocks[index], hidden, *args, **kwargs)
+            if observe is not None:
+                observe(index, output)
             hidden = self.hidden_of(output)
         return output
 
 
-def _hop_in(value: Any, stream: Stream, device: torch.device) -> Any:
+def _explain_failure(err: Exception, split: Scatter, i: int, j: int) -> None:
+    """A block failed on a micro-batch: if a tensor passed whole may hold the batch folded into
+    another axis (``[batch * k, ...]``), raise an error that names it and the way out."""
+    if len(split.sizes) < 2:
+        return
+    batch = sum(split.sizes)
+    suspects = [
+        f"{name} {tuple(t.shape)}" for name, t in split.whole if t.dim() > 0 and t.shape[0] > batch and t.shape[0] % batch == 0
+    ]
+    if suspects:
+        raise InterceptionError(
+            f"Stage {j} failed on micro-batch {i} ({split.sizes[i]} of {batch} samples): {type(err).__name__}: {err}. "
+            f"These arguments were passed whole to every micro-batch although their first dimension is a multiple of "
+            f"the batch: {', '.join(suspects)}. If one holds the batch folded into another axis, it cannot be "
+            "micro-batched: use chunks=1."
+        ) from err
+
+
+def _hop_in(value: Tensor, stream: Stream, device: torch.device) -> Tensor:
     """An argument from the caller (on its current stream) made ready for a stage."""
-    if not isinstance(value, Tensor):
-        return value
     return dev.hop(value, dev.current_stream(value.device), stream, device)
 
 
-def _off_device(device: torch.device, hidden: Tensor, args: tuple[Any, ...], kwargs: Kwargs) -> bool:
-    if hidden.device != device:
-        return True
-    return any(isinstance(v, Tensor) and v.device != device for v in (*args, *kwargs.values()))
-
-
-def _needs_grad(hidden: Tensor, args: tuple[Any, ...], kwargs: Kwargs) -> bool:
-    if hidden.requires_grad:
-        return True
-    return any(isinstance(v, Tensor) and v.requires_grad for v in (*args, *kwargs.values()))
-
-
-# -- making a model's own loop call the pipeline ---------------------------------------------
-
-_PIPELINE_ATTR = "_pipetransformer_pipeline"
-_PIPELINED_CLASSES: dict[type, type] = {}
-
-
-def _pipelined_class(base: type) -> type:
-    """A subclass of ``base`` whose iteration yields the installed pipeline, made once per base."""
-    cls = _PIPELINED_CLASSES.get(base)
-    if cls is None:
-
-        def __iter__(self: nn.Module) -> Iterator[Any]:
-            pipeline = self.__dict__.get(_PIPELINE_ATTR)
-            # A slice ('self.__class__(...)' in ModuleList/Sequential) has no pipeline.
-            if pipeline is None:
-                return base.__iter__(self)
-            return iter((pipeline,))
-
-        cls = type(f"Pipelined{base.__name__}", (base,), {"__iter__": __iter__, "__module__": __name__})
-        _PIPELINED_CLASSES[base] = cls
-    return cls
-
-
-def install_pipeline(container: nn.Module, pipeline: Pipeline) -> None:
-    """Make iterating ``container`` yield ``pipeline`` alone, so the model's loop calls it once.
-
-    ``for layer in stack: hidden = layer(hidden, ...)`` (Hugging Face BERT/ViT encoders,
-    ``nn.Sequential.forward``, ``nn.TransformerEncoder`` over ``.layers``) then runs the whole
-    stack as a pipeline. Only ``__iter__`` changes, by swapping the instance's class to a
-    subclass: ``len``, indexing, ``children()``, ``parameters()`` and ``state_dict()`` keys are
-    untouched. Code that iterates the container for other reasons (e.g. to freeze its blocks)
-    sees the pipeline too while it is installed: prefer :func:`pipelined` around the forward.
-    Remove it before pickling the module itself (``state_dict`` is unaffected).
-
-    Raises:
-        ValueError: ``pipeline.blocks`` are not exactly the container's children, in order.
-    """
-    children = tuple(container._modules.values())
-    if len(children) != len(pipeline.blocks) or any(a is not b for a, b in zip(children, pipeline.blocks)):
-        raise ValueError(
-            f"The pipeline runs {len(pipeline.blocks)} blocks that are not the {len(children)} children "
-            f"of this {type(container).__name__}, in order: build it from list(container)."
-        )
-    base = type(container)
-    if _PIPELINE_ATTR not in container.__dict__:
-        container.__class__ = _pipelined_class(base)
-    # object.__setattr__: the pipeline is not a submodule and must not be registered as one.
-    object.__setattr__(container, _PIPELINE_ATTR, pipeline)
-
-
-def installed_pipeline(container: nn.Module) -> Any:
-    """What :func:`install_pipeline` installed on ``container`` (``None`` if nothing is installed)."""
-    return container.__dict__.get(_PIPELINE_ATTR)
-
-
-def remove_pipeline(container: nn.Module) -> None:
-    """Undo :func:`install_pipeline` (does nothing if none is installed)."""
-    if _PIPELINE_ATTR not in container.__dict__:
-        return
-    object.__delattr__(container, _PIPELINE_ATTR)
-    container.__class__ = type(container).__bases__[0]
-
-
-@contextmanager
-def pipelined(container: nn.Module, pipeline: Pipeline) -> Iterator[nn.Module]:
-    """:func:`install_pipeline` for the duration of a ``with`` block."""
-    install_pipeline(container, pipeline)
-    try:
-        yield container
-    finally:
-        remove_pipeline(container)
+def _needs_grad(hidden: Tensor, calls: Any) -> bool:
+    return hidden.requires_grad or any(t.requires_grad for t in tensors_in(calls))

@@ -1,0 +1,556 @@
+"""Block-level interception: the model's own loop calls every block; the stack's last call runs them all.
+
+A pipeline (or AutoCache) must take over the model's loop over its block stack without
+changing the model's code. Models loop in many ways::
+
+    for layer in self.layer: hidden = layer(hidden, mask)                       # BERT, ViT
+    for layer in self.layers[: config.num_hidden_layers]: hidden = layer(...)    # Llama: a slice
+    for i, block in enumerate(self.h): out = block(hidden, alibi=...); hidden = out[0]   # BLOOM
+    layer(hidden, attention_mask=masks[layer.attention_type], ...)               # ModernBERT: reads the block
+
+so the interception is on each *block*, not on the container. Every block's class is swapped for
+a subclass whose ``__call__`` records the call's arguments instead of running it and returns a
+:class:`Deferred` placeholder for its output; the call of the *last* block hands the whole pass,
+every block with its own arguments (:class:`StackCall`), to the installed runner (the pipeline
+executor, AutoCache's cached stack) and returns the real output of the last block::
+
+    block 0 (h, a0) -> Deferred d0        recorded: h, (a0)
+    block 1 (d0, a1) -> Deferred d1       recorded: (a1)      d0 must arrive unchanged
+    ...
+    block L-1 (d_{L-2}, a_{L-1}) -> runner(StackCall(h, [a0, ..., a_{L-1}])) -> real output
+
+Indexing, slicing, ``enumerate``, ``len`` and attribute reads on blocks work as before: the
+container is untouched and each block is still an instance of its own class.
+
+What cannot be deferred is refused loudly, never run wrongly:
+
+- a placeholder used for anything but being passed to the next block (the model reads or
+  changes an intermediate output between blocks, e.g. DeBERTa-v2's convolution after block 0,
+  or a loop that stops before the last block) raises :class:`InterceptionError` at that use;
+- blocks called out of order, or an intermediate output passed as another argument, raise;
+- the first pass of a stack runs *eagerly*, block by block, to learn what each block returns (a
+  tensor, or a tuple such as BLOOM's ``(hidden, attention)``), so that later passes can return a
+  placeholder of the same structure; a later pass whose real outputs differ from that structure
+  raises.
+
+Runs the runner makes itself call blocks through :func:`call_block`, which bypasses the
+interception. The cost per block call is a dictionary lookup and a tuple append.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import astuple, dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "Deferred",
+    "InterceptionError",
+    "Runner",
+    "StackCall",
+    "bypass",
+    "call_block",
+    "hidden_of",
+    "uncounted",
+    "install_pipeline",
+    "installed_pipeline",
+    "interception_stats",
+    "pipelined",
+    "remove_pipeline",
+]
+
+Args = tuple[Any, ...]
+Kwargs = dict[str, Any]
+#: One block call's arguments after the hidden state.
+BlockArgs = tuple[Args, Kwargs]
+
+
+class InterceptionError(RuntimeError):
+    """The model's loop does something with the block stack that a pipeline or a cache cannot reproduce."""
+
+
+@dataclass(frozen=True)
+class StackCall:
+    """One pass of the model's loop over the stack: the first block's input and every block's arguments."""
+
+    hidden: Tensor
+    #: Per block, in order: its positional arguments after the hidden state, and its keyword arguments.
+    calls: tuple[BlockArgs, ...]
+    #: Called by an executor with ``(block index, output)`` for the first micro-batch of each block.
+    observe: Callable[[int, Any], None] | None = field(default=None, compare=False)
+    #: Wraps a hidden state into what the last block returns (a tensor, or e.g. BLOOM's tuple), for a
+    #: runner that produces the last hidden state without running the last block (all blocks cached).
+    as_output: Callable[[Tensor], Any] = field(default=lambda hidden: hidden, compare=False)
+
+    @classmethod
+    def uniform(cls, hidden: Tensor, args: Args, kwargs: Kwargs, num_blocks: int) -> StackCall:
+        """A pass where every block gets the same arguments (a plain ``for block in blocks`` loop)."""
+        return cls(hidden, ((tuple(args), dict(kwargs)),) * num_blocks)
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def part(self, start: int, stop: int | None = None, hidden: Tensor | None = None) -> StackCall:
+        """The pass over blocks ``start..stop-1`` (block indices of :attr:`observe` shift with it)."""
+        observe = self.observe
+        shifted = None if observe is None else (lambda i, out: observe(i + start, out))
+        return StackCall(self.hidden if hidden is None else hidden, self.calls[start:stop], shifted, self.as_output)
+
+
+class Runner(Protocol):
+    """What is installed in place of the stack: it runs a whole pass and returns the last block's output."""
+
+    blocks: tuple[nn.Module, ...]
+
+    def run(self, call: StackCall) -> Any: ...
+
+
+# -- placeholders ------------------------------------------------------------------------------
+
+# Reading these from a placeholder is harmless: they do not depend on values not computed yet.
+_HARMLESS = frozenset(
+    {
+        Tensor.dtype.__get__,  # type: ignore[attr-defined]
+        Tensor.device.__get__,  # type: ignore[attr-defined]
+        Tensor.is_cuda.__get__,  # type: ignore[attr-defined]
+        Tensor.requires_grad.__get__,  # type: ignore[attr-defined]
+    }
+)
+
+
+class Deferred(Tensor):
+    """The output of a block that has not run yet: it runs when the stack's last block is called.
+
+    It carries the dtype and device of the block's input and nothing else; any use other than
+    passing it on to the next block raises :class:`InterceptionError` naming the block.
+    """
+
+    _what: str
+
+    @staticmethod
+    def __new__(cls, like: Tensor, what: str) -> Deferred:
+        data = torch.empty(0, dtype=like.dtype, device=like.device)
+        placeholder = Tensor._make_subclass(cls, data, False)
+        placeholder._what = what
+        return placeholder
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
+        return f"Deferred({self._what})"
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
+        if func in _HARMLESS:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        what = next((a._what for a in _leaves((args, kwargs)) if isinstance(a, Deferred)), "a block output")
+        owner = getattr(func, "__self__", None)  # a property getter: name the property ('shape')
+        name = getattr(owner, "__name__", None) if getattr(func, "__name__", "") == "__get__" else getattr(func, "__name__", None)
+        name = name or repr(func)
+        raise InterceptionError(
+            f"The model used {what} ({name}) before the block stack finished. strategy='pipetransformer' runs "
+            "the whole stack when its last block is called, so a model's loop may only pass each block's output "
+            "on to the next block (no reading or changing it between blocks, no stopping early). Use pipe_len=1, "
+            "chunks=1 and cache=False for this model, or name another container with layers=."
+        )
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _leaves(v)
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _leaves(v)
+    else:
+        yield value
+
+
+def _contains_deferred(value: Any) -> bool:
+    return any(isinstance(v, Deferred) for v in _leaves(value))
+
+
+# -- what a block returns ------------------------------------------------------------------------
+
+_HIDDEN, _TENSOR = "hidden", "tensor"
+
+
+def output_template(output: Any) -> Any:
+    """The structure of a block output: tensors are slots, the first one (the hidden state) marked.
+
+    Follows :func:`~.pipeline.hidden_of`: a tensor is the hidden state, else the first element of a
+    tuple / list / ``ModelOutput``.
+    """
+    if isinstance(output, Tensor):
+        return _HIDDEN
+    if isinstance(output, (tuple, list)) and output:
+        rest = [_TENSOR if isinstance(v, Tensor) else ("value", v) if not isinstance(v, (tuple, list, Mapping)) else None for v in output[1:]]
+        if any(r is None for r in rest):
+            return ("opaque", type(output).__name__)
+        return ("seq", type(output), (_HIDDEN, *rest))
+    return ("opaque", type(output).__name__)
+
+
+def _same_structure(a: Any, b: Any) -> bool:
+    if a == b:
+        return True
+    if isinstance(a, tuple) and isinstance(b, tuple) and a[:2] == b[:2] and a[0] == "seq":
+        # Plain values (None, flags) inside may differ between calls only if both are plain values.
+        return len(a[2]) == len(b[2]) and all(
+            x == y or (isinstance(x, tuple) and isinstance(y, tuple) and x[0] == y[0] == "value")
+            for x, y in zip(a[2], b[2])
+        )
+    return False
+
+
+def _placeholder_output(template: Any, like: Tensor, what: str) -> tuple[Any, Deferred]:
+    """A stand-in for a block output of ``template``'s structure, and the placeholder of its hidden state."""
+    hidden = Deferred(like, what)
+    if template == _HIDDEN:
+        return hidden, hidden
+    if template[0] != "seq":
+        raise InterceptionError(
+            f"{what[0].upper()}{what[1:]} is a {template[1]}, not a tensor or a tuple of tensors and plain values: a "
+            "placeholder of that structure cannot be made, so the pass cannot be deferred to the stack's last block. "
+            "Use pipe_len=1, chunks=1 and cache=False for this model."
+        )
+    _, kind, slots = template
+    items = [hidden] + [
+        Deferred(like, f"{what} (element {i + 1})") if s == _TENSOR else s[1] for i, s in enumerate(slots[1:])
+    ]
+    out = kind(*items) if hasattr(kind, "_fields") else kind(items)
+    return out, hidden
+
+
+# -- the interception itself ------------------------------------------------------------------------
+
+_ATTR = "_pipetransformer_interceptor"
+_INTERCEPTED: dict[type, type] = {}  # block class -> its intercepting subclass
+_local = threading.local()
+
+
+def _intercepting_class(base: type) -> type:
+    cls = _INTERCEPTED.get(base)
+    if cls is None:
+
+        def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            found = self.__dict__.get(_ATTR)
+            if found is None or getattr(_local, "bypass", 0) or found[0].runner is None:
+                return base.__call__(self, *args, **kwargs)
+            return found[0].called(found[1], args, kwargs)
+
+        cls = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__, "__qualname__": base.__qualname__})
+        cls._pipetransformer_base = base  # type: ignore[attr-defined]
+        _INTERCEPTED[base] = cls
+    return cls
+
+
+def call_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Run ``block`` for real, even while the stack is intercepted (what runners call)."""
+    base = getattr(type(block), "_pipetransformer_base", None)
+    if base is None:
+        return block(*args, **kwargs)
+    found = block.__dict__.get(_ATTR)
+    if found is not None and found[1] == len(found[0].blocks) - 1 and not getattr(_local, "uncounted", 0):
+        found[0].stats.last_block_runs += 1
+    return base.__call__(block, *args, **kwargs)
+
+
+@contextmanager
+def uncounted() -> Iterator[None]:
+    """Block runs inside are not counted as the pass's micro-batches (e.g. timing runs)."""
+    _local.uncounted = getattr(_local, "uncounted", 0) + 1
+    try:
+        yield
+    finally:
+        _local.uncounted -= 1
+
+
+@contextmanager
+def bypass() -> Iterator[None]:
+    """Block calls inside run for real (e.g. advancing cache entries between epochs)."""
+    _local.bypass = getattr(_local, "bypass", 0) + 1
+    try:
+        yield
+    finally:
+        _local.bypass -= 1
+
+
+@dataclass
+class _Pass:
+    """The pass of the model's loop in progress."""
+
+    hidden: Tensor
+    eager: bool
+    calls: list[BlockArgs] = field(default_factory=list)
+    last: Any = None  # the hidden state the next block must receive (a placeholder, or a real output)
+
+
+@dataclass
+class InterceptionStats:
+    """How the model's passes over the stack were run (for the user's logger: engagement)."""
+
+    #: Passes handed to the runner (pipelined or cached).
+    deferred: int = 0
+    #: Passes run block by block to learn what the blocks return (the first one of a stack).
+    eager: int = 0
+    #: Passes abandoned before the last block (their outputs raise if used).
+    abandoned: int = 0
+    #: Real runs of the last block in deferred passes: ``last_block_runs / deferred`` is the
+    #: micro-batches per pass (M when the pipeline engages).
+    last_block_runs: int = 0
+
+    def since(self, earlier: InterceptionStats) -> InterceptionStats:
+        """The counts since ``earlier`` (a copy taken before)."""
+        return InterceptionStats(*(a - b for a, b in zip(astuple(self), astuple(earlier))))
+
+    def as_metrics(self, prefix: str) -> dict[str, float]:
+        """``engaged``: share of passes handed to the runner; ``microbatches``: micro-batches per such pass."""
+        total = self.deferred + self.eager
+        return {
+            f"{prefix}engaged": float(self.deferred / total) if total else 0.0,
+            f"{prefix}microbatches": float(self.last_block_runs / self.deferred) if self.deferred else 0.0,
+        }
+
+
+class _Interceptor:
+    """One per block container: the blocks' order, what they return, and the installed runner."""
+
+    def __init__(self, container: nn.Module, blocks: tuple[nn.Module, ...]) -> None:
+        self.container = container
+        self.blocks = blocks
+        self.runner: Runner | None = None
+        self.templates: list[Any] = [None] * len(blocks)
+        self.stats = InterceptionStats()
+        self._pass: _Pass | None = None
+
+    # Called from each block's __call__ while a runner is installed.
+    def called(self, index: int, args: Args, kwargs: Kwargs) -> Any:
+        hidden, args, kwargs = _split_hidden(self.blocks[index], args, kwargs)
+        if index == 0:
+            if self._pass is not None:
+                self.stats.abandoned += 1  # the model stopped before the last block last time
+            if isinstance(hidden, Deferred):
+                raise InterceptionError(
+                    f"Block 0 of the stack got {hidden._what} as its input: the model runs the stack twice in one "
+                    "pass. Name one container with layers=, or use pipe_len=1, chunks=1, cache=False."
+                )
+            eager = any(t is None for t in self.templates)
+            self._pass = _Pass(hidden, eager)
+        else:
+            current = self._pass
+            if current is None or index != len(current.calls):
+                expected = "block 0" if current is None else f"block {len(current.calls)}"
+                raise InterceptionError(
+                    f"The model called block {index} of its stack where {expected} was next. strategy='pipetransformer' "
+                    "needs the model to call every block of the stack once per pass, in order. Use pipe_len=1, "
+                    "chunks=1 and cache=False for this model, or name another container with layers=."
+                )
+            if hidden is not current.last:
+                self._pass = None
+                raise InterceptionError(
+                    f"Block {index} did not receive block {index - 1}'s output: the model's loop changes the hidden "
+                    f"state between blocks {index - 1} and {index} (e.g. DeBERTa-v2 with conv_kernel_size > 0). A "
+                    "pipeline or cache cannot reproduce that: use pipe_len=1, chunks=1 and cache=False for this model."
+                )
+        if _contains_deferred((args, kwargs)):
+            self._pass = None
+            raise InterceptionError(
+                f"Block {index} got an earlier block's output as an extra argument: the model feeds intermediate "
+                "outputs into later blocks, which a pipeline or cache cannot reproduce. Use pipe_len=1, chunks=1 "
+                "and cache=False for this model."
+            )
+        current = self._pass
+        assert current is not None
+        current.calls.append((args, kwargs))
+        last = index == len(self.blocks) - 1
+        if current.eager:
+            out = self._run_eagerly(index, hidden, args, kwargs)
+            self.templates[index] = output_template(out)
+            current.last = hidden_of(out)
+            if last:
+                self._pass = None
+                self.stats.eager += 1
+            return out
+        if not last:
+            out, current.last = _placeholder_output(self.templates[index], current.hidden, f"the output of block {index}")
+            return out
+        self._pass = None
+        assert self.runner is not None
+        call = StackCall(current.hidden, tuple(current.calls), self._check_structure, self._as_last_output)
+        with bypass():
+            out = self.runner.run(call)
+        self.stats.deferred += 1
+        return out
+
+    def _run_eagerly(self, index: int, hidden: Tensor, args: Args, kwargs: Kwargs) -> Any:
+        """Block ``index`` for real, on its own device; its output back where the pass's input lives."""
+        home = self._pass.hidden.device if self._pass is not None else hidden.device
+        where = _device_of(self.blocks[index], home)
+        if where != home or hidden.device != where:
+            move = lambda v: v.to(where) if isinstance(v, Tensor) else v  # noqa: E731
+            hidden, args, kwargs = move(hidden), _map(move, args), _map(move, kwargs)
+        with bypass():
+            out = call_block(self.blocks[index], hidden, *args, **kwargs)
+        if where != home:
+            out = _map(lambda v: v.to(home) if isinstance(v, Tensor) else v, out)
+        return out
+
+    def _as_last_output(self, hidden: Tensor) -> Any:
+        """``hidden`` in the structure the last block returns; its other tensors raise if used."""
+        out, placeholder = _placeholder_output(self.templates[-1], hidden, "an output of the last block")
+        if out is placeholder:
+            return hidden
+        items = [hidden, *out[1:]]
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+
+    def _check_structure(self, index: int, output: Any) -> None:
+        """A block's real output must have the structure its placeholder had (learned in the first pass)."""
+        template = output_template(output)
+        if not _same_structure(template, self.templates[index]):
+            previous, self.templates[index] = self.templates[index], template
+            raise InterceptionError(
+                f"Block {index} returned {template} this time but {previous} in the model's first pass, whose "
+                "structure its placeholder copied: a flag passed to the blocks changes what they return (e.g. "
+                "output_attentions). Keep such flags fixed during training, or use pipe_len=1, chunks=1, cache=False."
+            )
+
+
+def _split_hidden(block: nn.Module, args: Args, kwargs: Kwargs) -> tuple[Tensor, Args, Kwargs]:
+    """The hidden state (first positional argument, or ``hidden_states=``) and the rest of a block call."""
+    if args:
+        hidden, rest = args[0], tuple(args[1:])
+    elif "hidden_states" in kwargs:
+        kwargs = dict(kwargs)
+        hidden, rest = kwargs.pop("hidden_states"), ()
+    else:
+        raise InterceptionError(
+            f"{type(block).__name__} was called without a positional hidden state or hidden_states=: cannot tell "
+            "which argument flows from block to block. Use pipe_len=1, chunks=1 and cache=False for this model."
+        )
+    if not isinstance(hidden, Tensor):
+        raise TypeError(
+            "The pipeline's first argument must be the hidden state, a tensor whose first dimension is the batch; "
+            f"{type(block).__name__} got {type(hidden).__name__}."
+        )
+    return hidden, rest, kwargs
+
+
+def hidden_of(output: Any) -> Tensor:
+    """The hidden state inside a block's output, to feed the next block.
+
+    A tensor is itself; a tuple or list (older Hugging Face layers, BLOOM, Swin) and a
+    ``ModelOutput``-like object (anything with ``to_tuple``) give their first element.
+    """
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output:
+        return output[0]
+    if hasattr(output, "to_tuple"):
+        return output.to_tuple()[0]
+    raise TypeError(
+        f"Cannot find the hidden state in a block output of type {type(output).__name__}: "
+        "pass Pipeline(..., hidden_of=fn) with a function that extracts it."
+    )
+
+
+def _device_of(block: nn.Module, default: torch.device) -> torch.device:
+    for tensor in block.parameters():
+        return tensor.device
+    for tensor in block.buffers():
+        return tensor.device
+    return default
+
+
+def _map(fn: Callable[[Any], Any], value: Any) -> Any:
+    if isinstance(value, tuple):
+        items = [_map(fn, v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, list):
+        return [_map(fn, v) for v in value]
+    if isinstance(value, dict):
+        return {k: _map(fn, v) for k, v in value.items()}
+    return fn(value)
+
+
+# -- installing a runner -------------------------------------------------------------------------
+
+
+def _blocks_of(container: nn.Module) -> tuple[nn.Module, ...]:
+    return tuple(m for m in container._modules.values() if m is not None)
+
+
+def install_pipeline(container: nn.Module, runner: Runner | None) -> None:
+    """Route the model's passes over ``container``'s blocks to ``runner`` (``None``: run them as written).
+
+    The first install swaps each block's class for its intercepting subclass; later installs
+    only replace the runner, keeping what the blocks were seen to return. ``len``, indexing,
+    slicing, ``children()``, ``parameters()``, ``state_dict()`` keys and attribute reads on the
+    blocks are untouched. :func:`remove_pipeline` restores the classes.
+
+    Raises:
+        ValueError: ``runner.blocks`` are not exactly the container's children, in order, or a
+            block appears twice in the container.
+    """
+    blocks = _blocks_of(container)
+    if runner is None and _ATTR not in container.__dict__:
+        return  # nothing to route, nothing installed: the model's loop runs as written
+    if len({id(b) for b in blocks}) != len(blocks):
+        raise ValueError(
+            f"The same block object appears more than once in this {type(container).__name__} (shared blocks): "
+            "a pipeline places each block on one device and cannot run it at two positions."
+        )
+    if runner is not None and (len(runner.blocks) != len(blocks) or any(a is not b for a, b in zip(runner.blocks, blocks))):
+        raise ValueError(
+            f"The pipeline runs {len(runner.blocks)} blocks that are not the {len(blocks)} children "
+            f"of this {type(container).__name__}, in order: build it from list(container)."
+        )
+    interceptor = container.__dict__.get(_ATTR)
+    if interceptor is None or interceptor.blocks != blocks:
+        if interceptor is not None:
+            remove_pipeline(container)
+        interceptor = _Interceptor(container, blocks)
+        for index, block in enumerate(blocks):
+            base = getattr(type(block), "_pipetransformer_base", type(block))
+            block.__class__ = _intercepting_class(base)
+            block.__dict__[_ATTR] = (interceptor, index)
+        # Not a submodule: kept out of _modules so the module tree and state dict stay the model's.
+        container.__dict__[_ATTR] = interceptor
+    interceptor.runner = runner
+    interceptor._pass = None
+
+
+def installed_pipeline(container: nn.Module) -> Runner | None:
+    """The runner :func:`install_pipeline` installed on ``container`` (``None`` if none)."""
+    interceptor = container.__dict__.get(_ATTR)
+    return interceptor.runner if interceptor is not None else None
+
+
+def interception_stats(container: nn.Module) -> InterceptionStats | None:
+    """How the passes over ``container`` were run since the first install (``None``: never installed)."""
+    interceptor = container.__dict__.get(_ATTR)
+    return interceptor.stats if interceptor is not None else None
+
+
+def remove_pipeline(container: nn.Module) -> None:
+    """Undo :func:`install_pipeline`: the blocks get their own classes back (idempotent)."""
+    interceptor = container.__dict__.pop(_ATTR, None)
+    if interceptor is None:
+        return
+    for block in interceptor.blocks:
+        if block.__dict__.pop(_ATTR, None) is not None:
+            block.__class__ = type(block)._pipetransformer_base  # type: ignore[attr-defined]
+
+
+@contextmanager
+def pipelined(container: nn.Module, runner: Runner) -> Iterator[nn.Module]:
+    """:func:`install_pipeline` for the duration of a ``with`` block."""
+    install_pipeline(container, runner)
+    try:
+        yield container
+    finally:
+        remove_pipeline(container)
