@@ -156,7 +156,10 @@ class CachedStack:
         if store is None or not cache.enabled:
             return active(self._prefix_plain(full(), prefix_calls))
         batch = hidden.shape[0]
-        keys = cache.keys_for(hidden, prefix_calls, pending)
+        # Keys cover every block's arguments, not only the frozen ones': they must stay the same when
+        # the boundary moves, so that advanced entries are found (a change in an active block's
+        # arguments then misses where it could hit: exact, only slower).
+        keys = cache.keys_for(hidden, call.calls, pending)
         try:
             # Every block's inputs from the boundary on: an advance F -> F' runs blocks F..F'-1 with them.
             extras = pack_block_inputs(call.calls[frozen:], frozen, batch)
@@ -432,8 +435,8 @@ class AutoCache:
         self._index_keys = keys if (self.store is not None or self._pending is not None) and self.enabled else None
 
     def keys_for(self, hidden: Tensor, calls: Sequence[BlockArgs], pending: Pending | None) -> list[str] | None:
-        """Keys of what enters the frozen prefix (its input and every frozen block's arguments), or
-        ``None`` when they cannot be exact.
+        """Keys of what enters the stack (its input and every block's arguments), or ``None`` when
+        they cannot be exact.
 
         ``pending``: the embeddings' recorded call when its inputs name ``hidden`` (:meth:`arrived`), else ``None``.
         """

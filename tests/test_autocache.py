@@ -32,8 +32,9 @@ def install(model, cache, num_frozen):
     apply_freeze(stack, num_frozen, include_pre=True)
     cache.attach(stack, model)  # with the model as root: the embeddings are skipped where that is exact
     cache.move_boundary(stack, num_frozen, True, torch.device("cpu"), (0, 1))
-    runner = CachedStack(cache, stack.blocks, num_frozen, run_blocks(stack.blocks[num_frozen:]))
-    install_pipeline(stack.container, runner)  # type: ignore[arg-type]
+    active = run_blocks(stack.blocks[num_frozen:])
+    runner = CachedStack(cache, stack.blocks, num_frozen, lambda call: active(call.hidden, call.calls))
+    install_pipeline(stack.container, runner)
     return stack, runner
 
 

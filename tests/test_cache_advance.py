@@ -23,6 +23,7 @@ from lightning_pipetransformer.core.cache_store import ActivationStore
 from lightning_pipetransformer.core.cache_validity import prefix_fingerprint
 from lightning_pipetransformer.core.discovery import find_block_stack
 from lightning_pipetransformer.core.freezing import apply_freeze
+from lightning_pipetransformer.core.interception import StackCall
 from lightning_pipetransformer.core.pipeline import install_pipeline, remove_pipeline
 
 SEQ, VOCAB = 8, 50
@@ -49,8 +50,8 @@ def _batch(seed: int, n: int = 6, padded: bool = True) -> tuple[torch.Tensor, to
 class CachedStack:
     """What the strategy installs in place of the stack: the frozen prefix comes from the store.
 
-    The model's own loop calls it once with ``hidden, *args, **kwargs``; keys were computed from
-    the batch before the forward (``self.keys``).
+    The model's loop hands it one pass (every block's arguments); keys were computed from the
+    batch before the forward (``self.keys``).
     """
 
     def __init__(self, blocks: list[torch.nn.Module], num_frozen: int, store: ActivationStore) -> None:
@@ -60,20 +61,21 @@ class CachedStack:
         self.keys: list[str] = []
         self.computed = 0
 
-    def __call__(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def run(self, call: StackCall) -> torch.Tensor:
+        hidden, frozen = call.hidden, self.num_frozen
         batch = hidden.shape[0]
 
         def compute(miss: torch.Tensor) -> torch.Tensor:
-            h, a, k = select_rows((hidden, args, kwargs), miss, batch)
+            h, calls = select_rows((hidden, call.calls[:frozen]), miss, batch)
             self.computed += h.shape[0]
             with torch.no_grad():
-                return run_blocks(list(self.blocks[: self.num_frozen]))(h, *a, **k)
+                return run_blocks(list(self.blocks[:frozen]))(h, calls)
 
         boundary, _ = cached_prefix(
-            self.store, self.keys, compute, extras=pack_block_inputs(args, kwargs, batch),
+            self.store, self.keys, compute, extras=pack_block_inputs(call.calls[frozen:], frozen, batch),
             sample_shape=hidden.shape[1:], dtype=hidden.dtype, device=hidden.device,
         )
-        return run_blocks(list(self.blocks[self.num_frozen :]))(boundary, *args, **kwargs)
+        return run_blocks(list(self.blocks[frozen:]))(boundary, call.calls[frozen:])
 
 
 def _store(stack, num_frozen: int, path, budget: int = 10**6) -> ActivationStore:
@@ -157,11 +159,17 @@ class _installed:
 def test_sharded_advance_covers_every_entry_once(tmp_path):
     src = ActivationStore(tmp_path, "a" * 32, 1, memory_budget=0)
     keys = [f"k{i}" for i in range(20)]
-    src.store(keys, torch.randn(20, 3), pack_block_inputs((torch.ones(20, 2), None), {"is_causal": False}, 20))
+    src.store(keys, torch.randn(20, 3), pack_block_inputs([((torch.ones(20, 2), None), {"is_causal": False})], 1, 20))
+
+    def run(h, calls):
+        ((m, _none), kwargs), = calls
+        assert kwargs == {"is_causal": False}
+        return h * 2 + m.sum(1, keepdim=True)
+
     done = 0
     for rank in range(3):
         dst = ActivationStore(tmp_path, "b" * 32, 2, memory_budget=0)
-        done += advance_store(src, dst, lambda h, m, _none, is_causal: h * 2 + m.sum(1, keepdim=True), shard=(rank, 3))
+        done += advance_store(src, dst, run, shard=(rank, 3))
     assert done == 20 and len({shard_of(k, 3) for k in keys}) == 3
     hit, hits = dst.lookup(keys)
     assert hit.all()
@@ -169,18 +177,32 @@ def test_sharded_advance_covers_every_entry_once(tmp_path):
 
 
 def test_block_inputs_round_trip_and_refusals(tmp_path):
-    mask = torch.ones(4, 1, 3, 3, dtype=torch.bool)
-    extras = pack_block_inputs((mask, None, torch.zeros(1, 3)), {"is_causal": True, "scale": 0.5}, 4)
-    args, kwargs = unpack_block_inputs(extras)
-    assert torch.equal(args[0], mask) and args[1] is None and args[2].shape == (4, 3)  # broadcast row kept per sample
-    assert kwargs == {"is_causal": True, "scale": 0.5}
+    mask, window = torch.ones(4, 1, 3, 3, dtype=torch.bool), torch.zeros(4, 1, 3, 3, dtype=torch.bool)
+    cos_sin = (torch.randn(1, 3, 2), torch.randn(1, 3, 2))
+    calls = [
+        ((mask, None, torch.zeros(1, 3)), {"is_causal": True, "scale": 0.5, "rotary": cos_sin, "dims": (2, 3)}),
+        ((window, None, torch.zeros(1, 3)), {"is_causal": True, "scale": 0.5, "rotary": cos_sin, "dims": (1, 1), "empty": ()}),
+        ((mask,), {"extra": {"a": None, "b": [1.5]}}),
+    ]
+    extras = pack_block_inputs(calls, 4, 4)
+    assert sum(name.startswith("t.") for name in extras) == 6  # mask, window, two zeros(1, 3), cos, sin: each once
+    (a4, k4), (a5, k5), (a6, k6) = unpack_block_inputs(extras, [4, 5, 6])
+    assert torch.equal(a4[0], mask) and a4[1] is None and a4[2].shape == (4, 3)  # broadcast row kept per sample
+    assert torch.equal(a5[0], window) and torch.equal(a6[0], mask)
+    assert k4["is_causal"] is True and k4["scale"] == 0.5 and k4["dims"] == (2, 3) and k5["dims"] == (1, 1)
+    assert isinstance(k4["rotary"], tuple) and torch.equal(k4["rotary"][0], cos_sin[0].expand(4, 3, 2))
+    assert k5["empty"] == () and k6 == {"extra": {"a": None, "b": [1.5]}}
+    ((only_args, _),) = unpack_block_inputs(extras, [5])  # any subset of the stored blocks
+    assert torch.equal(only_args[0], window)
+    with pytest.raises(ValueError, match="no inputs for block 3"):
+        unpack_block_inputs(extras, [3])
     with pytest.raises(TypeError, match="cannot be stored per sample"):
-        pack_block_inputs((torch.zeros(7),), {}, 4)
+        pack_block_inputs([((torch.zeros(7),), {})], 0, 4)
     with pytest.raises(TypeError, match="run function"):
-        pack_block_inputs((object(),), {}, 4)
+        pack_block_inputs([((object(),), {})], 0, 4)
     src = ActivationStore(tmp_path, "a" * 32, 1, memory_budget=0)
     src.store(["x"], torch.zeros(1, 2))  # no block inputs recorded
     with pytest.raises(ValueError, match="without its block inputs"):
-        advance_store(src, ActivationStore(tmp_path, "b" * 32, 2, memory_budget=0), lambda h: h)
+        advance_store(src, ActivationStore(tmp_path, "b" * 32, 2, memory_budget=0), lambda h, calls: h)
     with pytest.raises(ValueError, match="forward only"):
-        advance_store(src, src, lambda h: h)
+        advance_store(src, src, lambda h, calls: h)

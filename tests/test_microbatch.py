@@ -10,20 +10,26 @@ from hypothesis import strategies as st
 from lightning_pipetransformer.core.microbatch import batch_size, gather, map_tensors, scatter
 
 
+def one_block(*args, **kwargs):
+    """The per-block arguments of a pass over one block."""
+    return [(args, kwargs)]
+
+
 @settings(max_examples=60, deadline=None)
 @given(batch=st.integers(1, 20), chunks=st.integers(1, 20))
 def test_scatter_gather_roundtrip_follows_tensor_split(batch, chunks):
     x = torch.arange(batch * 3.0).reshape(batch, 3)
-    if chunks > batch:
-        with pytest.raises(ValueError, match=rf"batch of {batch} samples into {chunks} micro-batches"):
-            scatter((x,), {}, chunks)
-        return
-    split = scatter((x,), {}, chunks)
-    expected = [c.shape[0] for c in torch.tensor_split(x, chunks)]
-    assert list(split.sizes) == expected
+    split = scatter(x, one_block(), chunks)
+    # A batch smaller than chunks (an epoch's last batch) is cut into fewer micro-batches, never refused.
+    expected = [c.shape[0] for c in torch.tensor_split(x, min(chunks, batch))]
+    assert list(split.sizes) == expected == [h.shape[0] for h in split.hidden]
     assert sum(split.sizes) == batch and max(split.sizes) - min(split.sizes) <= 1
-    joined = gather([a[0] for a, _ in split.batches], split.sizes)
-    assert torch.equal(joined, x)
+    assert torch.equal(gather(list(split.hidden), split.sizes), x)
+
+
+def test_an_empty_batch_is_one_empty_micro_batch():
+    split = scatter(torch.zeros(0, 3), one_block(torch.zeros(0, 2)), 4)
+    assert split.sizes == (0,) and split.calls[0][0][0][0].shape == (0, 2)
 
 
 def test_batch_shaped_arguments_are_split_and_others_passed_whole():
@@ -32,46 +38,82 @@ def test_batch_shaped_arguments_are_split_and_others_passed_whole():
     bias = torch.randn(8)  # not batch-shaped: passed whole
     causal = torch.randn(4, 4)  # first dim != batch: passed whole
     broadcast = torch.randn(1, 4)  # broadcastable over the batch: passed whole
-    split = scatter((x, mask, None, 3.0), {"bias": bias, "causal": causal, "b": broadcast, "k": "v"}, 3)
-    assert split.split_args == {0, 1} and split.split_kwargs == set()
+    split = scatter(x, one_block(mask, None, 3.0, bias=bias, causal=causal, b=broadcast, k="v"), 3)
     assert split.sizes == (4, 3, 3)
-    for m, (args, kwargs) in enumerate(split.batches):
-        assert args[0].shape[0] == split.sizes[m] and args[1].shape[0] == split.sizes[m]
-        assert args[2] is None and args[3] == 3.0
+    assert {name for name, _ in split.whole} == {"block 0 argument 'bias'", "block 0 argument 'causal'", "block 0 argument 'b'"}
+    for m, ((args, kwargs),) in enumerate(split.calls):
+        assert args[0].shape[0] == split.sizes[m]
+        assert args[1] is None and args[2] == 3.0
         assert kwargs["bias"] is bias and kwargs["causal"] is causal and kwargs["b"] is broadcast
         assert kwargs["k"] == "v"
-    assert torch.equal(torch.cat([a[1] for a, _ in split.batches]), mask)
+    assert torch.equal(torch.cat([c[0][0][0] for c in split.calls]), mask)
 
 
-def test_batch_shaped_keyword_arguments_are_split():
-    x, mask = torch.randn(6, 2), torch.randn(6, 5)
-    split = scatter((x,), {"attention_mask": mask}, 2)
-    assert split.split_kwargs == {"attention_mask"}
-    assert [kw["attention_mask"].shape[0] for _, kw in split.batches] == [3, 3]
+def test_every_block_keeps_its_own_arguments_and_a_shared_tensor_is_cut_once():
+    x, full, window = torch.randn(6, 2), torch.ones(6, 5), torch.zeros(6, 5)
+    cos_sin = (torch.randn(6, 5, 2), torch.randn(1, 5, 2))  # nested: a batch-shaped and a broadcast tensor
+    calls = [((), {"mask": full, "rot": cos_sin}), ((), {"mask": window, "rot": cos_sin}), ((), {"mask": full, "rot": cos_sin})]
+    split = scatter(x, calls, 2)
+    for m, (b0, b1, b2) in enumerate(split.calls):
+        assert torch.equal(b0[1]["mask"], full[3 * m : 3 * m + 3]) and torch.equal(b1[1]["mask"], window[3 * m : 3 * m + 3])
+        assert b2[1]["mask"] is b0[1]["mask"]  # one tensor, one set of pieces, shared again
+        assert isinstance(b0[1]["rot"], tuple) and torch.equal(b0[1]["rot"][0], cos_sin[0][3 * m : 3 * m + 3])
+        assert b0[1]["rot"][1] is cos_sin[1]
+
+
+def test_pieces_are_copies_so_in_place_ops_do_not_share_a_version_counter():
+    x = torch.randn(4, 3)
+    split = scatter(x, one_block(), 2)
+    first, second = split.hidden
+    first.add_(1)
+    assert second._version == 0 and x._version == 0 and first.data_ptr() != x.data_ptr()
+    assert scatter(x, one_block(), 1).hidden[0] is x  # one micro-batch: the tensor itself, no copy
+
+
+def test_batch_major_folded_arguments_are_cut_by_sample():
+    batch, heads = 6, 3
+    alibi = torch.arange(batch * heads * 1.0).reshape(batch * heads, 1, 1)  # row b*heads+h: sample b
+    split = scatter(torch.zeros(batch, 2), one_block(alibi=alibi), 2)
+    assert [c[0][1]["alibi"].shape[0] for c in split.calls] == [9, 9]
+    assert torch.equal(torch.cat([c[0][1]["alibi"] for c in split.calls]), alibi)
+    # Under another name a [batch * k, ...] tensor is not assumed folded: passed whole (and named).
+    split = scatter(torch.zeros(batch, 2), one_block(rel=alibi), 2)
+    assert split.calls[0][0][1]["rel"] is alibi and split.whole[0][0] == "block 0 argument 'rel'"
+
+
+def test_stateful_objects_are_reported():
+    class Cache:
+        def update(self, *a): ...
+
+        def get_seq_length(self): ...
+
+    cache = Cache()
+    split = scatter(torch.zeros(4, 2), one_block(cache=cache), 2)
+    assert split.stateful == ("block 0 argument 'cache'",)
+    assert all(c[0][1]["cache"] is cache for c in split.calls)
 
 
 def test_explicit_batch_args_override_the_heuristic():
     # A (seq, seq) mask with seq == batch looks batch-shaped to the heuristic.
     x, square, mask = torch.randn(4, 4, 2), torch.randn(4, 4), torch.randn(4, 4)
-    assert scatter((x, square), {"mask": mask}, 2).split_args == {0, 1}
-    split = scatter((x, square), {"mask": mask}, 2, batch_args=("mask",))
-    assert split.split_args == {0} and split.split_kwargs == {"mask"}
-    assert all(a[1] is square for a, _ in split.batches)
+    assert scatter(x, one_block(square, mask=mask), 2).calls[0][0][0][0].shape == (2, 4)
+    split = scatter(x, one_block(square, mask=mask), 2, batch_args=("mask",))
+    assert all(c[0][0][0] is square for c in split.calls) and split.calls[0][0][1]["mask"].shape == (2, 4)
     # Named but absent or None this call: not split, no error.
-    split = scatter((x, None), {}, 2, batch_args=(1, "mask"))
-    assert split.split_args == {0} and split.batches[0][0][1] is None
+    split = scatter(x, one_block(None), 2, batch_args=(1, "mask"))
+    assert split.calls[0][0][0][0] is None
 
 
 def test_explicit_batch_arg_with_wrong_shape_is_an_error():
     with pytest.raises(ValueError, match=r"'mask' has shape \(3, 4\).*batch size .* is 4"):
-        scatter((torch.randn(4, 2),), {"mask": torch.randn(3, 4)}, 2, batch_args=("mask",))
+        scatter(torch.randn(4, 2), one_block(mask=torch.randn(3, 4)), 2, batch_args=("mask",))
 
 
 def test_hidden_must_be_a_batched_tensor():
     with pytest.raises(TypeError, match="hidden state"):
         batch_size([1, 2])
     with pytest.raises(TypeError, match=r"shape \(\)"):
-        scatter((torch.tensor(1.0),), {}, 1)
+        scatter(torch.tensor(1.0), one_block(), 1)
 
 
 Pair = namedtuple("Pair", "hidden aux")

@@ -20,7 +20,7 @@ and dicts included (``position_embeddings=(cos, sin)``)::
 
     tensor [B, ...]     -> "t.<path>"            one row per sample
     tensor [1, ...]     -> "t.<path>"            expanded to one row per sample (broadcast: same result)
-    a tensor seen before-> "r.<path>=<path'>"    an empty row: the same tensor as <path'>
+    a tensor seen before-> "r.<path>.-<path'>"   an empty row: the same tensor as <path'>
     None                -> "n.<path>"            an empty row, [B, 0]
     bool / int / float  -> "s.<path>"            a [B] tensor; entries are advanced in groups of equal values
     empty tuple / list  -> "e.<path>"            an empty row
@@ -85,7 +85,7 @@ def pack_block_inputs(calls: Sequence[BlockArgs], first_block: int, batch_size: 
             out[f"n.{path}"] = empty()
         elif isinstance(value, Tensor):
             if id(value) in seen:
-                out[f"r.{path}={seen[id(value)]}"] = empty()
+                out[f"r.{path}.-{seen[id(value)]}"] = empty()
                 return
             if value.dim() > 0 and value.shape[0] == batch_size:
                 out[f"t.{path}"] = value.detach()
@@ -106,7 +106,7 @@ def pack_block_inputs(calls: Sequence[BlockArgs], first_block: int, batch_size: 
             kind = "t" if isinstance(value, tuple) else "l"
             for i, item in enumerate(value):
                 pack(f"{path}.{kind}{i}", item)
-        elif type(value) is dict and all(isinstance(k, str) and "." not in k and "=" not in k for k in value):
+        elif type(value) is dict and all(isinstance(k, str) and k.isidentifier() for k in value):
             for key, item in value.items():
                 pack(f"{path}.d{key}", item)
         else:
@@ -156,7 +156,7 @@ def unpack_block_inputs(extras: Mapping[str, Tensor], blocks: Sequence[int]) -> 
         elif kind == "s":
             values[path] = tensor[0].item()  # equal in the group (advance_store groups by value)
         elif kind == "r":
-            path, _, target = path.partition("=")
+            path, _, target = path.partition(".-")
             references[path] = target
         elif kind == "e":
             if path.count(".") == 0:

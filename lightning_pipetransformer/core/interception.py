@@ -28,10 +28,12 @@ What cannot be deferred is refused loudly, never run wrongly:
   changes an intermediate output between blocks, e.g. DeBERTa-v2's convolution after block 0,
   or a loop that stops before the last block) raises :class:`InterceptionError` at that use;
 - blocks called out of order, or an intermediate output passed as another argument, raise;
-- the first pass of a stack runs *eagerly*, block by block, to learn what each block returns (a
-  tensor, or a tuple such as BLOOM's ``(hidden, attention)``), so that later passes can return a
-  placeholder of the same structure; a later pass whose real outputs differ from that structure
-  raises.
+- to return a placeholder of the right structure, the interception must know what each block
+  returns (a tensor, or a tuple such as BLOOM's ``(hidden, attention)``). The first pass over a
+  stack therefore also runs the blocks as the model calls them, under ``no_grad`` and with the
+  random-number state and the blocks' buffers restored afterwards, only to learn that; the pass
+  itself is then handed to the runner like every other. A later pass whose real outputs differ
+  from the structure learnt raises.
 
 Runs the runner makes itself call blocks through :func:`call_block`, which bypasses the
 interception. The cost per block call is a dictionary lookup and a tuple append.
@@ -285,9 +287,28 @@ class _Pass:
     """The pass of the model's loop in progress."""
 
     hidden: Tensor
-    eager: bool
+    #: The first pass: blocks also run as they are called, to learn what they return (see :func:`_Probe`).
+    probe: _Probe | None
     calls: list[BlockArgs] = field(default_factory=list)
     last: Any = None  # the hidden state the next block must receive (a placeholder, or a real output)
+
+
+class _Probe:
+    """What running the blocks once to learn their outputs must leave untouched: RNG state and buffers."""
+
+    def __init__(self, blocks: Sequence[nn.Module]) -> None:
+        cuda = sorted({t.device.index for b in blocks for t in (*b.parameters(), *b.buffers()) if t.is_cuda})
+        self._cpu = torch.get_rng_state()
+        self._cuda = [(d, torch.cuda.get_rng_state(d)) for d in cuda]
+        self._buffers = [(t, t.detach().clone()) for b in blocks for t in b.buffers()]
+
+    def restore(self) -> None:
+        torch.set_rng_state(self._cpu)
+        for device, state in self._cuda:
+            torch.cuda.set_rng_state(state, device)
+        with torch.no_grad():
+            for buffer, saved in self._buffers:
+                buffer.copy_(saved)
 
 
 @dataclass
@@ -296,8 +317,8 @@ class InterceptionStats:
 
     #: Passes handed to the runner (pipelined or cached).
     deferred: int = 0
-    #: Passes run block by block to learn what the blocks return (the first one of a stack).
-    eager: int = 0
+    #: Passes whose blocks also ran one by one, to learn what they return (the first one of a stack).
+    probes: int = 0
     #: Passes abandoned before the last block (their outputs raise if used).
     abandoned: int = 0
     #: Real runs of the last block in deferred passes: ``last_block_runs / deferred`` is the
@@ -310,7 +331,7 @@ class InterceptionStats:
 
     def as_metrics(self, prefix: str) -> dict[str, float]:
         """``engaged``: share of passes handed to the runner; ``microbatches``: micro-batches per such pass."""
-        total = self.deferred + self.eager
+        total = self.deferred
         return {
             f"{prefix}engaged": float(self.deferred / total) if total else 0.0,
             f"{prefix}microbatches": float(self.last_block_runs / self.deferred) if self.deferred else 0.0,
@@ -339,8 +360,8 @@ class _Interceptor:
                     f"Block 0 of the stack got {hidden._what} as its input: the model runs the stack twice in one "
                     "pass. Name one container with layers=, or use pipe_len=1, chunks=1, cache=False."
                 )
-            eager = any(t is None for t in self.templates)
-            self._pass = _Pass(hidden, eager)
+            probe = _Probe(self.blocks) if any(t is None for t in self.templates) else None
+            self._pass = _Pass(hidden, probe)
         else:
             current = self._pass
             if current is None or index != len(current.calls):
@@ -368,15 +389,15 @@ class _Interceptor:
         assert current is not None
         current.calls.append((args, kwargs))
         last = index == len(self.blocks) - 1
-        if current.eager:
+        if current.probe is not None:
             out = self._run_eagerly(index, hidden, args, kwargs)
             self.templates[index] = output_template(out)
             current.last = hidden_of(out)
-            if last:
-                self._pass = None
-                self.stats.eager += 1
-            return out
-        if not last:
+            if not last:
+                return out
+            current.probe.restore()  # the runner's pass draws and updates as if the probe never ran
+            self.stats.probes += 1
+        elif not last:
             out, current.last = _placeholder_output(self.templates[index], current.hidden, f"the output of block {index}")
             return out
         self._pass = None
@@ -388,13 +409,13 @@ class _Interceptor:
         return out
 
     def _run_eagerly(self, index: int, hidden: Tensor, args: Args, kwargs: Kwargs) -> Any:
-        """Block ``index`` for real, on its own device; its output back where the pass's input lives."""
+        """Block ``index`` for real (no graph), on its own device; its output back where the pass's input lives."""
         home = self._pass.hidden.device if self._pass is not None else hidden.device
         where = _device_of(self.blocks[index], home)
         if where != home or hidden.device != where:
             move = lambda v: v.to(where) if isinstance(v, Tensor) else v  # noqa: E731
             hidden, args, kwargs = move(hidden), _map(move, args), _map(move, kwargs)
-        with bypass():
+        with bypass(), uncounted(), torch.no_grad():
             out = call_block(self.blocks[index], hidden, *args, **kwargs)
         if where != home:
             out = _map(lambda v: v.to(home) if isinstance(v, Tensor) else v, out)
