@@ -116,7 +116,7 @@ def scatter(
                 cut[id(value)] = _pieces(value, n)
             elif named is None and _folded(key, value, batch):
                 k = value.shape[0] // batch
-                cut[id(value)] = _copies(torch.split(value, [s * k for s in sizes]), n)
+                cut[id(value)] = (value,) if n == 1 else _copies(torch.split(value, [s * k for s in sizes]), n)
             else:
                 cut[id(value)] = None
                 whole[id(value)] = (name, value)
@@ -157,7 +157,7 @@ def _folded(key: int | str, value: Tensor, batch: int) -> bool:
 
 
 def _pieces(value: Tensor, n: int) -> tuple[Tensor, ...]:
-    return _copies(torch.tensor_split(value, n), n)
+    return (value,) if n == 1 else _copies(torch.tensor_split(value, n), n)
 
 
 def _copies(pieces: Sequence[Tensor], n: int) -> tuple[Tensor, ...]:
