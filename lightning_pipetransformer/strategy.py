@@ -38,7 +38,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
@@ -48,7 +48,7 @@ from . import elastic, idle_ranks
 
 from .core.costs import parameter_costs, parameter_count
 from .core.discovery import BlockStack
-from .core.pipeline import install_pipeline, remove_pipeline
+from .core.interception import InterceptionStats, install_pipeline, installed_pipeline, interception_stats, remove_pipeline
 from .core.planner import AutoPipe, Plan
 from .autocache import AutoCache, probe_cache_dir
 from .module_stack import block_stack_of
@@ -168,6 +168,10 @@ class PipeTransformerStrategy(DDPStrategy):
         self._active_group: Any = None
         self._ddp_init_sync = True
         self.last_transition: dict[str, float] = {}
+        # Engagement reporting: the counts already reported, and at which step.
+        self._engagement_seen = InterceptionStats()
+        self._engagement_step = 0
+        self._warned_disengaged = False
 
     # ------------------------------------------------------------------ what users read
 
@@ -551,11 +555,53 @@ class PipeTransformerStrategy(DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        # Once per epoch: AutoCache's counters (cumulative) to the user's loggers.
-        if batch_idx == 0 and self._autocache is not None and self.is_global_zero and self.lightning_module is not None:
-            trainer = self.lightning_module.trainer
+        if batch_idx == 0:
+            self._report_engagement()
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        stats = interception_stats(self.stack.container) if self.stack is not None else None
+        self._engagement_seen = copy.copy(stats) if stats is not None else InterceptionStats()
+        self._engagement_step = self.lightning_module.trainer.global_step if self.lightning_module is not None else 0
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self._report_engagement()
+
+    def _report_engagement(self) -> None:
+        """Once per epoch: whether the pipeline / cache ran the stack, and AutoCache's counters, to the loggers.
+
+        ``pipetransformer/engaged`` is the share of the model's passes over the stack that the
+        installed runner ran; ``pipetransformer/microbatches`` the micro-batches per such pass.
+        A runner that saw no pass in an epoch with training steps warns once: the model's forward
+        never called the stack's last block (``layers=`` names the wrong container?).
+        """
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or self.stack is None:
+            return
+        metrics: dict[str, float] = {}
+        stats = interception_stats(self.stack.container)
+        if stats is not None and self.is_active:
+            since = stats.since(self._engagement_seen)
+            self._engagement_seen = copy.copy(stats)
+            steps = trainer.global_step - self._engagement_step
+            self._engagement_step = trainer.global_step
+            if (installed_pipeline(self.stack.container) is not None and steps > 0) or since.deferred:
+                metrics.update(since.as_metrics("pipetransformer/"))
+                if steps > 0 and since.deferred == 0 and not self._warned_disengaged:
+                    self._warned_disengaged = True
+                    rank_zero_warn(
+                        f"PipeTransformer: {steps} training steps ran but the model never called the last block of "
+                        f"'{self.stack.path}', so the pipeline / cache did not run at all. Check that this is the "
+                        "block stack the model's forward loops over (layers=, configure_block_stack)."
+                    )
+        if self._autocache is not None:
+            metrics.update(self._autocache.stats())
+        if metrics and self.is_global_zero:
             for logger in trainer.loggers:
-                logger.log_metrics(self._autocache.stats(), step=trainer.global_step)
+                logger.log_metrics(metrics, step=trainer.global_step)
 
     # ------------------------------------------------------------------ collectives: data on the active group, control on all
 
