@@ -42,7 +42,7 @@ from .core.cache_validity import check_deterministic, prefix_fingerprint, prefix
 from .core.discovery import BlockStack
 from .core.embedding_skip import EmbeddingSkipper, input_versions, version_of
 from .core.interception import StackCall, call_block, hidden_of, installed_pipeline
-from .core.microbatch import BlockArgs, tensors_in
+from .core.microbatch import BlockArgs, per_sample_view, tensors_in
 
 __all__ = ["AutoCache", "BoundarySync", "CachedStack", "StaleCacheError"]
 
@@ -64,23 +64,24 @@ def run_blocks(blocks: Sequence[nn.Module]) -> Callable[[Tensor, Sequence[BlockA
     return run
 
 
-def shared_once(calls: Sequence[BlockArgs]) -> Any:
+def shared_once(calls: Sequence[BlockArgs], batch: int) -> Any:
     """``calls`` with every repeat of a tensor (one mask object for every block) replaced by a reference.
 
-    Content keys hash what is left: each distinct tensor once, and which block gets which.
+    Content keys hash what is left: each distinct tensor once, and which block gets which. A
+    batch-major folded argument (BLOOM's alibi) is hashed per sample (:func:`per_sample_view`).
     """
     seen: dict[int, int] = {}
 
-    def ref(value: Any) -> Any:
+    def ref(value: Any, key: int | str = 0) -> Any:
         if isinstance(value, Tensor):
             if id(value) in seen:
                 return f"@{seen[id(value)]}"
             seen[id(value)] = len(seen)
-            return value
+            return per_sample_view(key, value, batch)
         if isinstance(value, Mapping):
-            return {k: ref(v) for k, v in value.items()}
+            return {k: ref(v, k) for k, v in value.items()}
         if isinstance(value, (tuple, list)):
-            return [ref(v) for v in value]
+            return [ref(v, key) for v in value]
         return value
 
     return [ref(call) for call in calls]
@@ -209,7 +210,7 @@ def _with_block_arguments(keys: list[str], calls: Sequence[BlockArgs], device: t
     """
     rows = torch.zeros(len(keys), 1, dtype=torch.uint8, device=device)  # a row per sample, even with no per-sample argument
     try:
-        extras = content_keys(rows, shared_once(calls), batch_size=len(keys))
+        extras = content_keys(rows, shared_once(calls, len(keys)), batch_size=len(keys))
     except TypeError:
         return None  # an argument we cannot hash reliably: compute, never guess
     return [f"{key}-{extra}" for key, extra in zip(keys, extras)]
@@ -451,7 +452,7 @@ class AutoCache:
             return _with_block_arguments(keys, calls, hidden.device)
         source: Any = (pending[0], pending[1]) if pending is not None else hidden
         try:
-            return content_keys(source, shared_once(calls), batch_size=batch)
+            return content_keys(source, shared_once(calls, batch), batch_size=batch)
         except TypeError:
             return None  # an argument we cannot hash reliably: compute, never guess
 

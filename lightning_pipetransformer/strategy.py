@@ -172,6 +172,8 @@ class PipeTransformerStrategy(DDPStrategy):
         self._engagement_seen = InterceptionStats()
         self._engagement_step = 0
         self._warned_disengaged = False
+        self._runner_installed = False
+        self._kv_cache_configs: list[Any] = []  # configs whose use_cache this fit turned off
 
     # ------------------------------------------------------------------ what users read
 
@@ -237,6 +239,8 @@ class PipeTransformerStrategy(DDPStrategy):
             self.stack = block_stack_of(module, self.layers)
         self.planner = self._make_planner()
         self._check_layer_outputs(module)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._turn_off_kv_cache(module)
         if self._restored is not None:
             self._auto_chunks = {int(k): int(m) for k, m in self._restored.get("auto_chunks", {}).items()}
         num_frozen = autofreeze.num_frozen if autofreeze is not None else 0
@@ -334,6 +338,21 @@ class PipeTransformerStrategy(DDPStrategy):
                     "pipelined or cached block stack does not produce. Set it to False, or use pipe_len=1, chunks=1, "
                     "cache=False."
                 )
+
+    def _turn_off_kv_cache(self, module: torch.nn.Module) -> None:
+        """Fit with ``use_cache=False``: one key-value cache object shared by a pass's micro-batches
+        would be updated once per micro-batch. Restored at teardown."""
+        if self.pipe_len == 1 and self.chunks == 1 and not self.cache:
+            return
+        configs = {id(c): c for m in module.modules() if getattr(c := getattr(m, "config", None), "use_cache", None) is True}
+        for config in configs.values():
+            config.use_cache = False
+        self._kv_cache_configs = list(configs.values())
+        if configs:
+            rank_zero_info(
+                "PipeTransformer: use_cache=False while fitting (a key-value cache is for generation; shared by "
+                "micro-batches it would be updated once per micro-batch). It is restored after fit."
+            )
 
     def _check_supported(self, trainer: pl.Trainer) -> None:
         if self.num_processes > 1 and trainer.lightning_module is not None and not trainer.lightning_module.automatic_optimization:
@@ -564,6 +583,7 @@ class PipeTransformerStrategy(DDPStrategy):
         stats = interception_stats(self.stack.container) if self.stack is not None else None
         self._engagement_seen = copy.copy(stats) if stats is not None else InterceptionStats()
         self._engagement_step = self.lightning_module.trainer.global_step if self.lightning_module is not None else 0
+        self._runner_installed = self.stack is not None and installed_pipeline(self.stack.container) is not None
 
     @override
     def on_train_end(self) -> None:
@@ -588,7 +608,10 @@ class PipeTransformerStrategy(DDPStrategy):
             self._engagement_seen = copy.copy(stats)
             steps = trainer.global_step - self._engagement_step
             self._engagement_step = trainer.global_step
-            if (installed_pipeline(self.stack.container) is not None and steps > 0) or since.deferred:
+            # Plans change at epoch starts, before this report: what was installed after the last
+            # report is what ran in the period reported now.
+            ran, self._runner_installed = self._runner_installed, installed_pipeline(self.stack.container) is not None
+            if (ran and steps > 0) or since.deferred:
                 metrics.update(since.as_metrics("pipetransformer/"))
                 if steps > 0 and since.deferred == 0 and not self._warned_disengaged:
                     self._warned_disengaged = True
@@ -863,6 +886,9 @@ class PipeTransformerStrategy(DDPStrategy):
             remove_pipeline(self.stack.container)
         if self._autocache is not None:
             self._autocache.detach()
+        for config in self._kv_cache_configs:
+            config.use_cache = True
+        self._kv_cache_configs = []
         super().teardown()
 
     @classmethod

@@ -20,6 +20,7 @@ and dicts included (``position_embeddings=(cos, sin)``)::
 
     tensor [B, ...]     -> "t.<path>"            one row per sample
     tensor [1, ...]     -> "t.<path>"            expanded to one row per sample (broadcast: same result)
+    tensor [B * k, ...] -> "f.<path>"            a batch-major folded argument (BLOOM's alibi), as [B, k, ...]
     a tensor seen before-> "r.<path>.-<path'>"   an empty row: the same tensor as <path'>
     None                -> "n.<path>"            an empty row, [B, 0]
     bool / int / float  -> "s.<path>"            a [B] tensor; entries are advanced in groups of equal values
@@ -43,6 +44,7 @@ from torch import Tensor
 
 from .cache_store import ActivationStore, StoredEntry, merge_rows
 from .interception import hidden_of
+from .microbatch import per_sample_view
 
 __all__ = [
     "ENTRY_FORMAT",
@@ -80,7 +82,11 @@ def pack_block_inputs(calls: Sequence[BlockArgs], first_block: int, batch_size: 
     def empty() -> Tensor:
         return torch.zeros(batch_size, 0, dtype=torch.uint8)
 
-    def pack(path: str, value: Any) -> None:
+    def pack(path: str, value: Any, key: int | str) -> None:
+        per_sample = per_sample_view(key, value, batch_size)
+        if per_sample is not value:
+            out[f"f.{path}"] = per_sample.detach()
+            return
         if value is None:
             out[f"n.{path}"] = empty()
         elif isinstance(value, Tensor):
@@ -105,10 +111,10 @@ def pack_block_inputs(calls: Sequence[BlockArgs], first_block: int, batch_size: 
                 out[f"e.{path}.{'t' if isinstance(value, tuple) else 'l'}"] = empty()
             kind = "t" if isinstance(value, tuple) else "l"
             for i, item in enumerate(value):
-                pack(f"{path}.{kind}{i}", item)
+                pack(f"{path}.{kind}{i}", item, key)
         elif type(value) is dict and all(isinstance(k, str) and k.isidentifier() for k in value):
-            for key, item in value.items():
-                pack(f"{path}.d{key}", item)
+            for name, item in value.items():
+                pack(f"{path}.d{name}", item, key)
         else:
             raise TypeError(
                 f"Block argument {path} of type {type(value).__name__} cannot be stored per sample: "
@@ -119,9 +125,9 @@ def pack_block_inputs(calls: Sequence[BlockArgs], first_block: int, batch_size: 
         block = f"b{first_block + offset}"
         out[f"e.{block}"] = empty()  # the block was recorded (even with no arguments)
         for i, value in enumerate(args):
-            pack(f"{block}.a{i}", value)
+            pack(f"{block}.a{i}", value, i + 1)
         for name, value in kwargs.items():
-            pack(f"{block}.k{name}", value)
+            pack(f"{block}.k{name}", value, name)
     return out
 
 
@@ -151,6 +157,8 @@ def unpack_block_inputs(extras: Mapping[str, Tensor], blocks: Sequence[int]) -> 
         kind, _, path = name.partition(".")
         if kind == "t":
             values[path] = tensor
+        elif kind == "f":
+            values[path] = tensor.flatten(0, 1)
         elif kind == "n":
             values[path] = None
         elif kind == "s":
@@ -207,7 +215,8 @@ def _build(node: Any) -> Any:
 def select_rows(value: Any, mask: Tensor, batch_size: int) -> Any:
     """``value`` (nested tuples/lists/dicts) with every ``[batch_size, ...]`` tensor cut to the rows in ``mask``.
 
-    A tensor that appears several times (one mask for every block) is cut once.
+    A tensor that appears several times (one mask for every block) is cut once; a batch-major
+    folded keyword argument (:func:`~.microbatch.per_sample_view`) is cut by sample.
     """
     memo: dict[int, Tensor] = {}
 
@@ -219,12 +228,17 @@ def select_rows(value: Any, mask: Tensor, batch_size: int) -> Any:
                 return memo[id(v)]
             return v
         if isinstance(v, Mapping):
-            return {k: cut(x) for k, x in v.items()}
+            return {k: cut_folded(k, x) if per_sample_view(k, x, batch_size) is not x else cut(x) for k, x in v.items()}
         if isinstance(v, tuple) and hasattr(v, "_fields"):
             return type(v)(*(cut(x) for x in v))
         if isinstance(v, (tuple, list)):
             return type(v)(cut(x) for x in v)
         return v
+
+    def cut_folded(key: str, v: Tensor) -> Tensor:
+        if id(v) not in memo:
+            memo[id(v)] = per_sample_view(key, v, batch_size)[mask.to(v.device)].flatten(0, 1)
+        return memo[id(v)]
 
     return cut(value)
 

@@ -156,6 +156,16 @@ def _folded(key: int | str, value: Tensor, batch: int) -> bool:
     return key in BATCH_MAJOR_FOLDED and value.dim() > 0 and value.shape[0] % batch == 0 and value.shape[0] > batch
 
 
+def per_sample_view(key: int | str, value: Any, batch: int) -> Any:
+    """A batch-major folded argument (:data:`BATCH_MAJOR_FOLDED`) as ``[batch, k, ...]``; anything else as it is.
+
+    What caches and row selections need: one row per sample. ``view.flatten(0, 1)`` folds it back.
+    """
+    if isinstance(value, Tensor) and batch > 0 and _folded(key, value, batch):
+        return value.reshape(batch, value.shape[0] // batch, *value.shape[1:])
+    return value
+
+
 def _pieces(value: Tensor, n: int) -> tuple[Tensor, ...]:
     return (value,) if n == 1 else _copies(torch.tensor_split(value, n), n)
 
