@@ -30,10 +30,11 @@ What cannot be deferred is refused loudly, never run wrongly:
 - blocks called out of order, or an intermediate output passed as another argument, raise;
 - to return a placeholder of the right structure, the interception must know what each block
   returns (a tensor, or a tuple such as BLOOM's ``(hidden, attention)``). The first pass over a
-  stack therefore also runs the blocks as the model calls them, under ``no_grad`` and with the
-  random-number state and the blocks' buffers restored afterwards, only to learn that; the pass
-  itself is then handed to the runner like every other. A later pass whose real outputs differ
-  from the structure learnt raises.
+  stack therefore runs the blocks as the model calls them. Under ``no_grad`` (validation) that
+  *is* the pass. With gradients, it runs them under ``no_grad`` as a probe, on copies of the
+  pass's input and arguments, restores the random-number state and the blocks' buffers, and
+  hands the pass to the runner like every other. A pass whose blocks get a key-value cache
+  object runs as the model calls them, with gradients, and is final. A later pass whose real outputs differ from the structure learnt raises.
 
 Runs the runner makes itself call blocks through :func:`call_block`, which bypasses the
 interception. The cost per block call is a dictionary lookup and a tuple append.
@@ -41,6 +42,7 @@ interception. The cost per block call is a dictionary lookup and a tuple append.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -49,6 +51,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
+
+from .microbatch import is_stateful
 
 __all__ = [
     "Deferred",
@@ -287,9 +291,14 @@ class _Pass:
     """The pass of the model's loop in progress."""
 
     hidden: Tensor
-    #: The first pass: blocks also run as they are called, to learn what they return (see :func:`_Probe`).
+    #: The first pass with gradients: blocks also run (no graph) to learn what they return, see :class:`_Probe`.
     probe: _Probe | None
+    #: A pass run as the model calls it, block by block, and final: no runner (the first pass without
+    #: gradients, or one whose blocks update a key-value cache).
+    eager: bool = False
     calls: list[BlockArgs] = field(default_factory=list)
+    #: The probe's copies of the pass's input and arguments, by ``id`` of the original (shared ones copied once).
+    copies: dict[int, Tensor] = field(default_factory=dict)
     last: Any = None  # the hidden state the next block must receive (a placeholder, or a real output)
 
 
@@ -319,6 +328,8 @@ class InterceptionStats:
     deferred: int = 0
     #: Passes whose blocks also ran one by one, to learn what they return (the first one of a stack).
     probes: int = 0
+    #: Passes run block by block as the model called them, without the runner (not engaged).
+    eager: int = 0
     #: Passes abandoned before the last block (their outputs raise if used).
     abandoned: int = 0
     #: Real runs of the last block in deferred passes: ``last_block_runs / deferred`` is the
@@ -331,7 +342,7 @@ class InterceptionStats:
 
     def as_metrics(self, prefix: str) -> dict[str, float]:
         """``engaged``: share of passes handed to the runner; ``microbatches``: micro-batches per such pass."""
-        total = self.deferred
+        total = self.deferred + self.eager
         return {
             f"{prefix}engaged": float(self.deferred / total) if total else 0.0,
             f"{prefix}microbatches": float(self.last_block_runs / self.deferred) if self.deferred else 0.0,
@@ -360,8 +371,9 @@ class _Interceptor:
                     f"Block 0 of the stack got {hidden._what} as its input: the model runs the stack twice in one "
                     "pass. Name one container with layers=, or use pipe_len=1, chunks=1, cache=False."
                 )
-            probe = _Probe(self.blocks) if any(t is None for t in self.templates) else None
-            self._pass = _Pass(hidden, probe)
+            learn = any(t is None for t in self.templates)
+            eager = learn and (not torch.is_grad_enabled() or any(is_stateful(v) for v in _leaves((args, kwargs))))
+            self._pass = _Pass(hidden, _Probe(self.blocks) if learn and not eager else None, eager)
         else:
             current = self._pass
             if current is None or index != len(current.calls):
@@ -389,8 +401,16 @@ class _Interceptor:
         assert current is not None
         current.calls.append((args, kwargs))
         last = index == len(self.blocks) - 1
+        if current.eager:
+            out = self._run_eagerly(index, hidden, args, kwargs, probe=False)
+            self.templates[index] = output_template(out)
+            current.last = hidden_of(out)
+            if last:
+                self._pass = None
+                self.stats.eager += 1
+            return out
         if current.probe is not None:
-            out = self._run_eagerly(index, hidden, args, kwargs)
+            out = self._run_eagerly(index, hidden, args, kwargs, probe=True)
             self.templates[index] = output_template(out)
             current.last = hidden_of(out)
             if not last:
@@ -408,14 +428,32 @@ class _Interceptor:
         self.stats.deferred += 1
         return out
 
-    def _run_eagerly(self, index: int, hidden: Tensor, args: Args, kwargs: Kwargs) -> Any:
-        """Block ``index`` for real (no graph), on its own device; its output back where the pass's input lives."""
+    def _run_eagerly(self, index: int, hidden: Tensor, args: Args, kwargs: Kwargs, probe: bool) -> Any:
+        """Block ``index`` for real, on its own device; its output back where the pass's input lives.
+
+        ``probe``: without a graph, on copies of the pass's input and arguments (the runner runs
+        the pass again), refusing a key-value cache object (it would be updated twice).
+        """
         home = self._pass.hidden.device if self._pass is not None else hidden.device
         where = _device_of(self.blocks[index], home)
         if where != home or hidden.device != where:
             move = lambda v: v.to(where) if isinstance(v, Tensor) else v  # noqa: E731
             hidden, args, kwargs = move(hidden), _map(move, args), _map(move, kwargs)
-        with bypass(), uncounted(), torch.no_grad():
+        if probe:
+            if any(is_stateful(v) for v in _leaves((args, kwargs))):
+                self._pass = None
+                raise InterceptionError(
+                    f"Block {index} got a key-value cache object but block 0 did not: the first pass cannot learn what "
+                    "the blocks return without updating it twice. Pass use_cache=False while training."
+                )
+            # The runner reads the pass's input and every argument again: the probe works on copies,
+            # so a block that changes its inputs in place changes them once, in the runner's pass.
+            copies = self._pass.copies if self._pass is not None else {}
+            copy = lambda v: copies.setdefault(id(v), v.detach().clone()) if isinstance(v, Tensor) else v  # noqa: E731
+            args, kwargs = _map(copy, args), _map(copy, kwargs)
+            if index == 0:
+                hidden = copy(hidden)
+        with bypass(), uncounted(), torch.no_grad() if probe else contextlib.nullcontext():
             out = call_block(self.blocks[index], hidden, *args, **kwargs)
         if where != home:
             out = _map(lambda v: v.to(home) if isinstance(v, Tensor) else v, out)
