@@ -20,6 +20,7 @@ or stochastic depth, BatchNorm in train mode, a frozen parameter that still requ
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -75,7 +76,11 @@ def _config_lines(name: str, module: nn.Module) -> Iterable[str]:
         if config is not None and hasattr(config, "to_json_string"):
             # The attention implementation (eager / sdpa) changes results and is a private field.
             attn = getattr(config, "_attn_implementation", None)
-            yield f"{sub_name}.config:{attn}:{config.to_json_string(use_diff=False)}"
+            settings = config.to_dict()
+            # Generation settings do not change what a forward computes; the strategy turns
+            # use_cache off for fit only, and validate/predict after fit must find the same entries.
+            settings.pop("use_cache", None)
+            yield f"{sub_name}.config:{attn}:{json.dumps(settings, sort_keys=True, default=str)}"
 
 
 def _digest(tensor: Tensor) -> bytes:

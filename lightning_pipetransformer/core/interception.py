@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import astuple, dataclass, field
@@ -237,6 +238,8 @@ def _placeholder_output(template: Any, like: Tensor, what: str) -> tuple[Any, De
 _ATTR = "_pipetransformer_interceptor"
 _INTERCEPTED: dict[type, type] = {}  # block class -> its intercepting subclass
 _local = threading.local()
+#: What each container's blocks were seen to return, kept across installs (fit, then validate ...).
+_TEMPLATES: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 
 
 def _intercepting_class(base: type) -> type:
@@ -356,7 +359,9 @@ class _Interceptor:
         self.container = container
         self.blocks = blocks
         self.runner: Runner | None = None
-        self.templates: list[Any] = [None] * len(blocks)
+        known = _TEMPLATES.get(container)
+        self.templates: list[Any] = known if known is not None and len(known) == len(blocks) else [None] * len(blocks)
+        _TEMPLATES[container] = self.templates
         self.stats = InterceptionStats()
         self._pass: _Pass | None = None
 
