@@ -20,6 +20,17 @@ def tiny_bert(num_layers: int = 4, dropout: float = 0.0) -> BertForSequenceClass
     return BertForSequenceClassification(config)
 
 
+def tiny_llama(num_layers: int = 4) -> nn.Module:
+    """A Llama-style decoder classifying the last token (grouped-query attention, rotary embeddings)."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    config = LlamaConfig(
+        vocab_size=VOCAB + 1, pad_token_id=VOCAB, hidden_size=32, num_hidden_layers=num_layers, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=64, max_position_embeddings=32, num_labels=NUM_LABELS,
+    )
+    return LlamaForSequenceClassification(config)
+
+
 def tiny_vit(num_layers: int = 3, dropout: float = 0.0) -> ViTForImageClassification:
     config = ViTConfig(
         hidden_size=32, num_hidden_layers=num_layers, num_attention_heads=2, intermediate_size=64,
@@ -91,12 +102,13 @@ def ids_and_labels(batch):
 
 
 class TextClassifier(pl.LightningModule):
-    """A LightningModule around a tiny BERT; SGD with momentum so frozen-vs-active differences show."""
+    """A LightningModule around a tiny BERT (or a Llama-style decoder); SGD with momentum so
+    frozen-vs-active differences show."""
 
-    def __init__(self, num_layers: int = 4, lr: float = 0.05, seed: int = 0) -> None:
+    def __init__(self, num_layers: int = 4, lr: float = 0.05, seed: int = 0, arch: str = "bert") -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.model = tiny_bert(num_layers)
+        self.model = tiny_llama(num_layers) if arch == "llama" else tiny_bert(num_layers)
         self.lr = lr
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

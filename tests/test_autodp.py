@@ -37,10 +37,10 @@ def launch(out: Path, *args: str, timeout: float = 240, cleanup: bool = True) ->
     return launch_ranks(SCRIPT, out, *args, timeout=timeout, cleanup=cleanup)
 
 
-def reference(global_batch: dict[int, int], epochs: int = 3) -> dict[str, torch.Tensor]:
+def reference(global_batch: dict[int, int], epochs: int = 3, arch: str = "bert") -> dict[str, torch.Tensor]:
     """One process: the freeze schedule by requires_grad, the global batches of the 4-process run."""
     data = text_dataset(NUM_SAMPLES)
-    module = TextClassifier(num_layers=4)
+    module = TextClassifier(num_layers=4, arch=arch)
     module.train()
     optimizer = module.configure_optimizers()
     for epoch in range(epochs):
@@ -59,7 +59,9 @@ def results(out: Path) -> list[dict]:
     return [torch.load(out / f"rank{rank}.pt") for rank in range(4)]
 
 
-def assert_replicas_identical_and_match(ranks: list[dict], expected: dict[str, torch.Tensor], joined_last: int | None = 1) -> None:
+def assert_replicas_identical_and_match(
+    ranks: list[dict], expected: dict[str, torch.Tensor], joined_last: int | None = 1, arch: str = "bert"
+) -> None:
     for key, value in expected.items():
         for rank in ranks[1:]:
             torch.testing.assert_close(rank["state"][key], ranks[0]["state"][key], rtol=0, atol=0, msg=key)
@@ -70,7 +72,7 @@ def assert_replicas_identical_and_match(ranks: list[dict], expected: dict[str, t
     # before they froze, and then they equal rank 0's. Rank 0 (checkpoints) keeps the full state.
     trainable = ranks[0]["trainable"]
     assert trainable and all(rank["trainable"] == trainable for rank in ranks)
-    assert set(ranks[0]["momentum"]) == {name for name, _ in TextClassifier(num_layers=4).named_parameters()}
+    assert set(ranks[0]["momentum"]) == {name for name, _ in TextClassifier(num_layers=4, arch=arch).named_parameters()}
     for rank in ranks:
         assert set(trainable) <= set(rank["momentum"]) <= set(ranks[0]["momentum"])
         for name, buffer in rank["momentum"].items():
@@ -80,16 +82,18 @@ def assert_replicas_identical_and_match(ranks: list[dict], expected: dict[str, t
 
 
 @pytest.mark.parametrize(
-    "policy, batch_size, per_replica, global_batch",
+    "policy, batch_size, per_replica, global_batch, arch",
     [
         # global batch fixed at 8: 8, 4, 2 per replica; the plain optimisation.
-        ("global", 8, {0: 8, 1: 4, 2: 2}, {0: 8, 1: 8, 2: 8}),
+        ("global", 8, {0: 8, 1: 4, 2: 2}, {0: 8, 1: 8, 2: 8}, "bert"),
         # per-replica batch fixed at 4 (the paper's): global batch 4, 8, 16.
-        ("replica", 4, {0: 4, 1: 4, 2: 4}, {0: 4, 1: 8, 2: 16}),
+        ("replica", 4, {0: 4, 1: 4, 2: 4}, {0: 4, 1: 8, 2: 16}, "bert"),
+        # A decoder (grouped-query attention, rotary embeddings, causal masks passed per block).
+        ("global", 8, {0: 8, 1: 4, 2: 2}, {0: 8, 1: 8, 2: 8}, "llama"),
     ],
 )
-def test_idle_ranks_join_as_pipeline_shrinks_and_match_reference(tmp_path, policy, batch_size, per_replica, global_batch):
-    proc = launch(tmp_path, "--policy", policy, "--batch-size", str(batch_size))
+def test_idle_ranks_join_as_pipeline_shrinks_and_match_reference(tmp_path, policy, batch_size, per_replica, global_batch, arch):
+    proc = launch(tmp_path, "--policy", policy, "--batch-size", str(batch_size), "--arch", arch)
     assert proc.returncode == 0, proc.stdout[-5000:]
     ranks = results(tmp_path)
 
@@ -104,9 +108,12 @@ def test_idle_ranks_join_as_pipeline_shrinks_and_match_reference(tmp_path, polic
                 assert not seen["active"] and not seen["batch_sizes"] and seen["idle_batches"] == batches
             steps += batches
         assert result["global_step"] == steps  # lock-step
+    # Engaged: while K > 1 rank 0's pipeline ran every training pass (a bypassed one would run none).
+    passes = [ranks[0]["epochs"][e]["pipelined_passes"] for e in sorted(ranks[0]["epochs"])]
+    assert passes[0] >= NUM_SAMPLES // global_batch[0] and passes[1] - passes[0] >= NUM_SAMPLES // global_batch[1]
     assert len({r["val_loss"] for r in ranks}) == 1
 
-    assert_replicas_identical_and_match(ranks, reference(global_batch))
+    assert_replicas_identical_and_match(ranks, reference(global_batch, arch=arch), arch=arch)
 
 
 def test_checkpoint_with_idle_ranks_then_resume_equals_uninterrupted(tmp_path):

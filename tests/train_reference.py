@@ -7,13 +7,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from lightning_pipetransformer.core.discovery import find_block_stack
 from models import TextClassifier, loader
 
 
 def freeze_by_hand(module: TextClassifier, num_frozen: int) -> None:
-    """requires_grad off and eval mode for the embeddings and the first ``num_frozen`` BERT layers."""
-    bert = module.model.bert
-    frozen = ([bert.embeddings] if num_frozen else []) + list(bert.encoder.layer[:num_frozen])
+    """requires_grad off and eval mode for the embeddings and the first ``num_frozen`` blocks."""
+    stack = find_block_stack(module)
+    frozen = ([m for _, m in stack.pre] if num_frozen else []) + list(stack.blocks[:num_frozen])
     for part in frozen:
         part.eval()
         for p in part.parameters():

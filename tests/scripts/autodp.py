@@ -1,6 +1,6 @@
 """AutoDP on 4 CPU processes (gloo): pipe length 4 -> 2 -> 1 as blocks freeze; run by tests/test_autodp.py.
 
-Lightning re-launches this script once per extra rank (same arguments). Tiny BERT with 4 blocks,
+Lightning re-launches this script once per extra rank (same arguments). Tiny BERT (or ``--arch llama``, a Llama-style decoder) with 4 blocks,
 ``frozen_cost=0`` and the schedule {1: 2, 2: 3} make the planner compress K 4 -> 2 -> 1, so the
 active replicas grow 1 -> 2 -> 4. Each rank writes what it saw and its final state to ``--out``.
 
@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
+from lightning_pipetransformer.core.interception import interception_stats
 from lightning_pipetransformer.elastic import is_idle_batch
 from launch import fit_recording_errors
 from models import TextClassifier, text_dataset
@@ -43,6 +44,11 @@ class Record(Callback):
             "num_frozen": plan.num_frozen, "batch_sizes": [], "idle_batches": 0,
         }
 
+    def on_train_epoch_end(self, trainer, pl_module):
+        stats = interception_stats(trainer.strategy.stack.container)
+        # Passes the installed pipeline ran so far (cumulative; the first one is the model's own on idle ranks).
+        self.epochs[trainer.current_epoch]["pipelined_passes"] = stats.deferred if stats is not None else 0
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         record = self.epochs[trainer.current_epoch]
         if is_idle_batch(batch):
@@ -61,6 +67,7 @@ def main() -> None:
     parser.add_argument("--mode", default="train", choices=["train", "first", "resume", "kill"])
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--arch", default="bert", choices=["bert", "llama"])
     args = parser.parse_args()
     out = Path(args.out)
     rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -70,7 +77,7 @@ def main() -> None:
     callbacks = [AutoFreeze(schedule=SCHEDULE), record]
     if args.mode == "first":
         callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", save_last=True, save_top_k=0))
-    module = TextClassifier(num_layers=4)
+    module = TextClassifier(num_layers=4, arch=args.arch)
     strategy = PipeTransformerStrategy(
         pipe_len=4, frozen_cost=0.0, process_group_backend="gloo", timeout=args.timeout, batch_policy=args.policy
     )
