@@ -30,6 +30,8 @@ class Family:
     name: str
     build: Callable[[], nn.Module]
     task: str  # "lm", "cls" or "image"
+    #: Why ``cache=True`` is refused for this family (words the error contains, and the reason for the docs).
+    cache_refused: tuple[str, str] | None = None
 
 
 def _model(model_cls: type, config_cls: type, **kwargs: object) -> Callable[[], nn.Module]:
@@ -59,6 +61,12 @@ FAMILIES = {
                                sliding_window=4, max_window_layers=2), "lm"),
         Family("gemma2", _model(T.Gemma2ForCausalLM, T.Gemma2Config, **COMMON, num_key_value_heads=1, head_dim=16,
                                 sliding_window=4), "lm"),
+        Family("mistral", _model(T.MistralForCausalLM, T.MistralConfig, **COMMON, num_key_value_heads=1, sliding_window=4), "lm"),
+        Family("phi3", _model(T.Phi3ForCausalLM, T.Phi3Config, **COMMON, num_key_value_heads=1, pad_token_id=0), "lm"),
+        Family("gemma3", _model(T.Gemma3ForCausalLM, T.Gemma3TextConfig, **COMMON, num_key_value_heads=1, head_dim=16,
+                                sliding_window=4), "lm"),
+        Family("opt", _model(T.OPTForCausalLM, T.OPTConfig, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4,
+                             num_attention_heads=2, ffn_dim=64, max_position_embeddings=64, word_embed_proj_dim=32), "lm"),
         Family("gpt2", _model(T.GPT2LMHeadModel, T.GPT2Config, vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=2, n_positions=64,
                               bos_token_id=0, eos_token_id=0), "lm"),
         Family("modernbert", _model(T.ModernBertForSequenceClassification, T.ModernBertConfig, **COMMON, num_labels=LABELS,
@@ -68,7 +76,9 @@ FAMILIES = {
         Family("swin", _model(T.SwinForImageClassification, T.SwinConfig, image_size=16, patch_size=1, num_channels=1, embed_dim=8,
                               depths=[1, 1, 1, 1], num_heads=[1, 1, 2, 2], window_size=2, num_labels=LABELS), "image"),
         Family("deberta-v2", _model(T.DebertaV2ForSequenceClassification, T.DebertaV2Config, **COMMON, num_labels=LABELS,
-                                    relative_attention=True, position_buckets=8, max_relative_positions=16), "cls"),
+                                    relative_attention=True, position_buckets=8, max_relative_positions=16), "cls",
+               cache_refused=("rel_embeddings", "every block reads the shared relative-position embeddings, which "
+                                                "keep training: the frozen blocks' output is not fixed")),
     ]
 }
 

@@ -20,10 +20,6 @@ from lightning_pipetransformer.core.discovery import find_block_stack
 
 EPOCHS, STEPS = 3, 3  # 3 batches of 6 samples per epoch
 
-#: Families whose cache is refused, and the words the error must contain.
-CACHE_REFUSED = {"deberta-v2": "rel_embeddings"}
-
-
 def trainer(strategy, callbacks=(), epochs=EPOCHS):
     return pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_epochs=epochs, callbacks=list(callbacks), logger=False,
@@ -90,8 +86,9 @@ def fit_cached(family, cache):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_cache_equals_cache_off_and_serves_the_frozen_blocks(family):
-    if family in CACHE_REFUSED:
-        with pytest.raises(CacheConfigError, match=CACHE_REFUSED[family]):
+    refused = FAMILIES[family].cache_refused
+    if refused is not None:
+        with pytest.raises(CacheConfigError, match=refused[0]):
             fit_cached(family, True)
         return
     off, _, _ = fit_cached(family, False)
