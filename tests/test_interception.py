@@ -6,7 +6,6 @@ numbers on CPU.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import pytest
@@ -214,12 +213,8 @@ def test_a_whole_argument_mutated_in_place_is_refused():
     model = Model("slice")
     model.layers = nn.ModuleList(Accumulate() for _ in range(4))
     x, masks, rotary = inputs()
-    for grad in (True, False):  # the first pass: a probe on copies, then the runner's pass / the model's own pass
-        model = Model("slice")
-        model.layers = nn.ModuleList(Accumulate() for _ in range(4))
+    for grad in (True, False):  # the first pass too: a probe on copies, then the runner's pass
         with pipelined(model.layers, pipeline(model, chunks=2)), torch.set_grad_enabled(grad):
-            with pytest.raises(InterceptionError, match="modified .*in place.* 2 times") if grad else contextlib.nullcontext():
-                model(x, masks, rotary, extras={"bias": torch.zeros(WIDTH)})
             with pytest.raises(InterceptionError, match="modified .*in place.* 2 times"):
                 model(x, masks, rotary, extras={"bias": torch.zeros(WIDTH)})
 
@@ -253,7 +248,7 @@ def test_a_batch_smaller_than_chunks_runs_with_fewer_micro_batches(batch):
         runs[:] = [0] * 4
         got = model(x, masks, rotary)
     torch.testing.assert_close(got, expected)
-    assert runs == [max(batch, 1)] * 4
+    assert runs == [max(batch, 1)] * 4  # one micro-batch per sample, one for an empty batch
 
 
 def test_a_mutable_per_call_object_runs_as_one_micro_batch_with_a_warning():

@@ -30,11 +30,10 @@ What cannot be deferred is refused loudly, never run wrongly:
 - blocks called out of order, or an intermediate output passed as another argument, raise;
 - to return a placeholder of the right structure, the interception must know what each block
   returns (a tensor, or a tuple such as BLOOM's ``(hidden, attention)``). The first pass over a
-  stack therefore runs the blocks as the model calls them. Under ``no_grad`` (validation) that
-  *is* the pass. With gradients, it runs them under ``no_grad`` as a probe, on copies of the
-  pass's input and arguments, restores the random-number state and the blocks' buffers, and
-  hands the pass to the runner like every other. A pass whose blocks get a key-value cache
-  object runs as the model calls them, with gradients, and is final. A later pass whose real outputs differ from the structure learnt raises.
+  stack therefore runs the blocks as the model calls them, under ``no_grad``, as a probe on
+  copies of the pass's input and arguments; it restores the random-number state and the blocks'
+  buffers and hands the pass to the runner like every other. A first pass whose blocks get a
+  key-value cache object (it cannot be copied) runs as the model calls it, and is final. A later pass whose real outputs differ from the structure learnt raises.
 
 Runs the runner makes itself call blocks through :func:`call_block`, which bypasses the
 interception. The cost per block call is a dictionary lookup and a tuple append.
@@ -296,8 +295,8 @@ class _Pass:
     hidden: Tensor
     #: The first pass with gradients: blocks also run (no graph) to learn what they return, see :class:`_Probe`.
     probe: _Probe | None
-    #: A pass run as the model calls it, block by block, and final: no runner (the first pass without
-    #: gradients, or one whose blocks update a key-value cache).
+    #: A pass run as the model calls it, block by block, and final: no runner (a first pass whose
+    #: blocks update a key-value cache).
     eager: bool = False
     calls: list[BlockArgs] = field(default_factory=list)
     #: The probe's copies of the pass's input and arguments, by ``id`` of the original (shared ones copied once).
@@ -377,7 +376,7 @@ class _Interceptor:
                     "pass. Name one container with layers=, or use pipe_len=1, chunks=1, cache=False."
                 )
             learn = any(t is None for t in self.templates)
-            eager = learn and (not torch.is_grad_enabled() or any(is_stateful(v) for v in _leaves((args, kwargs))))
+            eager = learn and any(is_stateful(v) for v in _leaves((args, kwargs)))
             self._pass = _Pass(hidden, _Probe(self.blocks) if learn and not eager else None, eager)
         else:
             current = self._pass
