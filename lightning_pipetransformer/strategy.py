@@ -34,11 +34,20 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _get_default_process_group_backend_for_device
+from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import Accelerator
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import _augment_message
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
@@ -47,7 +56,7 @@ from typing_extensions import override
 from . import elastic, idle_ranks
 
 from .core.costs import parameter_costs, parameter_count
-from .core.discovery import BlockStack
+from .core.discovery import BlockStack, BlockStackError
 from .core.interception import InterceptionStats, install_pipeline, installed_pipeline, interception_stats, remove_pipeline
 from .core.planner import AutoPipe, Plan
 from .autocache import AutoCache, probe_cache_dir
@@ -59,7 +68,7 @@ __all__ = ["PipeTransformerStrategy"]
 _CHECKPOINT_KEY = "pipetransformer"
 
 
-class PipeTransformerStrategy(DDPStrategy):
+class PipeTransformerStrategy(ParallelStrategy):
     """Pipeline-parallel training of a Transformer's block stack, repartitioned as blocks freeze.
 
     Args:
@@ -142,9 +151,11 @@ class PipeTransformerStrategy(DDPStrategy):
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timedelta(seconds=float(timeout)),
         )
+        self._num_nodes = 1
+        self._process_group_backend: str | None = process_group_backend
+        self._timeout = timedelta(seconds=float(timeout))
+        self._ddp_kwargs: dict[str, Any] = {}
         self.pipe_len = pipe_len
         self.chunks = chunks
         self.frozen_cost = float(frozen_cost)
@@ -174,6 +185,76 @@ class PipeTransformerStrategy(DDPStrategy):
         self._warned_disengaged = False
         self._runner_installed = False
         self._kv_cache_configs: list[Any] = []  # configs whose use_cache this fit turned off
+
+    # ------------------------------------------------------------------ one process, or several
+    #
+    # Lightning gives the strategy its devices after construction (the accelerator connector
+    # sets parallel_devices and num_nodes, then calls _configure_launcher). With one process in
+    # all, there is nothing to distribute: no launcher (notebooks and `python -i` work), no
+    # process group (validation honours inference_mode), no re-seeding (the same seed gives the
+    # run strategy="auto" gives), and `is_distributed` is False (the batch-size finder works,
+    # the user's sampler is kept). With several, it behaves like DDPStrategy, whose set-up it
+    # follows below.
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether more than one process takes part (Lightning's connector reads this)."""
+        return self.num_nodes * self.num_processes > 1
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._launcher = (
+            _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            if self.is_distributed
+            else None
+        )
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.is_distributed:
+            self._setup_distributed()
+
+    def _setup_distributed(self) -> None:
+        """DDPStrategy.setup_distributed: the seed, the ranks, the world process group."""
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def _get_process_group_backend(self) -> str:
+        return self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
 
     # ------------------------------------------------------------------ what users read
 
@@ -216,7 +297,7 @@ class PipeTransformerStrategy(DDPStrategy):
         # replica's share, so its (stand-in) loader has the same length as everyone's.
         plan = self._plan
         if self.world_size == 1 or plan is None:
-            return super().distributed_sampler_kwargs
+            return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
         rank = plan.replica_index(self.global_rank) if self.is_active else 0
         return {"num_replicas": plan.num_replicas, "rank": rank}
 
@@ -225,18 +306,14 @@ class PipeTransformerStrategy(DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self._check_supported(trainer)
-        if self.world_size == 1:
-            # Lightning injects a shuffling DistributedSampler under every DDP-family strategy,
-            # even for one process. One process is a single replica: keep the user's sampler, so
-            # the strategy is a drop-in for a single-device Trainer (same batches, same order).
-            trainer._accelerator_connector.use_distributed_sampler = False
         module = self.lightning_module
         assert module is not None
         autofreeze = _autofreeze_of(trainer)
-        if self.layers is None and autofreeze is not None and autofreeze.stack is not None:
-            self.stack = autofreeze.stack
-        else:
-            self.stack = block_stack_of(module, self.layers)
+        self.stack = self._find_stack(module, autofreeze)
+        if self.stack is None:  # nothing to freeze or pipeline: plain single-device / DDP training
+            self.planner, self._plan = None, None
+            self._setup_model_and_optimizers(trainer, None)
+            return
         self.planner = self._make_planner()
         self._check_layer_outputs(module)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -262,13 +339,54 @@ class PipeTransformerStrategy(DDPStrategy):
                 trainer.callbacks.insert(at, elastic.TransitionCallback(self))
             self._prepare_idle_ranks(trainer)
             plan = self._plan
-        # DDPStrategy.setup: accelerator, precision, model_to_device, DDP (only if > 1 process:
-        # see configure_ddp), optimizers, then all optimizer state to the root device.
-        super().setup(trainer)
-        self._apply_plan(plan if self.world_size > 1 else self.planner.plan(num_frozen), announce=True)
-        # Each optimizer state tensor belongs with its parameter, which may sit on another
-        # stage's device than the root one DDPStrategy.setup moved everything to.
-        _optimizer_state_to_param_devices(self.optimizers)
+        self._setup_model_and_optimizers(trainer, plan if self.world_size > 1 else self.planner.plan(num_frozen))
+
+    def _find_stack(self, module: pl.LightningModule, autofreeze: Any) -> BlockStack | None:
+        """The block stack to plan over; ``None`` (with a warning) when the model has none and
+        nothing asks for one, so that any LightningModule trains as under the plain strategy."""
+        if self.layers is None and autofreeze is not None and autofreeze.stack is not None:
+            return autofreeze.stack
+        try:
+            return block_stack_of(module, self.layers)
+        except BlockStackError as err:
+            wanted = [
+                what for what, asked in (
+                    (f"pipe_len={self.pipe_len}", self.pipe_len > 1), (f"chunks={self.chunks!r}", self.chunks != 1),
+                    (f"cache={self.cache!r}", bool(self.cache)), (f"layers={self.layers!r}", self.layers is not None),
+                ) if asked
+            ]
+            if wanted:
+                raise BlockStackError(f"{', '.join(wanted)} needs a block stack to pipeline or cache. {err}") from None
+        rank_zero_warn(
+            f"PipeTransformer: {type(module).__name__} has no stack of repeated blocks, so there is nothing to freeze, "
+            "pipeline or cache: it trains as under the plain strategy. To use the pipeline, name the block container "
+            "with PipeTransformerStrategy(layers='model.encoder.layer') or define configure_block_stack() on the module."
+        )
+        return None
+
+    def _setup_model_and_optimizers(self, trainer: pl.Trainer, plan: Plan | None) -> None:
+        """DDPStrategy.setup, with the blocks placed on their stages' devices *before* DDP wraps the
+        model: DDP binds its hooks to the parameters it sees, and moving a block afterwards swaps
+        their storage under it."""
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if plan is not None:
+            self._apply_plan(plan, announce=True)
+        if fitting:
+            self.configure_ddp()  # DDP over the active replicas (several processes only)
+            self.setup_optimizers(trainer)
+        elif self.is_distributed:
+            _sync_module_states(self.lightning_module)  # every rank, as DDPStrategy does without a wrapper
+        self.setup_precision_plugin()
+        if fitting:
+            # Each optimizer state tensor belongs with its parameter, which may sit on another
+            # stage's device than the root one (a checkpoint's state arrives on the CPU).
+            _optimizer_state_to_param_devices(self.optimizers)
 
     def _prepare_idle_ranks(self, trainer: pl.Trainer) -> None:
         """Idle ranks skip the module's batch and epoch-end hooks and get rank 0's metrics."""
@@ -389,15 +507,14 @@ class PipeTransformerStrategy(DDPStrategy):
         assert self.model is not None
         self.model.to(self.root_device)
 
-    @override
     def configure_ddp(self) -> None:
-        # One process has no gradients to average; a DDP wrapper would only add a reducer that
-        # breaks as soon as AutoFreeze turns requires_grad off. A shadow rank has none either.
+        """DDP over the active replicas. One process has no gradients to average (a wrapper would
+        only add a reducer that breaks when AutoFreeze turns requires_grad off); a shadow rank has
+        none either."""
         self.model = self.lightning_module
         if self.world_size > 1 and self.is_active:
-            super().configure_ddp()
+            self.model = self._setup_model(self.model)
 
-    @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
         # DDP over the active replicas only. The first wrapper of a fit syncs the replicas'
         # weights itself; at a transition _send_state already did, so the copy is skipped.
@@ -409,7 +526,6 @@ class PipeTransformerStrategy(DDPStrategy):
             **self._ddp_kwargs,
         )
 
-    @override
     def determine_ddp_device_ids(self) -> list[int] | None:
         # A replica whose stages span several devices is a multi-device module: DDP wants None.
         if self.root_device.type == "cpu" or len(set(self.stage_devices)) > 1:
@@ -536,10 +652,11 @@ class PipeTransformerStrategy(DDPStrategy):
         if self._autocache is None or self.cache_key != "index":
             return
         batch = args[0] if args else kwargs.get("batch")
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
         loader = args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0)
-        # Checked from the first batch on, not only once blocks are frozen: a wrong batch type
-        # must fail in the first step, not hours later at the first freeze.
-        self._autocache.set_batch(batch, f"{stage}{loader}")
+        # Checked from the first batch on, not only once blocks are frozen: a wrong batch type, or an
+        # index repeated within a pass over the loader, must fail in the first step, not at the first freeze.
+        self._autocache.set_batch(batch, f"{stage}{loader}", batch_idx if isinstance(batch_idx, int) else None)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -576,6 +693,21 @@ class PipeTransformerStrategy(DDPStrategy):
         super().on_train_batch_start(batch, batch_idx)
         if batch_idx == 0:
             self._report_engagement()
+        self._show_in_progress_bar()
+
+    def _show_in_progress_bar(self) -> None:
+        """What changes during a run, in the progress bar (``prog_bar=True``, not sent to the loggers)."""
+        module, plan = self.lightning_module, self._plan
+        if module is None or plan is None:
+            return
+        shown = {"pt/frozen": plan.num_frozen}
+        if self.pipe_len > 1 or self.chunks != 1:
+            shown["pt/pipe"] = plan.pipe_len
+        if self.world_size > 1:
+            shown["pt/replicas"] = plan.num_replicas
+        if self._autocache is not None and self._autocache.store is not None:
+            shown["pt/cache_hits"] = round(self._autocache.store.stats().hit_rate, 3)
+        module.log_dict({k: float(v) for k, v in shown.items()}, prog_bar=True, logger=False, on_step=True, on_epoch=False)
 
     @override
     def on_train_start(self) -> None:
@@ -636,7 +768,9 @@ class PipeTransformerStrategy(DDPStrategy):
             if not self.is_active:
                 return tensor
             group = self._active_group
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)  # the tensor itself without a process group
+        return tensor
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
@@ -653,15 +787,17 @@ class PipeTransformerStrategy(DDPStrategy):
         # Every rank, over the gloo control group (no device ids, whatever the data backend).
         if self._control_group is not None:
             dist.barrier(group=self._control_group)
-            return
-        super().barrier(name)
+        elif _distributed_is_initialized():
+            dist.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         # Callbacks' broadcasts (ModelCheckpoint paths, times) are control messages: all ranks.
         if self._control_group is not None:
             return elastic.broadcast_object(obj, src=src, group=self._control_group)
-        return super().broadcast(obj, src)
+        if not _distributed_is_initialized():
+            return obj
+        return elastic.broadcast_object(obj, src=src, group=None)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -839,7 +975,8 @@ class PipeTransformerStrategy(DDPStrategy):
             f"PipeTransformer: {plan.num_frozen} frozen, pipe length {plan.pipe_len}, {plan.chunks} micro-batch(es), "
             f"partition {plan.partition}, {plan.num_replicas} replica(s)."
         )
-        if trainer is None or not self.is_global_zero:
+        # Like Lightning's own metrics: to the loggers while fitting only, never at validate/test/predict.
+        if trainer is None or not self.is_global_zero or trainer.state.fn != TrainerFn.FITTING:
             return
         metrics = {
             "pipetransformer/num_frozen": float(plan.num_frozen),
@@ -889,7 +1026,25 @@ class PipeTransformerStrategy(DDPStrategy):
         for config in self._kv_cache_configs:
             config.use_cache = True
         self._kv_cache_configs = []
+        module = self.lightning_module
+        if isinstance(self.model, DistributedDataParallel):
+            self.model = module  # unwrap, as DDPStrategy does
+        if module is not None and module._trainer is not None and module._trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+            assert self.model is not None
+            self.model = self._layer_sync.revert(self.model)
         super().teardown()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        _augment_message(
+            exception,
+            pattern=".*Expected to have finished reduction in the prior iteration.*",
+            new_message=(
+                "A parameter that requires grad did not take part in producing the loss on one replica. "
+                "strategy='pipetransformer' builds DDP without find_unused_parameters: freeze such parameters "
+                "(requires_grad=False) or use them in every step."
+            ),
+        )
 
     @classmethod
     @override
