@@ -1,8 +1,10 @@
 """Block-stack discovery on each supported model family, and the error cases."""
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipetransformer.core.discovery import BlockStackError, find_block_stack, find_candidates
 from lightning_pipetransformer.core.freezing import apply_freeze, frozen_parameters
@@ -130,3 +132,96 @@ def test_apply_freeze_covers_pre_and_prefix_only():
     assert not model.pos_drop.training and model.head.training
     with pytest.raises(ValueError):
         apply_freeze(stack, 4, include_pre=True)
+
+
+# ---------------------------------------------------------------------------- shared (tied) blocks
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+
+class SharedBlocks(nn.Module):
+    """ALBERT-style: ``ModuleList([A, A, B, B])`` runs 4 positions with 2 modules."""
+
+    def __init__(self, tied_weights: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(4, 8)
+        if tied_weights:  # 4 modules, but positions 0 and 2 share one weight
+            blocks = [Block() for _ in range(4)]
+            blocks[2].linear.weight = blocks[0].linear.weight
+        else:
+            a, b = Block(), Block()
+            blocks = [a, a, b, b]
+        self.layers = nn.ModuleList(blocks)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("tied_weights", [False, True])
+def test_shared_blocks_are_refused_at_discovery(tied_weights):
+    # Before: children() listed [A, B], so the stack was "2 blocks" while the model ran 4.
+    model = SharedBlocks(tied_weights)
+    for layers in (None, "layers"):  # found, and named explicitly
+        with pytest.raises(BlockStackError, match="'layers'.*shared blocks") as err:
+            find_block_stack(model, layers)
+        message = str(err.value)
+        assert "cannot be frozen or pipelined one position at a time" in message
+        assert ("positions 0 and 2 share the parameter" if tied_weights else "positions 0 and 1 are the same Block") in message
+    with pytest.raises(BlockStackError, match="shared blocks"):
+        block_stack_of(model, model.layers)  # the container itself
+
+
+class SharedBlocksModule(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = SharedBlocks()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.model(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def shared_data() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(16, 4, generator=g), torch.randint(0, 3, (16,), generator=g)), batch_size=4)
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    ["auto", {"pipe_len": 2}, {"cache": True}],
+    ids=["autofreeze-alone", "pipe_len=2", "cache"],
+)
+def test_shared_blocks_are_refused_before_training(tmp_path, strategy):
+    # Before: AutoFreeze alone reported 2 blocks and trained a model of 4 positions; the strategy
+    # failed later with a ValueError about "2 blocks that are not the 4 children".
+    from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
+
+    module = SharedBlocksModule()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    if isinstance(strategy, dict):
+        strategy = PipeTransformerStrategy(cache_dir=str(tmp_path / "cache"), **strategy)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_epochs=2, callbacks=[AutoFreeze(schedule={1: 1})],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
+    with pytest.raises(BlockStackError, match="'model.layers'.*shared blocks.*one position at a time"):
+        trainer.fit(module, shared_data())
+    assert trainer.global_step == 0
+    for key, value in module.state_dict().items():
+        assert torch.equal(value, before[key]), key

@@ -106,7 +106,8 @@ def find_candidates(root: nn.Module) -> list[Candidate]:
     for path, module in root.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
-        children = list(module.children())
+        # Every position, a module held at several of them included (refused later, by name).
+        children = [c for c in module._modules.values() if c is not None]
         if len(children) < 2 or len({type(c) for c in children}) != 1:
             continue
         n = _num_params(module)
@@ -154,10 +155,53 @@ def _split_around(root: nn.Module, path: str) -> tuple[list, list, list]:
     return pre, pre_params, post
 
 
+def _shared_positions(container: nn.Module) -> list[str]:
+    """Where the container's positions share a module or a parameter, in words (empty: none do).
+
+    ``container.children()`` (and so :attr:`BlockStack.blocks`) lists a module once however many
+    positions hold it, while the model's loop runs every position: ``nn.ModuleList([A, A, B, B])``
+    would be seen as 2 blocks and run as 4.
+    """
+    positions = [(name, m) for name, m in container._modules.items() if m is not None]
+    found: list[str] = []
+    first_at: dict[int, str] = {}
+    for name, module in positions:
+        if id(module) in first_at:
+            found.append(f"positions {first_at[id(module)]} and {name} are the same {type(module).__name__}")
+        else:
+            first_at[id(module)] = name
+    if found:
+        return found
+    owner: dict[int, tuple[str, str]] = {}
+    for name, module in positions:
+        for param_name, param in module.named_parameters():
+            other = owner.setdefault(id(param), (name, param_name))
+            if other[0] != name:
+                found.append(f"positions {other[0]} and {name} share the parameter {other[1]} (tied weights)")
+                break
+    return found
+
+
+def _refuse_shared(path: str, container: nn.Module) -> None:
+    """Raise :class:`BlockStackError` if blocks of the container are shared or tied (ALBERT-style)."""
+    shared = _shared_positions(container)
+    if shared:
+        listed = "; ".join(shared[:3]) + (f"; and {len(shared) - 3} more" if len(shared) > 3 else "")
+        raise BlockStackError(
+            f"The block stack '{path}' ({type(container).__name__} of {len(container._modules)}) has shared blocks: "
+            f"{listed}. Shared (tied) blocks cannot be frozen or pipelined one position at a time: freezing one "
+            "position would freeze the others holding the same weights, and a pipeline would put one module on "
+            "several stages. Give every position its own copy (e.g. nn.ModuleList(copy.deepcopy(b) for b in "
+            "container)) if that is the model you want, or train this model without AutoFreeze and "
+            "PipeTransformerStrategy."
+        )
+
+
 def _stack_at(root: nn.Module, path: str, pre: Sequence[str] | None) -> BlockStack:
     container = _get_submodule(root, path)
     if len(list(container.children())) < 1:
         raise BlockStackError(f"'{path}' holds no blocks; point `layers` at the container of the repeated blocks.")
+    _refuse_shared(path, container)
     found_pre, pre_params, post = _split_around(root, path)
     if pre is not None:
         chosen = {p: _get_submodule(root, p) for p in pre}
@@ -210,6 +254,7 @@ def resolve_block_stack(root: nn.Module, spec: str | BlockStack | nn.Module | No
     if spec is None or isinstance(spec, str):
         return find_block_stack(root, spec)
     if isinstance(spec, BlockStack):
+        _refuse_shared(spec.path, spec.container)
         return spec
     if isinstance(spec, nn.Module):
         for path, module in root.named_modules():
