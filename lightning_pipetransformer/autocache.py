@@ -18,16 +18,20 @@ Once the embeddings' output is seen to reach the stack unchanged, they are skipp
 (:class:`~.core.embedding_skip.EmbeddingSkipper`): the model's forward gets a NaN placeholder
 of the right shape from them, and only the rows the stack must compute run the real embeddings.
 
-Two safety nets, both cheap: the first batch with hits at each boundary is also recomputed
+Safety nets, all cheap: every file read from disk is checked against its CRC-32 (a corrupt
+file is a miss); non-finite activations are never stored; index keys repeated within a pass
+over a loader are refused; the first batch with hits at each boundary is also recomputed
 and compared with what the store returned (a mismatch raises: something outside the frozen
-prefix feeds it and caching cannot be exact); and ``cache="auto"`` keeps the cache only while
-a lookup per sample is measured faster than the frozen prefix per sample on this device.
+prefix feeds it and caching cannot be exact; NaN equals NaN there); and ``cache="auto"`` keeps
+the cache only while a lookup per sample is measured faster than the frozen prefix per sample
+on this device.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -47,6 +51,12 @@ from .core.microbatch import BlockArgs, per_sample_view, tensors_in
 __all__ = ["AutoCache", "BoundarySync", "CachedStack", "StaleCacheError"]
 
 CacheMode = bool | Literal["auto"]
+
+#: Per block-stack container: the modes in which its embeddings' output was seen to reach the stack
+#: unchanged (:attr:`AutoCache.verified_modes`). That is a property of the model's code, so it outlives
+#: one AutoCache: validate/test/predict after fit build a new one, and under ``inference_mode`` (no
+#: version counters) could not show it again, so they would key on the hidden state and miss fit's entries.
+_VERIFIED_MODES: weakref.WeakKeyDictionary[nn.Module, set[bool]] = weakref.WeakKeyDictionary()
 
 
 class StaleCacheError(RuntimeError):
@@ -270,6 +280,9 @@ class AutoCache:
         self._recorder = _InputRecorder()
         self._hook: Any = None
         self._skipped: set[str] = set()
+        self._store_warned: set[str] = set()
+        #: ``key="index"``: the indices each loader (``f"{stage}{dataloader_idx}"``) gave since its pass began.
+        self._seen_indices: dict[str, set[int]] = {}
         # Several processes: the boundary to open once the weights are final (see defer_boundary),
         # the store it replaces (advanced at the next sync_boundary) and where to advance it.
         self._pending: tuple[BlockStack, int, bool, torch.device] | None = None
@@ -287,6 +300,12 @@ class AutoCache:
         #: The largest batch of entries the first block's calls would store so far (see watch_batch_bytes).
         self._batch_bytes = 0
         self._size_hook: Any = None
+
+    def _store_warning(self, reason: str, message: str) -> None:
+        """A store could not work fully (full disk, removed directory, NaN activations): warn once per run."""
+        if reason not in self._store_warned:
+            self._store_warned.add(reason)
+            _warn(message)
 
     def skip_once(self, reason: str) -> None:
         """Run without the cache for this batch; warn the first time for each reason."""
@@ -331,7 +350,8 @@ class AutoCache:
             return
         pre = stack.pre[0][1]
         self._container = stack.container
-        self.verified_modes = set()  # shown again by this model's first forward
+        # What earlier AutoCaches showed for this model (shared: what this one shows is kept too).
+        self.verified_modes = _VERIFIED_MODES.setdefault(stack.container, set())
         if self.skip_embeddings and root is not None:
             self.skipper = EmbeddingSkipper.for_stack(root, pre, stack.container, self._may_skip_pre)
         # Registered after the skipper's lazy forward: the recorder sees the placeholder as the output.
@@ -425,15 +445,56 @@ class AutoCache:
             self.embeddings_skipped += 1
         return skipped, pending
 
-    def set_batch(self, batch: Any, namespace: str) -> None:
-        """``key="index"``: take the sample indices of the next forward from ``batch["index"]``."""
+    def set_batch(self, batch: Any, namespace: str, batch_idx: int | None = None) -> None:
+        """``key="index"``: take the sample indices of the next forward from ``batch["index"]``.
+
+        ``namespace`` names the loader (``f"{stage}{dataloader_idx}"``); ``batch_idx`` its position
+        in the loader's current pass (0 starts a new pass). An index key names a sample, so an
+        index seen twice in one batch or one pass means two samples share a key and one would be
+        served the other's activations: :class:`ValueError` (checked from the first batch, cache
+        on or not yet, so a bad index fails in the first step).
+        """
         if not isinstance(batch, dict) or "index" not in batch:
             raise ValueError(
                 "cache_key='index' needs dict batches with an 'index' entry (the dataset index of each sample); "
                 f"got a {type(batch).__name__} batch. Add the index in your Dataset/collate_fn, or use cache_key='content'."
             )
         keys = index_keys(batch["index"], f"{self.namespace}{namespace}")
+        raw = batch["index"]
+        self._check_unique(raw.reshape(-1).tolist() if isinstance(raw, Tensor) else list(raw), namespace, batch_idx)
         self._index_keys = keys if (self.store is not None or self._pending is not None) and self.enabled else None
+
+    def _check_unique(self, indices: list[int], loader: str, batch_idx: int | None) -> None:
+        """Refuse an index repeated in the batch, or already seen in this pass over ``loader``.
+
+        The pass's indices are kept as a set of ints (reset when ``batch_idx == 0``): validation
+        may run several times per training epoch, each run a new pass. Without ``batch_idx`` only
+        the batch is checked.
+        """
+        fix = (
+            "Index keys must name one sample each: put each sample's own position in the Dataset in 'index' "
+            "(not, e.g., i % n), or use cache_key='content' (also when the sampler repeats samples on purpose: "
+            "sampling with replacement, weighted sampling)."
+        )
+        unique = set(indices)
+        if len(unique) != len(indices):
+            repeated = sorted({i for i in indices if indices.count(i) > 1})
+            raise ValueError(
+                f"cache_key='index': batch {batch_idx} of the {loader} loader holds dataset index(es) "
+                f"{repeated[:5]} more than once. {fix}"
+            )
+        if batch_idx is None:
+            return
+        seen = self._seen_indices.setdefault(loader, set())
+        if batch_idx == 0:
+            seen.clear()
+        again = seen & unique
+        if again:
+            raise ValueError(
+                f"cache_key='index': batch {batch_idx} of the {loader} loader holds dataset index(es) "
+                f"{sorted(again)[:5]}, already seen earlier in this pass over the loader. {fix}"
+            )
+        seen |= unique
 
     def keys_for(self, hidden: Tensor, calls: Sequence[BlockArgs], pending: Pending | None) -> list[str] | None:
         """Keys of what enters the stack (its input and every block's arguments), or ``None`` when
@@ -466,7 +527,7 @@ class AutoCache:
         previous = self.store
         self._pending = None
         if self._previous is not None:
-            self._previous.clear()
+            self._previous.close()
             self._previous = None
         if not self._cacheable(stack, num_frozen, include_pre):
             self.store = None
@@ -479,9 +540,9 @@ class AutoCache:
                     device=device, shard=shard,
                 )
             if shard[0] == 0:
-                previous.clear(disk=True)
+                previous.clear(disk=True)  # kept if another run on the same weights still uses it
             else:
-                previous.clear()
+                previous.close()
 
     def defer_boundary(self, stack: BlockStack, num_frozen: int, include_pre: bool, device: torch.device) -> None:
         """Several processes: check boundary ``num_frozen`` now, open its store later.
@@ -501,10 +562,10 @@ class AutoCache:
         if old is not None:
             if old.boundary < num_frozen:
                 if self._previous is not None:
-                    self._previous.clear()
+                    self._previous.close()
                 self._previous = old
             else:
-                old.clear()
+                old.close()
         self._where = (stack, device)
         self._pending = (stack, num_frozen, include_pre, device) if self._cacheable(stack, num_frozen, include_pre) else None
 
@@ -528,9 +589,11 @@ class AutoCache:
         replicas their weights. Each rank that held the previous boundary's store advances its
         shard of the entries (``shard_of(key, n)`` over the ``n`` such ranks of its node, which see
         the same ``cache_dir``) into the new store; with ``write_through`` they land on disk.
-        Then a barrier: nobody reads the new boundary before every shard is written, so replicas
-        that join now hit entries written by the others instead of re-warming. Finally one of
-        the advancing ranks deletes the previous boundary's directory (nobody reads it any more).
+        Then every rank closes the previous store (releasing its lock on the directory) and a
+        barrier: nobody reads the new boundary before every shard is written, so replicas that
+        join now hit entries written by the others instead of re-warming. Finally one of the
+        advancing ranks deletes the previous boundary's directory, unless another run on the same
+        frozen weights still holds it open (it is then that run's to delete).
         Returns the number of entries this rank advanced.
         """
         import torch.distributed as dist
@@ -562,9 +625,13 @@ class AutoCache:
                     device=device, shard=(peers.index(me), len(peers)),
                 )
             self.advanced = advanced
-        dist.barrier(group=group)
         if previous is not None:
-            previous.clear(disk=first)
+            # Every rank lets go of the old directory before the barrier; after it, one deletes it
+            # (its exclusive lock would fail while any store of the node still held it).
+            previous.close()
+        dist.barrier(group=group)
+        if previous is not None and first:
+            previous.clear(disk=True)
         return advanced
 
     def _open_pending(self) -> None:
@@ -591,7 +658,7 @@ class AutoCache:
         store = ActivationStore(
             self.cache_dir, prefix_fingerprint(stack, num_frozen, include_pre, extra=f"{self.fingerprint_extra}|format={ENTRY_FORMAT}"),
             num_frozen, self.memory_budget,
-            storage_dtype=self.storage_dtype, write_through=self.write_through,
+            storage_dtype=self.storage_dtype, write_through=self.write_through, warn=self._store_warning,
         )
         self._verified = False
         self.advanced = 0
@@ -614,7 +681,8 @@ class AutoCache:
             with torch.no_grad():
                 fresh = prefix(rows(hit_mask), select_rows(calls, hit_mask, batch))
             cached = boundary[hit_mask.to(boundary.device)]
-            if not torch.allclose(fresh.float(), cached.float(), rtol=1e-3, atol=1e-4):
+            # equal_nan: a NaN computed the same way both times is the same value (a NaN input feature).
+            if not torch.allclose(fresh.float(), cached.float(), rtol=1e-3, atol=1e-4, equal_nan=True):
                 raise StaleCacheError(
                     "AutoCache returned an activation that differs from recomputing the frozen prefix: something "
                     "other than the embeddings' inputs and the blocks' arguments feeds the frozen blocks (a trainable "

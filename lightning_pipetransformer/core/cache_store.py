@@ -22,6 +22,22 @@ is a miss and is counted in ``stats().rejected``, never returned. Writers write 
 temporary name and ``os.replace`` it into place, so concurrent writers of one key are safe (both
 write the same bytes) and a reader sees a whole file or none.
 
+Every file carries a CRC-32 of each tensor's bytes in its header (``crc32.<name>``), checked
+on every read from disk: a file whose bytes changed under an intact header (a torn write, a bad
+sector, a tool that rewrote it) is a miss, counted in ``stats().corrupt``, and the next store
+rewrites it. Entries in this process's memory are not checked on each hit: they never left the
+process, and hashing 3 MiB per batch would cost about as much as the lookup itself (measured in
+``docs/cache.md``). Non-finite activations (NaN, inf) are never stored (``stats().nonfinite``):
+one bad step would otherwise be replayed every epoch under index keys.
+
+Several stores (runs, processes) may share one directory: each holds a shared ``flock`` on it
+while open, and :meth:`ActivationStore.clear` deletes it only under a non-blocking exclusive
+lock, so one run's boundary advance never deletes a directory another run still reads or writes.
+A directory removed from outside is recreated at the next write (``stats().recreated``). A disk
+that is full (``ENOSPC``/``EDQUOT``) or refuses a write stops disk writes at this boundary with
+one warning (``stats().unwritten`` counts the entries not written): they are recomputed when
+needed, exactly as without a cache.
+
 Storage dtype is the activation's own by default (exact). ``storage_dtype=torch.bfloat16`` or
 ``torch.float16`` halves memory and disk but is *lossy*: the active blocks then see rounded
 inputs and cache-on no longer equals cache-off bit for bit. Opt-in only. Extra per-sample tensors
@@ -31,9 +47,12 @@ in their own dtype.
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
-from collections.abc import Mapping, Sequence
+import warnings
+import zlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -45,13 +64,28 @@ from torch import Tensor
 from .cache_keys import KEY_PATTERN
 from .cache_validity import FORMAT_VERSION
 
-__all__ = ["ActivationStore", "CacheConfigError", "CacheStats", "StoredEntry", "check_batch_fits", "merge_rows"]
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: directories are shared without locks
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = [
+    "ActivationStore",
+    "CacheConfigError",
+    "CacheStats",
+    "StoredEntry",
+    "check_batch_fits",
+    "checksum",
+    "merge_rows",
+]
 
 _FORMAT = "pipetransformer-activation"
 _SUFFIX = ".safetensors"
 _HIDDEN = "hidden"
 _EXTRA = "x."  # prefix of extra tensors' names inside a file
 _LOWER_PRECISION = (torch.bfloat16, torch.float16)
+_CHECKSUM = "crc32."  # header metadata: crc32.<tensor name> = the CRC-32 of that tensor's bytes
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 class CacheConfigError(ValueError):
@@ -77,7 +111,15 @@ class CacheStats:
     memory_hits: int = 0
     disk_hits: int = 0
     rejected: int = 0
+    #: Files whose bytes did not match their checksum: a miss, recomputed and rewritten.
+    corrupt: int = 0
     stored: int = 0
+    #: Samples whose activation held NaN or inf: never stored, recomputed every time.
+    nonfinite: int = 0
+    #: Entries that should have gone to disk but did not (disk full, write refused): recomputed when needed.
+    unwritten: int = 0
+    #: Times this store's directory had been removed from outside and was made again.
+    recreated: int = 0
     entries_in_memory: int = 0
     bytes_in_memory: int = 0
     files_on_disk: int = 0
@@ -111,6 +153,147 @@ class _MemEntry:
     nbytes: int
 
 
+def checksum(tensor: Tensor) -> str:
+    """The CRC-32 of ``tensor``'s bytes as a file stores them (8 hex digits).
+
+    CRC-32 because it is the cheapest stdlib hash that catches what happens to files (any burst
+    of up to 32 flipped bits, any overwritten run with probability 1 - 2**-32): ~2 GB/s, ~45 us
+    for a 96 KiB activation, against ~5x that for BLAKE2b (``benchmarks/cache_store.py``). It is
+    not a defence against someone who can write the directory (0700): they could write any file.
+    """
+    flat = tensor.detach().contiguous().reshape(-1)
+    return f"{zlib.crc32(flat.view(torch.uint8).numpy()):08x}"
+
+
+#: Descriptors of the directory locks this process holds: closed in forked children (DataLoader
+#: workers), whose inherited copies would otherwise keep the lock after the store released it.
+_LOCK_FDS: set[int] = set()
+
+
+def _close_inherited_locks() -> None:
+    for fd in list(_LOCK_FDS):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _LOCK_FDS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited_locks)
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _lock_directory(directory: Path) -> int | None:
+    """Make ``directory`` (0700) if missing and hold a shared lock on it; return the lock's descriptor.
+
+    The shared lock is what stops another store's :meth:`ActivationStore.clear` from deleting the
+    directory while this one uses it. A deleter renames the directory away under its exclusive
+    lock, so a lock won after that is on a dead directory: the path then shows another inode (or
+    none), and this tries again with a fresh one. ``None`` without ``fcntl`` (no locking).
+    """
+    for _ in range(100):
+        try:
+            directory.mkdir(mode=0o700)
+            os.chmod(directory, 0o700)  # mkdir's mode is masked by the umask
+        except FileExistsError:
+            pass
+        if fcntl is None:
+            return None
+        try:
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            continue  # removed between mkdir and open
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if _same_file(directory, fd):
+                _LOCK_FDS.add(fd)
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    raise OSError(errno.EAGAIN, f"{directory} was removed each time it was made", str(directory))
+
+
+def _unlock(fd: int | None) -> None:
+    if fd is not None and fd in _LOCK_FDS:
+        _LOCK_FDS.discard(fd)
+        os.close(fd)  # releases the flock (this process's last reference to it)
+
+
+def _remove_directory(directory: Path) -> bool:
+    """Delete ``directory`` unless a store holds it open; ``True`` if it is gone.
+
+    Takes the exclusive lock without waiting: a shared lock held by any store (this process's
+    or another run's) means it is in use, and it is left for its last user to delete.
+    """
+    if fcntl is None:
+        fd = None
+    else:
+        try:
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            return True
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            if not _same_file(directory, fd):
+                return False  # replaced meanwhile by a directory someone else made: not ours to delete
+        # Renamed first: openers from now on make a fresh directory, never one being emptied.
+        grave = directory.with_name(f".{directory.name}.removed-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            os.rename(directory, grave)
+        except FileNotFoundError:
+            return True
+        for name in os.listdir(grave):
+            try:
+                os.unlink(grave / name)
+            except FileNotFoundError:
+                pass
+        try:
+            grave.rmdir()
+        except OSError:  # a writer without a lock put a file in meanwhile: a hidden leftover, harmless
+            pass
+        return True
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _finite_rows(rows: Tensor) -> list[bool]:
+    """Per row of ``rows`` (``[B, ...]``): whether every element is finite.
+
+    A row's sum is non-finite when any element is (NaN and inf propagate) and otherwise only on
+    overflow, so one summing pass (~1 ms for 32 x 96 KiB on CPU, where ``isfinite`` took ~15x
+    that) clears almost every row; the rare flagged ones are checked element by element.
+    """
+    if not (rows.is_floating_point() or rows.is_complex()) or rows.shape[0] == 0:
+        return [True] * rows.shape[0]
+    flat = rows.reshape(rows.shape[0], -1)
+    wide = torch.float32 if flat.is_floating_point() and flat.element_size() < 4 else None
+    ok = flat.sum(dim=1, dtype=wide).isfinite().tolist()
+    for i, good in enumerate(ok):
+        if not good:
+            ok[i] = bool(torch.isfinite(flat[i]).all())
+    return ok
+
+
+def _default_warn(reason: str, message: str) -> None:
+    warnings.warn(message, stacklevel=4)
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -136,9 +319,17 @@ class ActivationStore:
         storage_dtype: ``None`` stores the activation's dtype (exact); ``torch.bfloat16`` or
             ``torch.float16`` is a lossy, opt-in halving of the bytes.
         write_through: also write entries kept in memory to disk, so other processes see them.
+        warn: ``warn(reason, message)``, called the first time something stops the store from
+            working fully (``reason``: ``"disk"`` full, directory ``"recreated"``, ``"nonfinite"``
+            activations); default ``warnings.warn(message)``. A caller with several stores (one per
+            boundary) can use ``reason`` to warn once in all.
+
+    The store holds a shared lock on its directory from construction until :meth:`close` or
+    :meth:`clear` (or garbage collection): while it does, no other store deletes that directory.
 
     Raises:
-        CacheConfigError: ``cache_dir`` cannot be created or written, or a bad argument.
+        CacheConfigError: ``cache_dir`` cannot be created or written, or a bad argument. A full
+            disk is not an error: the store then keeps to memory (see the module docstring).
     """
 
     def __init__(
@@ -150,7 +341,9 @@ class ActivationStore:
         *,
         storage_dtype: torch.dtype | None = None,
         write_through: bool = False,
+        warn: Callable[[str, str], None] | None = None,
     ) -> None:
+        self._lock: int | None = None  # first: __del__ reads it even if a check below raises
         if not isinstance(fingerprint, str) or not KEY_PATTERN.match(fingerprint):
             raise CacheConfigError(f"fingerprint must be a hex string from prefix_fingerprint(), got {fingerprint!r}.")
         if isinstance(boundary, bool) or not isinstance(boundary, int) or boundary < 0:
@@ -170,31 +363,64 @@ class ActivationStore:
         storage = _dtype_name(storage_dtype) if storage_dtype is not None else "native"
         self.root = Path(cache_dir)
         self.directory = self.root / f"{fingerprint}-b{boundary}-{storage}"
-        self._make_directory()
         self._mem: dict[str, _MemEntry] = {}
         self._mem_bytes = 0
         self._bad: set[str] = set()  # keys whose file was rejected: the next store overwrites it
         self._stats = CacheStats()
+        self._warn = warn or _default_warn
+        self._warned: set[str] = set()
+        #: Why disk writes stopped at this boundary (a full disk), or ``None`` while they work.
+        self._disk_off: str | None = None
+        self._make_directory()
 
     # ------------------------------------------------------------------ set-up
 
     def _make_directory(self) -> None:
+        """Create the directory, hold its shared lock, and prove it writable (a full disk: memory only)."""
         try:
-            if not self.root.exists():
-                self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-                os.chmod(self.root, 0o700)  # mkdir's mode is masked by the umask
-            if not self.directory.exists():
-                self.directory.mkdir(mode=0o700, exist_ok=True)
-                os.chmod(self.directory, 0o700)
+            self._open_directory()
             # Probe: the only reliable writability test (root ignores mode bits, mounts may be read-only).
             probe = self.directory / f".probe-{os.getpid()}-{secrets.token_hex(4)}"
             os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
             os.unlink(probe)
         except OSError as err:
+            if err.errno in _NO_SPACE:
+                self._stop_disk(err)
+                return
             raise CacheConfigError(
                 f"cache_dir={str(self.root)!r} is not a writable directory ({type(err).__name__}: {err}). "
                 "Pass a cache_dir on a local, writable disk (e.g. a folder under $TMPDIR), or cache=False."
             ) from None
+
+    def _open_directory(self) -> None:
+        """(Re)make ``cache_dir`` and this store's directory, and hold the shared lock on the latter."""
+        _unlock(self._lock)
+        self._lock = None
+        if not self.root.exists():
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(self.root, 0o700)  # mkdir's mode is masked by the umask
+        self._lock = _lock_directory(self.directory)
+
+    def _relock(self) -> None:
+        try:
+            self._open_directory()
+        except OSError as err:
+            self._stop_disk(err)
+
+    def _warn_once(self, reason: str, message: str) -> None:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            self._warn(reason, message)
+
+    def _stop_disk(self, err: OSError) -> None:
+        """Disk full (or a write refused): keep to memory at this boundary; warn once."""
+        self._disk_off = f"{type(err).__name__}: {err}"
+        self._warn_once(
+            "disk",
+            f"AutoCache stopped writing to {self.directory} ({self._disk_off}). Entries that do not fit the memory "
+            "budget are recomputed from now on at this boundary (exact, only slower; counted in autocache/unwritten). "
+            "Free space in cache_dir or raise cache_memory.",
+        )
 
     def check_batch_fits(self, nbytes: int) -> None:
         """Raise :class:`CacheConfigError` if one batch of ``nbytes`` cannot fit in a positive budget."""
@@ -284,8 +510,15 @@ class ActivationStore:
         host_extras = {n: t.detach().to("cpu") for n, t in extras.items()}
         if check_fits:
             self.check_batch_fits(host.nbytes + sum(t.nbytes for t in host_extras.values()))
+        # In the storage dtype: a finite fp32 value may overflow fp16.
+        finite = _finite_rows(host)
+        if self._lock is None and fcntl is not None and self._disk_off is None:
+            self._relock()  # closed earlier and used again: hold the directory while writing into it
         for i, key in enumerate(keys):
             if key in self._mem:
+                continue
+            if not finite[i]:
+                self._skip_nonfinite(key)
                 continue
             # Clone: a row view would keep the whole batch's storage alive.
             hidden = host[i].clone()
@@ -295,9 +528,19 @@ class ActivationStore:
             if in_memory:
                 self._mem[key] = _MemEntry(hidden, original, row_extras, nbytes)
                 self._mem_bytes += nbytes
-            if not in_memory or self.write_through:
-                self._write(key, hidden, original, row_extras)
-            self._stats.stored += 1
+            written = (not in_memory or self.write_through) and self._write(key, hidden, original, row_extras)
+            if in_memory or written:
+                self._stats.stored += 1
+
+    def _skip_nonfinite(self, key: str) -> None:
+        """Never keep a NaN/inf activation: replayed from the cache, one bad step would recur every epoch."""
+        self._stats.nonfinite += 1
+        self._warn_once(
+            "nonfinite",
+            f"AutoCache did not store a non-finite (NaN/inf) activation at boundary {self.boundary} (key {key}): such "
+            "samples are recomputed each time they come (counted in autocache/nonfinite). Check the inputs and the "
+            "frozen blocks if this was not expected.",
+        )
 
     # ------------------------------------------------------------------ entries one by one
 
@@ -360,29 +603,36 @@ class ActivationStore:
         snap.files_on_disk, snap.bytes_on_disk = files, size
         return snap
 
-    def clear(self, disk: bool = False) -> None:
-        """Drop the memory entries; with ``disk=True`` also delete this prefix's directory.
+    def close(self) -> None:
+        """Drop the memory entries and release the directory's lock (its files stay for other stores).
 
-        Delete the disk part from one process only, after the others stopped reading it (the
-        strategy's barrier): they would see misses, never wrong data.
+        The store stays usable: a later write takes the lock again.
+        """
+        self._mem.clear()
+        self._mem_bytes = 0
+        _unlock(self._lock)
+        self._lock = None
+
+    def clear(self, disk: bool = False) -> bool:
+        """Drop the memory entries; with ``disk=True`` also delete this prefix's directory if no store uses it.
+
+        The directory goes only if no other store (another run on the same frozen weights, a
+        process of this node that has not closed its store yet) holds its lock: it is then left
+        for the last one to delete. With several processes, close every store before one of them
+        deletes (the strategy's barrier). Returns whether the directory is gone (``True`` for
+        ``disk=False``: nothing was asked).
         """
         self._mem.clear()
         self._mem_bytes = 0
         if not disk:
-            return
+            return True
+        self.close()
+        return _remove_directory(self.directory)
+
+    def __del__(self) -> None:
         try:
-            with os.scandir(self.directory) as it:
-                names = [item.name for item in it]
-        except FileNotFoundError:
-            return
-        for name in names:
-            try:
-                os.unlink(self.directory / name)
-            except FileNotFoundError:
-                pass
-        try:
-            self.directory.rmdir()
-        except OSError:  # another process is still writing into it
+            _unlock(self._lock)
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to release
             pass
 
     # ------------------------------------------------------------------ files
@@ -390,10 +640,19 @@ class ActivationStore:
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}{_SUFFIX}"
 
-    def _write(self, key: str, hidden: Tensor, original: torch.dtype, extras: Mapping[str, Tensor]) -> None:
+    def _write(self, key: str, hidden: Tensor, original: torch.dtype, extras: Mapping[str, Tensor]) -> bool:
+        """Write one entry's file; ``True`` if it is on disk (now or already), ``False`` if it could not be.
+
+        A directory removed from outside is made again once (``recreated``); any other failure
+        (a full disk above all) stops disk writes at this boundary, with one warning: the entry is
+        then simply not cached (``unwritten``), never a crash.
+        """
         path = self._path(key)
+        if self._disk_off is not None:
+            self._stats.unwritten += 1
+            return False
         if key not in self._bad and path.exists():
-            return  # written by another process (same fingerprint: same bytes)
+            return True  # written by another process (same fingerprint: same bytes)
         tensors = {_HIDDEN: hidden.contiguous(), **{_EXTRA + n: t.contiguous() for n, t in extras.items()}}
         metadata = {
             "format": _FORMAT,
@@ -402,24 +661,57 @@ class ActivationStore:
             "boundary": str(self.boundary),
             "key": key,
             "dtype": _dtype_name(original),
+            **{_CHECKSUM + name: checksum(t) for name, t in tensors.items()},
         }
         data = safetensors_save(tensors, metadata=metadata)
+        for attempt in range(2):
+            try:
+                self._write_file(key, data)
+                break
+            except FileNotFoundError as err:
+                if attempt or not self._recreate(err):
+                    self._stop_disk(err)
+                    self._stats.unwritten += 1
+                    return False
+            except OSError as err:
+                self._stop_disk(err)
+                self._stats.unwritten += 1
+                return False
+        self._bad.discard(key)
+        return True
+
+    def _write_file(self, key: str, data: bytes) -> None:
         tmp = self.directory / f".{key}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
-            os.replace(tmp, path)  # atomic: readers see the old file, the new one, or none
+            os.replace(tmp, self._path(key))  # atomic: readers see the old file, the new one, or none
         except BaseException:
             try:
                 os.unlink(tmp)
-            except FileNotFoundError:
+            except OSError:
                 pass
             raise
-        self._bad.discard(key)
+
+    def _recreate(self, err: OSError) -> bool:
+        """The directory was removed from outside (a cleaner, a user): make it again; ``False`` if that fails."""
+        if self.directory.exists():
+            return False  # something else is missing: not ours to fix
+        try:
+            self._open_directory()
+        except OSError:
+            return False
+        self._stats.recreated += 1
+        self._warn_once(
+            "recreated",
+            f"AutoCache's directory {self.directory} was removed while in use ({err.strerror}); it was made again. "
+            "The entries that were in it are recomputed when next needed (exact). Do not clean cache_dir during a run.",
+        )
+        return True
 
     def _read(self, key: str, with_extras: bool) -> tuple | None:
-        """``(hidden in storage dtype, original dtype[, extras])`` from disk, or ``None`` (missing or rejected)."""
+        """``(hidden in storage dtype, original dtype[, extras])`` from disk, or ``None`` (missing, rejected or corrupt)."""
         path = self._path(key)
         if not path.exists():
             return None
@@ -438,18 +730,26 @@ class ActivationStore:
                 original = getattr(torch, meta.get("dtype", ""), None)
                 if not isinstance(original, torch.dtype):
                     raise ValueError(f"unknown dtype {meta.get('dtype')!r}")
-                hidden = f.get_tensor(_HIDDEN)
-                if self.storage_dtype is not None and hidden.dtype != self.storage_dtype:
-                    raise ValueError("stored in another dtype")
-                if not with_extras:
-                    return hidden, original
-                extras = {n[len(_EXTRA) :]: f.get_tensor(n) for n in f.keys() if n.startswith(_EXTRA)}
-                return hidden, original, extras
+                names = [_HIDDEN, *(n for n in f.keys() if n.startswith(_EXTRA))] if with_extras else [_HIDDEN]
+                tensors = {n: f.get_tensor(n) for n in names}
         except Exception:  # noqa: BLE001 - any unreadable file is a miss, never an error or a wrong hit
             if path.exists():
                 self._stats.rejected += 1
                 self._bad.add(key)
             return None
+        # The bytes this read returns are exactly the ones checked (the memory map is copied by get_tensor).
+        if any(meta.get(_CHECKSUM + n) != checksum(t) for n, t in tensors.items()):
+            self._stats.corrupt += 1
+            self._bad.add(key)
+            return None
+        hidden = tensors[_HIDDEN]
+        if self.storage_dtype is not None and hidden.dtype != self.storage_dtype:
+            self._stats.rejected += 1
+            self._bad.add(key)
+            return None
+        if not with_extras:
+            return hidden, original
+        return hidden, original, {n[len(_EXTRA) :]: t for n, t in tensors.items() if n != _HIDDEN}
 
 
 def merge_rows(hit_mask: Tensor, hits: Tensor, computed: Tensor) -> Tensor:

@@ -39,7 +39,8 @@ __all__ = [
 ]
 
 # Bump when the meaning of a fingerprint or of a cache file changes: old directories then miss.
-FORMAT_VERSION = 1
+# 2: every file carries a CRC-32 of each tensor (files of version 1 have none).
+FORMAT_VERSION = 2
 
 # Attribute names of stochastic-depth / dropout probabilities held as plain floats
 # (Hugging Face attention's ``dropout`` float, timm's DropPath ``drop_prob``).
