@@ -29,6 +29,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
+from .core import devices as dev
+
 __all__: list[str] = []
 
 
@@ -150,7 +152,8 @@ def _receivers_of(src: int, receivers: Sequence[int] | None, group: Any) -> list
 
 
 def send_tensors(
-    tensors: Sequence[torch.Tensor], src: int, receivers: Sequence[int] | None, group: Any, chunk_bytes: int = CHUNK_BYTES
+    tensors: Sequence[torch.Tensor], src: int, receivers: Sequence[int] | None, group: Any,
+    chunk_bytes: int = CHUNK_BYTES, via: torch.device | None = None,
 ) -> None:
     """Copy ``tensors`` from global rank ``src`` into the same-shaped ``tensors`` of each receiver, in place.
 
@@ -159,18 +162,22 @@ def send_tensors(
     call it too and returns at once. Point-to-point messages on ``group`` along
     :func:`transfer_tree`, in pieces of at most ``chunk_bytes`` that a receiver forwards as soon as
     it has them; each message waits at most the group's timeout. Bit-exact: bytes are copied, no
-    arithmetic.
+    arithmetic. ``via``: the process's own device, the one its groups are bound to (NCCL refuses
+    tensors on others): tensors elsewhere (a pipeline stage on another GPU) travel through
+    staging buffers there.
     """
     rank = dist.get_rank()
     tree = transfer_tree(src, _receivers_of(src, receivers, group))
     if rank not in tree or len(tree) == 1:
         return
     parent, children = tree[rank]
-    pieces = list(_pieces(tensors, chunk_bytes))
+    pieces = list(_pieces(tensors, chunk_bytes, via))
+    for _, _, source in pieces:
+        dev.check_collective(source, "state transfer to a joining replica")
     # Post every receive first, so a sender never waits for this rank to ask for the next piece.
-    receiving = [dist.irecv(piece, src=parent, group=group) for piece, _ in pieces] if parent is not None else None
+    receiving = [dist.irecv(piece, src=parent, group=group) for piece, _, _ in pieces] if parent is not None else None
     sending = []
-    for index, (piece, targets) in enumerate(pieces):
+    for index, (piece, targets, _) in enumerate(pieces):
         if receiving is not None:
             receiving[index].wait()
             _unpack(piece, targets)
@@ -181,31 +188,47 @@ def send_tensors(
         work.wait()
 
 
-def _pieces(tensors: Sequence[torch.Tensor], chunk_bytes: int) -> Iterator[tuple[torch.Tensor, list[torch.Tensor]]]:
-    """``(message, targets)``: a slice of one large contiguous tensor (``targets`` empty), or a
-    staging buffer standing for the small tensors ``targets`` (same device and dtype, in order)."""
+def _pieces(
+    tensors: Sequence[torch.Tensor], chunk_bytes: int, via: torch.device | None = None,
+) -> Iterator[tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]]:
+    """``(message, targets, source)``: a slice of one large contiguous tensor (``targets`` empty), or a
+    staging buffer standing for the tensors ``targets`` (one dtype, in order); ``source`` is the
+    tensor whose device the message is on. With ``via``, every tensor not on ``via`` is staged
+    through buffers there."""
     small: list[torch.Tensor] = []
 
-    def staged() -> Iterator[tuple[torch.Tensor, list[torch.Tensor]]]:
+    def buffer_for(numel: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+        device = via if via is not None else like.device
+        buffer = torch.empty(numel, dtype=dtype, device=device)
+        dev.tag_as(buffer, device)
+        return buffer
+
+    def staged() -> Iterator[tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]]:
         if small:
-            buffer = torch.empty(sum(t.numel() for t in small), dtype=small[0].dtype, device=small[0].device)
-            yield buffer, list(small)
+            buffer = buffer_for(sum(t.numel() for t in small), small[0].dtype, small[0])
+            yield buffer, list(small), buffer
             small.clear()
 
     for t in tensors:
         if t.numel() == 0:
             continue
+        direct = via is None or dev.device_of(t) == via
         nbytes = t.numel() * t.element_size()
         if nbytes >= COALESCE_BYTES and t.is_contiguous():
             yield from staged()
             flat = t.view(-1)
             step = max(1, chunk_bytes // t.element_size())
             for offset in range(0, flat.numel(), step):
-                yield flat[offset : offset + step], []
+                piece = flat[offset : offset + step]
+                if direct:
+                    yield piece, [], t
+                else:
+                    buffer = buffer_for(piece.numel(), t.dtype, t)
+                    yield buffer, [piece], buffer
             continue
         if small and (
             small[0].dtype != t.dtype
-            or small[0].device != t.device
+            or (via is None and small[0].device != t.device)
             or (sum(s.numel() for s in small) + t.numel()) * t.element_size() > chunk_bytes
         ):
             yield from staged()
@@ -243,7 +266,9 @@ def module_state_tensors(module: nn.Module) -> tuple[list[torch.Tensor], list[to
     return unique(module.parameters()), unique(module.buffers())
 
 
-def broadcast_module_state(module: nn.Module, src: int, group: Any, receivers: Sequence[int] | None = None) -> None:
+def broadcast_module_state(
+    module: nn.Module, src: int, group: Any, receivers: Sequence[int] | None = None, via: torch.device | None = None,
+) -> None:
     """``module``'s parameters from global rank ``src`` to ``receivers``, its buffers to all of ``group``.
 
     Every member of ``group`` calls this. ``receivers`` (global ranks; default: every other member)
@@ -254,11 +279,13 @@ def broadcast_module_state(module: nn.Module, src: int, group: Any, receivers: S
     """
     params, buffers = module_state_tensors(module)
     with torch.no_grad():
-        send_tensors(buffers, src, None, group)
-        send_tensors(params, src, receivers, group)
+        send_tensors(buffers, src, None, group, via=via)
+        send_tensors(params, src, receivers, group, via=via)
 
 
-def broadcast_state(state: Any, src: int, group: Any, receivers: Sequence[int] | None = None) -> Any:
+def broadcast_state(
+    state: Any, src: int, group: Any, receivers: Sequence[int] | None = None, via: torch.device | None = None,
+) -> Any:
     """A nested state (optimizer and scheduler state dicts) from global rank ``src`` to ``receivers``.
 
     ``receivers``: global ranks (default: all other members of ``group``); other ranks may call
@@ -280,9 +307,15 @@ def broadcast_state(state: Any, src: int, group: Any, receivers: Sequence[int] |
         message = (skeleton, [(tuple(t.shape), t.dtype, t.device.type) for t in tensors])
     skeleton, specs = _send_object(message, tree, group)
     if rank != src:
-        tensors = [torch.empty(shape, dtype=dtype, device=_device_of_kind(kind)) for shape, dtype, kind in specs]
-    send_tensors(tensors, src, receivers, group)
+        tensors = [_empty(shape, dtype, via if via is not None else _device_of_kind(kind)) for shape, dtype, kind in specs]
+    send_tensors(tensors, src, receivers, group, via=via)
     return state if rank == src else _fill(skeleton, tensors)
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    dev.tag_as(tensor, device)
+    return tensor
 
 
 def _device_of_kind(kind: str) -> torch.device:
@@ -310,6 +343,40 @@ def _send_object(obj: Any, tree: dict[int, tuple[int | None, list[int]]], group:
     for work in works:
         work.wait()
     return obj
+
+
+def average_gradients(params: Sequence[torch.Tensor], group: Any, via: torch.device, chunk_bytes: int = CHUNK_BYTES) -> None:
+    """The replicas' mean gradient of ``params``, in place, through buffers on ``via``.
+
+    For a replica whose pipeline stages span several devices, where DDP cannot be used (its
+    buckets live on every device, the process's groups only on ``via``). Every active rank calls
+    this after its last backward of the step, with the same parameters in the same order. A
+    parameter without a gradient counts as zero (and gets one), as on a replica where it was used.
+    """
+    world = dist.get_world_size(group)
+    grads = []
+    for param in params:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        dev.tag_as(param.grad, dev.device_of(param))  # test mode: a gradient is where its parameter is
+        grads.append(param.grad)
+    with torch.no_grad():
+        # A large gradient on ``via`` is reduced in place, slice by slice; the rest through staging buffers.
+        for message, targets, source in _pieces(grads, chunk_bytes, via):
+            if targets:
+                _pack(message, targets)
+            dev.check_collective(source, "gradient averaging")
+            dist.all_reduce(message, group=group)
+            message.div_(world)
+            if targets:
+                _unpack(message, targets)
+
+
+def destroy_group(group: Any) -> None:
+    """Release a group no longer used (its communicators would otherwise live as long as the process)."""
+    if group is None or group is dist.group.WORLD or group == dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    dist.destroy_process_group(group)
 
 
 def without_state_of(optimizer_state: dict[str, Any], optimizer: torch.optim.Optimizer, params: Any) -> dict[str, Any]:

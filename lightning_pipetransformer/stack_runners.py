@@ -24,6 +24,7 @@ from torch import nn
 
 from .auto_chunks import ChunkTuner
 from .autocache import AutoCache, CachedStack, active_balance
+from .core.devices import place_module
 from .core.interception import StackCall
 from .core.pipeline import Pipeline
 from .core.planner import Plan
@@ -74,7 +75,7 @@ def cached_runner(
     """AutoCache's runner for ``plan``: misses run the frozen prefix on the first stage's device,
     the active blocks a pipeline over the stages that hold them, of ``chunks_for(its length)`` micro-batches."""
     for block in blocks[: plan.num_frozen]:
-        block.to(devices[0])  # the misses run the frozen prefix where the hidden state is
+        place_module(block, devices[0])  # the misses run the frozen prefix where the hidden state is
     balance, stages = active_balance(plan.partition, plan.num_frozen)
     run_active: Callable[[StackCall], Any]
     if balance:

@@ -54,6 +54,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from . import elastic, idle_ranks
+from .core import devices as dev
 
 from .core.costs import parameter_costs, parameter_count
 from .core.discovery import BlockStack, BlockStackError
@@ -178,6 +179,7 @@ class PipeTransformerStrategy(ParallelStrategy):
         self._control_group: Any = None
         self._active_group: Any = None
         self._ddp_init_sync = True
+        self._average_by_hand = False  # replicas of several stages: gradients averaged after backward
         self.last_transition: dict[str, float] = {}
         # Engagement reporting: the counts already reported, and at which step.
         self._engagement_seen = InterceptionStats()
@@ -235,6 +237,7 @@ class PipeTransformerStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        dev.bind_process_device(self.root_device)
         if self.is_distributed:
             self._setup_distributed()
 
@@ -379,6 +382,8 @@ class PipeTransformerStrategy(ParallelStrategy):
             self._apply_plan(plan, announce=True)
         if fitting:
             self.configure_ddp()  # DDP over the active replicas (several processes only)
+            if self._average_by_hand:  # no DDP wrapper to sync the replicas' first weights
+                elastic.broadcast_module_state(self.lightning_module, src=0, group=self._active_group, via=self.root_device)
             self.setup_optimizers(trainer)
         elif self.is_distributed:
             _sync_module_states(self.lightning_module)  # every rank, as DDPStrategy does without a wrapper
@@ -502,20 +507,56 @@ class PipeTransformerStrategy(ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        # Everything outside the stack lives on the first stage's device; the stack is placed
-        # per stage by _apply_plan.
+        """Everything outside the stack to the first stage's device; the blocks go straight to
+        their own stage's device in _apply_plan (never all of them to this one first: a model
+        that does not fit one device must still start, and a shadow rank holds no block at all)."""
         assert self.model is not None
-        self.model.to(self.root_device)
+        if self.stack is None:
+            dev.place_module(self.model, self.root_device)
+            return
+        blocks = {id(m) for block in self.stack.blocks for m in block.modules()}
+        with torch.no_grad():
+            for module in self.model.modules():
+                if id(module) in blocks:
+                    continue
+                for param in module._parameters.values():
+                    if param is not None:
+                        param.data = param.data.to(self.root_device)
+                        dev.tag_as(param, self.root_device)
+                for name, buffer in module._buffers.items():
+                    if buffer is not None:
+                        module._buffers[name] = buffer.to(self.root_device)
+                        dev.tag_as(module._buffers[name], self.root_device)
+
+    def _drop_ddp(self) -> None:
+        if isinstance(self.model, DistributedDataParallel):
+            dev.after_unwrap()
+        self.model = self.lightning_module
 
     def configure_ddp(self) -> None:
-        """DDP over the active replicas. One process has no gradients to average (a wrapper would
-        only add a reducer that breaks when AutoFreeze turns requires_grad off); a shadow rank has
-        none either."""
-        self.model = self.lightning_module
-        if self.world_size > 1 and self.is_active:
-            self.model = self._setup_model(self.model)
+        """Gradient averaging over the active replicas, for the current plan.
+
+        One process has no gradients to average (a wrapper would only add a reducer that breaks
+        when AutoFreeze turns requires_grad off); a shadow rank has none either. A replica of one
+        stage is wrapped in DDP (gradients all-reduced while backward runs). A replica whose
+        stages span several devices is not: DDP would all-reduce buckets on every device, but the
+        process's groups are bound to its own device (NCCL refuses the others), so its gradients
+        are averaged after backward through buffers on that device (:func:`elastic.average_gradients`).
+        """
+        self._drop_ddp()
+        self._average_by_hand = False
+        if self.world_size == 1 or not self.is_active:
+            return
+        if self._plan is not None and self._plan.pipe_len > 1:
+            self._average_by_hand = self._plan.num_replicas > 1
+            return
+        self.model = self._setup_model(self.model)
 
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+        dev.before_wrap([p for p in model.parameters() if p.requires_grad], self.root_device)
+        return self._wrap_ddp(model)
+
+    def _wrap_ddp(self, model: torch.nn.Module) -> DistributedDataParallel:
         # DDP over the active replicas only. The first wrapper of a fit syncs the replicas'
         # weights itself; at a transition _send_state already did, so the copy is skipped.
         return DistributedDataParallel(
@@ -665,6 +706,16 @@ class PipeTransformerStrategy(ParallelStrategy):
             # global_step counts these calls, so shadow ranks stay in step with the replicas.
             closure()
             return None
+        if self._average_by_hand:
+            step_closure = closure
+
+            def closure() -> Any:  # the last micro-batch's backward, then the replicas' average
+                result = step_closure()
+                params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+                elastic.average_gradients(params, self._active_group, self.root_device)
+                return result
+
+        dev.check_optimizer(optimizer)
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     @override
@@ -837,11 +888,14 @@ class PipeTransformerStrategy(ParallelStrategy):
         clock.lap("plan_broadcast")
         if plan.num_frozen == old.num_frozen and plan.active_ranks == old.active_ranks and plan.partition == old.partition:
             return
-        # 3. Partitions rebuilt: this rank's pipeline for the new plan (none on a shadow rank).
+        # 3. Partitions rebuilt: this rank's pipeline for the new plan (none on a shadow rank). DDP
+        # is dropped first: its reducer holds the old group and frozen set, and blocks must not
+        # move under it.
+        self._drop_ddp()
         self._apply_plan(plan, announce=True)
         clock.lap("partition")
         # 4. Groups + DDP rebuilt; ranks that were idle receive the replicas' state.
-        self.model = self.lightning_module  # unwrap: the old reducer holds the old group and frozen set
+        old_group = self._active_group
         if plan.active_ranks != old.active_ranks:
             idle_ranks.restart_metric_order(trainer)
             self._active_group = elastic.active_group(plan.active_ranks, self._get_process_group_backend(), self._timeout)
@@ -852,6 +906,8 @@ class PipeTransformerStrategy(ParallelStrategy):
             elastic.point_metrics_at(self.lightning_module, self._active_group)
         self._ddp_init_sync = False
         self.configure_ddp()  # DDP over the active group; frozen parameters leave its buckets
+        if old_group is not self._active_group and self.global_rank in old.active_ranks:
+            elastic.destroy_group(old_group)  # its communicators would otherwise live as long as the process
         clock.lap("ddp_rebuild")
         # 5. Sampler re-split over the new replicas (batch size too under batch_policy='global').
         if plan.num_replicas != old.num_replicas:
@@ -899,19 +955,24 @@ class PipeTransformerStrategy(ParallelStrategy):
         lock-step, checked by _agree) and AutoFreeze state came with the plan.
         """
         group = self._active_group
-        elastic.broadcast_module_state(self.lightning_module, src=0, group=group, receivers=joining)
+        elastic.broadcast_module_state(self.lightning_module, src=0, group=group, receivers=joining, via=self.root_device)
         clock.lap("model_state")
-        state = None
-        if self.global_rank == 0:
-            frozen = elastic.frozen_for_good(_autofreeze_of(trainer))
-            state = {
-                "optimizers": [elastic.without_state_of(o.state_dict(), o, frozen) for o in self.optimizers],
-                "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
-            }
-        state = elastic.broadcast_state(state, src=0, group=group, receivers=joining)
+        state = self._replica_state(trainer) if self.global_rank == 0 else None
+        state = elastic.broadcast_state(state, src=0, group=group, receivers=joining, via=self.root_device)
         if self.global_rank in joining:
             self._load_sent_state(trainer, state)
         clock.lap("optimizer_state")
+
+    def _replica_state(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """What a joining replica needs besides the weights: optimizer, LR-scheduler and loss-scaler state."""
+        frozen = elastic.frozen_for_good(_autofreeze_of(trainer))
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return {
+            "optimizers": [elastic.without_state_of(o.state_dict(), o, frozen) for o in self.optimizers],
+            "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+            # 16-mixed: replicas must unscale by the same factor, or they diverge silently.
+            "scaler": scaler.state_dict() if scaler is not None else None,
+        }
 
     def _load_sent_state(self, trainer: pl.Trainer, state: dict[str, Any]) -> None:
         for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):
@@ -919,6 +980,9 @@ class PipeTransformerStrategy(ParallelStrategy):
         _optimizer_state_to_param_devices(self.optimizers)
         for config, scheduler_state in zip(trainer.lr_scheduler_configs, state["schedulers"]):
             config.scheduler.load_state_dict(scheduler_state)
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None and state.get("scaler") is not None:
+            scaler.load_state_dict(state["scaler"])
 
     def _apply_plan(self, plan: Plan, announce: bool) -> None:
         """Build this process's pipeline for ``plan`` and route the stack through it."""
@@ -939,6 +1003,12 @@ class PipeTransformerStrategy(ParallelStrategy):
         if self._autocache is None or not self._install_cached_runner(plan, devices):
             runner = pipeline_runner(self.stack.blocks, plan, devices, self._chunks_measured if tune else None)
             install_pipeline(self.stack.container, runner)  # None: the model's loop runs as written
+        # Blocks may have moved between devices (K 4 -> 2 moves the tail from device 3 to 1): their
+        # optimizer state follows, and the devices left keep no cached blocks for the replica that
+        # takes them over.
+        _optimizer_state_to_param_devices(self.optimizers)
+        if self.root_device.type == "cuda":
+            torch.cuda.empty_cache()
         if announce:
             self._log_plan(plan)
 
@@ -1057,12 +1127,21 @@ class PipeTransformerStrategy(ParallelStrategy):
 
 
 def _optimizer_state_to_param_devices(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Each optimizer-state tensor to its parameter's device (after a checkpoint load, a state
+    transfer, or a plan that moved blocks between devices)."""
     for optimizer in optimizers:
+        on_device_step = {
+            id(p) for group in optimizer.param_groups if group.get("capturable") or group.get("fused") for p in group["params"]
+        }
         for param, state in optimizer.state.items():
             for key, value in state.items():
-                # 'step' counters stay where the optimizer keeps them (CPU for capturable=False).
-                if isinstance(value, torch.Tensor) and key != "step" and value.device != param.device:
-                    state[key] = value.to(param.device)
+                if not isinstance(value, torch.Tensor):
+                    continue
+                # 'step' stays on the CPU unless the optimizer runs it on the device (capturable, fused).
+                if key == "step" and id(param) not in on_device_step:
+                    continue
+                if value.device != param.device or dev.virtual_mode():
+                    state[key] = dev.move_state(value, param)
 
 
 def _autofreeze_of(trainer: pl.Trainer) -> Any:

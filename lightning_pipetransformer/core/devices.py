@@ -106,7 +106,11 @@ class _Hop(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, src: Stream, dst: Stream, device: torch.device, x: Tensor) -> Tensor:
         ctx.src, ctx.dst, ctx.src_device = src, dst, x.device
-        return _move(x, src, dst, device)
+        y = _move(x, src, dst, device)
+        # Same device: 'y' is 'x'. Returned as is, autograd would make it a view created in a
+        # custom Function, and an in-place op on a stage's input would raise (torchgpipe's Wait
+        # returns detached tensors for the same reason).
+        return y.detach() if y is x else y
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None, Tensor]:
@@ -127,3 +131,156 @@ def hop(x: Tensor, src: Stream, dst: Stream, device: torch.device) -> Tensor:
         with use_stream(dst):
             return _Hop.apply(src, dst, device, x)
     return _move(x, src, dst, device)
+
+
+# ---------------------------------------------------------------------------------- placement
+
+#: Test mode (see :class:`VirtualDevices`); ``None`` in production, where every hook below is a
+#: plain ``Module.to`` / ``Tensor.to`` or nothing.
+_virtual: VirtualDevices | None = None
+
+
+class VirtualDeviceError(RuntimeError):
+    """What a real multi-device run would have failed with, caught on CPU by :class:`VirtualDevices`."""
+
+
+def virtual_mode() -> bool:
+    """Whether the :class:`VirtualDevices` test mode is on."""
+    return _virtual is not None
+
+
+def device_of(tensor: Tensor) -> torch.device:
+    """Where ``tensor`` is: its device, or in the test mode the virtual device it was placed on."""
+    return _virtual.device_of(tensor) if _virtual is not None else tensor.device
+
+
+def tag_as(tensor: Tensor, device: torch.device) -> None:
+    """Test mode: ``tensor`` was made on ``device`` (a buffer for a collective)."""
+    if _virtual is not None:
+        _virtual.tag(tensor, device)
+
+
+def place_module(module: torch.nn.Module, device: torch.device) -> None:
+    """Move ``module`` to ``device`` (``Module.to``: its parameters keep their identity)."""
+    module.to(device)
+    if _virtual is not None:
+        _virtual.placed(module, device)
+
+
+def move_state(value: Tensor, param: Tensor) -> Tensor:
+    """An optimizer-state tensor moved to its parameter's device."""
+    moved = value.to(param.device)
+    if _virtual is not None:
+        _virtual.tag(moved, _virtual.device_of(param))
+    return moved
+
+
+def before_wrap(params: list[Tensor], root: torch.device) -> None:
+    """DDP is about to wrap ``params`` on ``root``: they must all be there, and stay there."""
+    if _virtual is not None:
+        _virtual.wrapping(params, root)
+
+
+def after_unwrap() -> None:
+    """The DDP wrapper was dropped: its parameters may move again."""
+    if _virtual is not None:
+        _virtual.wrapped.clear()
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Before a step: every state tensor is on its parameter's device (test mode only)."""
+    if _virtual is not None:
+        _virtual.check_optimizer(optimizer)
+
+
+def bind_process_device(device: torch.device) -> None:
+    """The process's own device: its process groups are bound to it (Lightning's ``device_id``)."""
+    if _virtual is not None:
+        _virtual.process_device = device
+
+
+def check_collective(tensor: Tensor, what: str) -> None:
+    """Before a collective: the tensor is on the process's own device (test mode only)."""
+    if _virtual is not None:
+        _virtual.check_collective(tensor, what)
+
+
+class VirtualDevices:
+    """Test mode: CPU "devices" ``cpu:0``, ``cpu:1`` ... that remember which tensor is where.
+
+    On CPU every device is the same memory, so the mistakes a multi-GPU run fails on pass
+    silently: DDP bound to parameters that are moved afterwards, optimizer state left on a device
+    its parameter left, a collective on a tensor that is not on the process's own device (NCCL
+    groups are bound to it). In this mode each parameter, buffer and moved optimizer-state
+    tensor carries the virtual device it was placed on (``torch.device("cpu", i)``, which
+    compares unequal to ``cpu:j`` although the memory is the same), and the hooks above raise
+    :class:`VirtualDeviceError` where the GPU run would fail. Used by tests only::
+
+        with VirtualDevices():
+            trainer = Trainer(strategy=PipeTransformerStrategy(parallel_devices=[torch.device("cpu", i) ...]))
+    """
+
+    def __init__(self) -> None:
+        self._where: dict[int, tuple[Any, torch.device]] = {}  # id(tensor) -> (tensor ref, device)
+        self.wrapped: dict[int, torch.device] = {}  # id(param) -> the device DDP saw it on
+        self.process_device: torch.device | None = None  # set by the strategy (bind_process_device)
+
+    def __enter__(self) -> VirtualDevices:
+        global _virtual
+        self._previous, _virtual = _virtual, self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        global _virtual
+        _virtual = self._previous
+
+    def tag(self, tensor: Tensor, device: torch.device) -> None:
+        import weakref
+
+        self._where[id(tensor)] = (weakref.ref(tensor), device)
+
+    def device_of(self, tensor: Tensor) -> torch.device:
+        found = self._where.get(id(tensor))
+        if found is not None and found[0]() is tensor:
+            return found[1]
+        return tensor.device  # never placed: where torch says it is
+
+    def placed(self, module: torch.nn.Module, device: torch.device) -> None:
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            seen = self.wrapped.get(id(tensor))
+            if seen is not None and seen != device:
+                raise VirtualDeviceError(
+                    f"{name} moved from {seen} to {device} after DDP wrapped it: DDP's hooks and buckets stay on the "
+                    "old storage (on GPU: 'Expected to have finished reduction', or silently unsynchronised gradients)."
+                )
+            self.tag(tensor, device)
+
+    def wrapping(self, params: list[Tensor], root: torch.device) -> None:
+        for param in params:
+            where = self.device_of(param)
+            if where != root:
+                raise VirtualDeviceError(f"DDP wraps a parameter on {where}, not on the process's device {root}.")
+            self.wrapped[id(param)] = where
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        for param, state in optimizer.state.items():
+            home = self.device_of(param)
+            for key, value in state.items():
+                if not isinstance(value, Tensor) or (key == "step" and value.dim() == 0 and id(value) not in self._where):
+                    continue
+                if id(value) not in self._where:  # made by the optimizer next to its parameter
+                    self.tag(value, home)
+                elif self.device_of(value) != home:
+                    raise VirtualDeviceError(
+                        f"Optimizer state '{key}' is on {self.device_of(value)} but its parameter on {home}: the first "
+                        "step after the move fails on GPU (and the state occupies a device this process left)."
+                    )
+
+    def check_collective(self, tensor: Tensor, what: str) -> None:
+        root = self.process_device
+        where = self.device_of(tensor)
+        if root is not None and where != root:
+            raise VirtualDeviceError(
+                f"{what}: a collective on a tensor on {where}, but this process's groups are bound to {root} "
+                "(NCCL refuses tensors on other devices)."
+            )

@@ -191,7 +191,7 @@ class Pipeline:
         """Move each block to its stage's device (in place, as ``Module.to`` does); returns self."""
         for j, device in enumerate(self.devices):
             for block in self.blocks[self._edges[j] : self._edges[j + 1]]:
-                block.to(device)
+                dev.place_module(block, device)
         return self
 
     def __call__(self, hidden: Tensor, *args: Any, **kwargs: Any) -> Any:

@@ -9,6 +9,7 @@ epochs), ``kill`` (rank 2 dies in the middle of epoch 1; the others must exit wi
 """
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
+from lightning_pipetransformer.core.devices import VirtualDevices
 from lightning_pipetransformer.core.interception import interception_stats
 from lightning_pipetransformer.elastic import is_idle_batch
 from launch import fit_recording_errors
@@ -68,6 +70,7 @@ def main() -> None:
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--arch", default="bert", choices=["bert", "llama"])
+    parser.add_argument("--virtual", action="store_true", help="devices cpu:0..cpu:3 that remember what is where")
     args = parser.parse_args()
     out = Path(args.out)
     rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -78,8 +81,12 @@ def main() -> None:
     if args.mode == "first":
         callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", save_last=True, save_top_k=0))
     module = TextClassifier(num_layers=4, arch=args.arch)
+    # --virtual: four distinct (virtual) devices; placement, optimizer state and every collective are
+    # checked as a multi-GPU run would check them (VirtualDevices raises where CUDA/NCCL would fail).
+    devices = [torch.device("cpu", i) for i in range(4)] if args.virtual else None
     strategy = PipeTransformerStrategy(
-        pipe_len=4, frozen_cost=0.0, process_group_backend="gloo", timeout=args.timeout, batch_policy=args.policy
+        pipe_len=4, frozen_cost=0.0, process_group_backend="gloo", timeout=args.timeout, batch_policy=args.policy,
+        parallel_devices=devices,
     )
     trainer = pl.Trainer(
         accelerator="cpu", devices=4, strategy=strategy, max_epochs=2 if args.mode == "first" else 3,
@@ -88,7 +95,8 @@ def main() -> None:
     )
     train = DataLoader(text_dataset(NUM_SAMPLES), batch_size=args.batch_size, shuffle=False)
     val = DataLoader(text_dataset(16, seed=1), batch_size=4, shuffle=False)
-    fit_recording_errors(trainer, module, train, val, out / f"error{rank}", ckpt_path=args.ckpt)
+    with VirtualDevices() if args.virtual else contextlib.nullcontext():
+        fit_recording_errors(trainer, module, train, val, out / f"error{rank}", ckpt_path=args.ckpt)
     torch.save(final_record(trainer, module, record), out / f"rank{trainer.global_rank}.pt")
 
 

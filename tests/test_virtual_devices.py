@@ -1,0 +1,103 @@
+"""The CUDA/NCCL faults of a multi-device run, made to fail on CPU (core.devices.VirtualDevices), and their fixes.
+
+On CPU a move between devices is a no-op, so a DDP wrapper bound before the blocks were placed,
+optimizer state left behind by a move, or a collective on a tensor off the process's device pass
+silently. Under ``VirtualDevices`` they raise; the 4-process AutoDP run under it
+(tests/test_autodp.py, ``virtual``) passes only with the fixes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipetransformer import elastic
+from lightning_pipetransformer.core import devices as dev
+from lightning_pipetransformer.core.devices import VirtualDeviceError, VirtualDevices
+from lightning_pipetransformer.strategy import PipeTransformerStrategy, _optimizer_state_to_param_devices
+
+CPU0, CPU1, CPU2 = (torch.device("cpu", i) for i in range(3))
+
+
+def test_a_block_moved_after_ddp_wrapped_it_fails():
+    block = nn.Linear(4, 4)
+    with VirtualDevices():
+        dev.place_module(block, CPU0)
+        dev.before_wrap(list(block.parameters()), CPU0)
+        with pytest.raises(VirtualDeviceError, match="after DDP wrapped it"):
+            dev.place_module(block, CPU1)
+        dev.after_unwrap()
+        dev.place_module(block, CPU1)  # once the wrapper is dropped, blocks may move
+
+
+def test_ddp_over_parameters_of_several_devices_fails():
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    with VirtualDevices():
+        dev.place_module(first, CPU0)
+        dev.place_module(second, CPU1)
+        with pytest.raises(VirtualDeviceError, match="DDP wraps a parameter on cpu:1"):
+            dev.before_wrap([*first.parameters(), *second.parameters()], CPU0)
+
+
+@pytest.mark.parametrize("options", [{}, {"fused": True}])
+def test_optimizer_state_follows_its_parameter(options):
+    block = nn.Linear(4, 4)
+    optimizer = torch.optim.Adam(block.parameters(), lr=0.1, **options)
+    with VirtualDevices() as virtual:
+        dev.place_module(block, CPU2)
+        block(torch.randn(2, 4)).sum().backward()
+        dev.check_optimizer(optimizer)
+        optimizer.step()
+        dev.check_optimizer(optimizer)  # the state was made next to its parameter: tagged cpu:2
+        dev.place_module(block, CPU1)  # K 4 -> 2: the block moves to another device
+        with pytest.raises(VirtualDeviceError, match="Optimizer state .* is on cpu:2 but its parameter on cpu:1"):
+            dev.check_optimizer(optimizer)
+        _optimizer_state_to_param_devices([optimizer])
+        dev.check_optimizer(optimizer)
+        step = optimizer.state[block.weight]["step"]
+        # 'step' goes with the parameter only where the optimizer computes it there (fused, capturable).
+        assert (virtual.device_of(step) == CPU1) == bool(options)
+
+
+def test_a_collective_on_a_tensor_off_the_process_device_fails_and_staging_avoids_it():
+    on_stage = torch.randn(300_000)  # > COALESCE_BYTES: sent straight from its own memory when it may be
+    with VirtualDevices():
+        dev.bind_process_device(CPU0)
+        dev.tag_as(on_stage, CPU1)  # a tensor of a pipeline stage on another device
+        with pytest.raises(VirtualDeviceError, match="bound to cpu:0"):
+            dev.check_collective(on_stage, "test")
+        pieces = list(elastic._pieces([on_stage], elastic.CHUNK_BYTES))  # without via: straight from cpu:1
+        with pytest.raises(VirtualDeviceError):
+            dev.check_collective(pieces[0][2], "test")
+        for message, targets, source in elastic._pieces([on_stage], elastic.CHUNK_BYTES, via=CPU0):
+            dev.check_collective(source, "test")  # staged through a buffer on the process's device
+            assert targets and message.numel() == sum(t.numel() for t in targets)
+
+
+def test_same_device_hop_returns_a_tensor_an_in_place_op_may_change():
+    # A stage's input handed over on one device (the CUDA path's autograd function, run on CPU).
+    x = torch.randn(3, 2, requires_grad=True)
+    y = dev._Hop.apply(None, None, torch.device("cpu"), x * 1)
+    assert not y._is_view()
+    y.relu_().sum().backward()  # raised "a view created inside a custom Function" before
+    torch.testing.assert_close(x.grad, (x > 0).float())
+
+
+def test_joining_replicas_get_the_loss_scale():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    class Trainer:
+        lr_scheduler_configs: list = []
+        callbacks: list = []
+
+    def strategy_with_scale(scale: float) -> PipeTransformerStrategy:
+        strategy = PipeTransformerStrategy()
+        scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+        strategy.precision_plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+        strategy._optimizers = []
+        return strategy
+
+    rank0, joining = strategy_with_scale(1024.0), strategy_with_scale(65536.0)
+    joining._load_sent_state(Trainer(), rank0._replica_state(Trainer()))
+    assert joining.precision_plugin.scaler.get_scale() == 1024.0  # replicas unscale by the same factor
