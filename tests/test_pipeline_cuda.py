@@ -200,3 +200,36 @@ def test_stages_on_two_devices():
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+def test_llama_installed_on_two_streams():
+    # A decoder: each block gets its own arguments (causal mask, rotary embeddings) through the
+    # block-level interception; an in-place op on the pipeline's output must work (no view).
+    from transformers import LlamaConfig, LlamaModel
+
+    config = LlamaConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=64, max_position_embeddings=32, use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = LlamaModel(config).to(CUDA)
+    ids = torch.randint(0, 50, (6, 7), device=CUDA)
+    attention = torch.ones(6, 7, dtype=torch.long, device=CUDA)
+    attention[1, 4:] = 0
+
+    def run():
+        out = model(ids, attention_mask=attention).last_hidden_state
+        out.mul_(2.0)
+        return out, torch.autograd.grad(out.square().sum(), list(model.parameters()), allow_unused=True)
+
+    ref, ref_grads = run()
+    for chunks in (1, 3):
+        pipe = Pipeline(list(model.layers), (2, 2), [CUDA] * 2, chunks)
+        with pipelined(model.layers, pipe):
+            out, grads = run()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+        for g, r in zip(grads, ref_grads):
+            assert (g is None) == (r is None)
+            if g is not None:
+                torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
