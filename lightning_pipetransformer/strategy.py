@@ -187,6 +187,7 @@ class PipeTransformerStrategy(ParallelStrategy):
         self._warned_disengaged = False
         self._runner_installed = False
         self._kv_cache_configs: list[Any] = []  # configs whose use_cache this fit turned off
+        self._peers: list[tuple[str, int]] = []  # (host, pid) per rank, to name a rank that died
 
     # ------------------------------------------------------------------ one process, or several
     #
@@ -330,6 +331,7 @@ class PipeTransformerStrategy(ParallelStrategy):
         if self.world_size > 1:
             # AutoDP: agree on rank 0's plan and make the active group before DDP wraps on it.
             self._control_group = elastic.control_group(self._get_process_group_backend(), self._timeout)
+            self._peers = elastic.peer_processes(self._control_group)  # to name a rank that dies
             if self._autocache is not None:
                 # One namespace for the node's processes: index i names the same sample on every
                 # rank (one dataset, split by the sampler), so replicas share index-keyed entries.
@@ -1106,6 +1108,14 @@ class PipeTransformerStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        gone = elastic.dead_peers(self._peers) if self._peers else []
+        if gone and exception.args and isinstance(exception.args[0], str):
+            named = ", ".join(f"rank {r} (pid {self._peers[r][1]})" for r in gone)
+            exception.args = (
+                f"{exception.args[0]}\n[pipetransformer] {named} on this host is gone (it died or was killed): "
+                f"rank {self.global_rank}'s collective failed because of it. Look at that rank's log for the cause.",
+                *exception.args[1:],
+            )
         _augment_message(
             exception,
             pattern=".*Expected to have finished reduction in the prior iteration.*",

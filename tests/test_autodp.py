@@ -147,6 +147,8 @@ def test_a_dead_rank_ends_the_run_with_an_error_not_a_hang(tmp_path):
         assert proc.returncode != 0, proc.stdout[-5000:]
         assert not any((tmp_path / f"rank{r}.pt").exists() for r in range(4))
         assert (tmp_path / "error0").exists(), proc.stdout[-5000:]
+        # The survivors name the rank that died (on one host its process can be checked).
+        assert "rank 2 (pid" in (tmp_path / "error0").read_text(), (tmp_path / "error0").read_text()[:2000]
         # Every other rank ends too (with its own error, or killed by rank 0's launcher), in bounded time.
         pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(4)]
         deadline = time.monotonic() + timeout
@@ -156,6 +158,38 @@ def test_a_dead_rank_ends_the_run_with_an_error_not_a_hang(tmp_path):
         print(f"dead-rank run ended after {time.monotonic() - start:.0f}s: {(tmp_path / 'error0').read_text()[:300]}")
     finally:
         kill_session(proc.pid)
+
+
+def test_sigterm_inside_a_transition_ends_every_rank_promptly_with_a_checkpoint_to_resume_from(tmp_path):
+    # SIGTERM to rank 0 right after epoch 1's plan broadcast, while the others wait in the
+    # transition's collectives. Lightning's handler broadcasts over the world group at once: it
+    # used to pair with nothing and hang every rank until the collective timeout (120 s here).
+    timeout = 120.0
+    (tmp_path / "stopped").mkdir()
+    start = time.monotonic()
+    proc = launch(tmp_path / "stopped", "--mode", "sigterm", "--timeout", str(timeout), timeout=3 * timeout + 60, cleanup=False)
+    try:
+        pids = [int((tmp_path / "stopped" / f"pid{r}").read_text()) for r in range(4)]
+        deadline = time.monotonic() + 30
+        while any(is_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not any(is_alive(pid) for pid in pids), "a rank outlived the SIGTERM"
+    finally:
+        kill_session(proc.pid)
+    signalled = float((tmp_path / "stopped" / "signalled").read_text())
+    assert time.time() - signalled < timeout / 2, proc.stdout[-5000:]  # ended in seconds, not at the timeout
+    ckpt = tmp_path / "stopped" / "ckpt" / "on_exception.ckpt"
+    assert ckpt.exists(), proc.stdout[-5000:]
+    assert not any((tmp_path / "stopped" / f"rank{r}.pt").exists() for r in range(4))  # the fit did not finish
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["epoch"] == 1 and saved["pipetransformer"]["plan"]["active_ranks"] == [0, 2]
+    # The checkpoint is usable: resuming from it trains to the end, as after a mid-epoch stop.
+    (tmp_path / "resumed").mkdir()
+    resumed = launch(tmp_path / "resumed", "--mode", "resume", "--ckpt", str(ckpt))
+    assert resumed.returncode == 0, resumed.stdout[-5000:]
+    ranks = results(tmp_path / "resumed")
+    assert all(r["global_step"] == 12 and r["epochs"][2]["replicas"] == 4 for r in ranks)
+    assert_replicas_identical_and_match(ranks, reference({0: 8, 1: 8, 2: 8}))
 
 
 def test_batch_policy_is_checked():

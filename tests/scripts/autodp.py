@@ -11,6 +11,8 @@ epochs), ``kill`` (rank 2 dies in the middle of epoch 1; the others must exit wi
 import argparse
 import contextlib
 import os
+import signal
+import time
 import sys
 from pathlib import Path
 
@@ -18,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for mode
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
@@ -40,19 +42,25 @@ class Record(Callback):
         self.kill_rank = kill_rank
 
     def on_train_epoch_start(self, trainer, pl_module):
-        plan = trainer.strategy.plan
-        self.epochs[trainer.current_epoch] = {
-            "pipe_len": plan.pipe_len, "replicas": plan.num_replicas, "active": trainer.strategy.is_active,
-            "num_frozen": plan.num_frozen, "batch_sizes": [], "idle_batches": 0,
-        }
+        self._record(trainer)
+
+    def _record(self, trainer):
+        """This epoch's record (made at the epoch start, or at the first batch when resuming mid-epoch)."""
+        if trainer.current_epoch not in self.epochs:
+            plan = trainer.strategy.plan
+            self.epochs[trainer.current_epoch] = {
+                "pipe_len": plan.pipe_len, "replicas": plan.num_replicas, "active": trainer.strategy.is_active,
+                "num_frozen": plan.num_frozen, "batch_sizes": [], "idle_batches": 0,
+            }
+        return self.epochs[trainer.current_epoch]
 
     def on_train_epoch_end(self, trainer, pl_module):
         stats = interception_stats(trainer.strategy.stack.container)
         # Passes the installed pipeline ran so far (cumulative; the first one is the model's own on idle ranks).
-        self.epochs[trainer.current_epoch]["pipelined_passes"] = stats.deferred if stats is not None else 0
+        self._record(trainer)["pipelined_passes"] = stats.deferred if stats is not None else 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        record = self.epochs[trainer.current_epoch]
+        record = self._record(trainer)
         if is_idle_batch(batch):
             record["idle_batches"] += 1
         else:
@@ -66,7 +74,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--policy", default="global")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--mode", default="train", choices=["train", "first", "resume", "kill"])
+    parser.add_argument("--mode", default="train", choices=["train", "first", "resume", "kill", "sigterm"])
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--arch", default="bert", choices=["bert", "llama"])
@@ -80,6 +88,8 @@ def main() -> None:
     callbacks = [AutoFreeze(schedule=SCHEDULE), record]
     if args.mode == "first":
         callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", save_last=True, save_top_k=0))
+    if args.mode == "sigterm":  # the checkpoint a preempted job leaves (as in the middle of an epoch)
+        callbacks.append(OnExceptionCheckpoint(dirpath=out / "ckpt", filename="on_exception"))
     module = TextClassifier(num_layers=4, arch=args.arch)
     # --virtual: four distinct (virtual) devices; placement, optimizer state and every collective are
     # checked as a multi-GPU run would check them (VirtualDevices raises where CUDA/NCCL would fail).
@@ -90,14 +100,35 @@ def main() -> None:
     )
     trainer = pl.Trainer(
         accelerator="cpu", devices=4, strategy=strategy, max_epochs=2 if args.mode == "first" else 3,
-        callbacks=callbacks, logger=False, enable_checkpointing=args.mode == "first", enable_progress_bar=False,
+        callbacks=callbacks, logger=False, enable_checkpointing=args.mode in ("first", "sigterm"), enable_progress_bar=False,
+        default_root_dir=out,
         enable_model_summary=False, num_sanity_val_steps=1,
     )
     train = DataLoader(text_dataset(NUM_SAMPLES), batch_size=args.batch_size, shuffle=False)
     val = DataLoader(text_dataset(16, seed=1), batch_size=4, shuffle=False)
+    if args.mode == "sigterm":
+        signal_rank_zero_inside_the_transition(trainer, strategy, epoch=1)
     with VirtualDevices() if args.virtual else contextlib.nullcontext():
         fit_recording_errors(trainer, module, train, val, out / f"error{rank}", ckpt_path=args.ckpt)
     torch.save(final_record(trainer, module, record), out / f"rank{trainer.global_rank}.pt")
+
+
+def signal_rank_zero_inside_the_transition(trainer: pl.Trainer, strategy: PipeTransformerStrategy, epoch: int) -> None:
+    """SIGTERM to global rank 0 inside ``epoch``'s transition, right before it sends the joining
+    replica its state: the others already wait for it inside collectives (the joining rank in its
+    receives, the idle ones in the loader's barrier), where their own signal handlers cannot run.
+    A preemption at the worst moment."""
+    send_state = strategy._send_state
+
+    def signal_then_send(*args, **kwargs):
+        if trainer.global_rank == 0 and trainer.current_epoch == epoch and not getattr(strategy, "_signalled", False):
+            strategy._signalled = True
+            time.sleep(2.0)  # let the other ranks reach their collectives first
+            (Path(trainer.default_root_dir) / "signalled").write_text(str(time.time()))
+            os.kill(os.getpid(), signal.SIGTERM)
+        return send_state(*args, **kwargs)
+
+    strategy._send_state = signal_then_send
 
 
 def final_record(trainer: pl.Trainer, module: pl.LightningModule, record: Callback) -> dict:
