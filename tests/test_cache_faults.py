@@ -17,7 +17,6 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_pipetransformer import PipeTransformerStrategy
 from lightning_pipetransformer.autocache import AutoCache, CachedStack, StaleCacheError, run_blocks
 from lightning_pipetransformer.core.cache_store import ActivationStore
 from lightning_pipetransformer.core.discovery import find_block_stack
@@ -84,10 +83,10 @@ def test_corrupted_entries_are_recomputed_and_the_run_equals_cache_off(tmp_path)
     corrupt = CorruptEveryFile(tmp_path / "cache", epoch=3)
     run = fit("bert", cached(tmp_path, cache_memory=0), callbacks=[corrupt])
     assert corrupt.corrupted == 24 + 16
+    assert_same_run(run, fit("bert", "auto"))
     stats = stats_of(run[1])
     assert stats["autocache/corrupt"] == 24 + 16  # epoch 3: every lookup found a corrupt file ...
     assert stats["autocache/hits"] == 24 + 16  # ... epoch 2 was served
-    assert_same_run(run, fit("bert", "auto"))
 
 
 # ---------------------------------------------------------------------------- 2. index keys that are not unique
@@ -202,11 +201,11 @@ def test_a_transient_nan_is_not_replayed_under_index_keys(tmp_path):
     seen = NonFiniteSeen()
     module, trainer, losses = fit("vit", cached(tmp_path, cache_key="index"), callbacks=[seen], **data())
     plain = fit("vit", "auto", **data())
-    assert seen.nonfinite >= 1
-    assert stats_of(trainer)["autocache/hits"] >= 2 * (24 + 16) - 2  # epochs 2-3; sample 3 misses once
     assert torch.isnan(torch.tensor(losses[1])) and torch.isnan(torch.tensor(plain[2][1]))
     assert [losses[0], *losses[2:]] == pytest.approx([plain[2][0], *plain[2][2:]], rel=1e-5)
     assert_same_run((module, trainer, losses[2:]), (plain[0], plain[1], plain[2][2:]))
+    assert seen.nonfinite >= 1
+    assert stats_of(trainer)["autocache/hits"] >= 2 * (24 + 16) - 2  # epochs 2-3; sample 3 misses once
 
 
 # ---------------------------------------------------------------------------- 6. NaN inputs with content keys
@@ -247,7 +246,6 @@ def test_nan_input_with_content_keys_equals_cache_off(tmp_path):
 
     run = fit("vit", cached(tmp_path, cache_memory=0), module=FiniteRowsLoss("vit"), val=val())
     plain = fit("vit", "auto", module=FiniteRowsLoss("vit"), val=val())
-    assert stats_of(run[1])["autocache/nonfinite"] >= 1
     assert_same_run(run, plain)
     got = run[1].validate(run[0], val(), verbose=False)[0]["val_loss"]
     assert got == pytest.approx(plain[1].validate(plain[0], val(), verbose=False)[0]["val_loss"], rel=1e-5)
