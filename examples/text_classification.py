@@ -6,9 +6,11 @@ A LightningCLI program::
     python examples/text_classification.py fit --config examples/configs/text_minilm.yaml
     python examples/text_classification.py fit --config examples/configs/text_minilm.yaml \\
         --data.train_size 1500 --data.val_size 1000 --trainer.max_epochs 3
+    python examples/text_classification.py fit --config examples/configs/text_minilm_pipetransformer.yaml   # the demo
 
 The YAML picks the strategy (``trainer.strategy``), the AutoFreeze callback and the timeline;
-the LightningModule below is plain Lightning and knows nothing about freezing or pipelines.
+the LightningModule below is plain Lightning and knows nothing about freezing, pipelines or
+caching. The data (``rotten_tomatoes.py``) is read and tokenized by Hugging Face ``datasets``.
 ``model.pretrained`` (a local folder with a BERT checkpoint and its tokenizer; default: the
 MiniLM-L6 asset) also sets ``data.tokenizer``.
 """
@@ -20,9 +22,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# No model hub is reachable: transformers must never try one (read when it is imported).
+# No model hub is reachable: transformers and datasets must never try one (read when they are imported).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # assets, rotten_tomatoes, timeline
 
 import lightning.pytorch as pl  # noqa: E402

@@ -3,7 +3,8 @@
 Per epoch: frozen blocks (from an :class:`~lightning_pipetransformer.AutoFreeze` among the
 trainer's callbacks), pipeline length, replicas, cache hits and the cache's bytes in host memory
 and on disk (read from the strategy's ``plan`` and ``cache_stats`` when it has them, else ``-``),
-training throughput, epoch time and the validation metric. At the end of ``fit``, rank 0 prints the table and, if asked, writes a PNG
+training throughput, its ratio to epoch 0's ("speed vs epoch 0": epoch 0 trains every block),
+epoch time and the validation metric. At the end of ``fit``, rank 0 prints the table and, if asked, writes a PNG
 (and a JSON file) of the same timeline::
 
     callbacks:
@@ -49,6 +50,8 @@ class EpochRecord:
     # Defaults keep rows saved before these fields existed loadable.
     cache_mem_bytes: int | None = None
     cache_disk_bytes: int | None = None  # the store's directory, every process's files
+    # samples_per_s over epoch 0's (nothing frozen yet): 1.0 for epoch 0; None without an epoch-0 row.
+    speed_vs_epoch0: float | None = None
 
 
 def _batch_size(batch: Any) -> int:
@@ -144,12 +147,12 @@ def _metric(trainer: pl.Trainer, key: str) -> float | None:
 
 def format_table(rows: list[EpochRecord], metric_name: str = "val/acc") -> str:
     """The timeline as a fixed-width text table."""
-    head = ("epoch", "frozen", "pipe", "replicas", "cache hits", "cache MB (mem/disk)", "samples/s", "train s", "epoch s",
-            "total s", metric_name)  # fmt: skip
+    head = ("epoch", "frozen", "pipe", "replicas", "cache hits", "cache MB (mem/disk)", "samples/s", "speed vs epoch 0",
+            "train s", "epoch s", "total s", metric_name)  # fmt: skip
     body = [
         (
             str(r.epoch), r.frozen, r.pipe_len, r.replicas, r.cache_hits, _mb_cell(r.cache_mem_bytes, r.cache_disk_bytes),
-            f"{r.samples_per_s:.1f}",
+            f"{r.samples_per_s:.1f}", MISSING if r.speed_vs_epoch0 is None else f"{r.speed_vs_epoch0:.2f}x",
             f"{r.train_s:.1f}", f"{r.epoch_s:.1f}", f"{r.total_s:.1f}",
             MISSING if r.metric is None else f"{r.metric:.4f}",
         )
@@ -221,6 +224,9 @@ class Timeline(Callback):
         pipe_len, replicas = _plan_fields(trainer)
         n_replicas = int(replicas) if replicas.isdigit() else trainer.world_size
         cache = _cache_stats(trainer)
+        samples_per_s = self._samples * n_replicas / train_s
+        # The ratio needs epoch 0's row (a run resumed without the Timeline's state has none: None).
+        first = samples_per_s if trainer.current_epoch == 0 else next((r.samples_per_s for r in self.rows if r.epoch == 0), None)
         self.rows.append(
             EpochRecord(
                 epoch=trainer.current_epoch,
@@ -228,13 +234,14 @@ class Timeline(Callback):
                 pipe_len=pipe_len,
                 replicas=replicas,
                 cache_hits=_cache_hits(cache),
-                samples_per_s=self._samples * n_replicas / train_s,
+                samples_per_s=samples_per_s,
                 train_s=train_s,
                 epoch_s=epoch_s,
                 total_s=now - (self._start or self._epoch_start),
                 metric=_metric(trainer, self.monitor),
                 cache_mem_bytes=_cache_bytes(cache, "bytes_in_memory"),
                 cache_disk_bytes=_cache_bytes(cache, "bytes_on_disk"),
+                speed_vs_epoch0=samples_per_s / first if first else None,
             )
         )
 
@@ -261,7 +268,8 @@ class Timeline(Callback):
 
 
 def write_plot(rows: list[EpochRecord], path: Path, metric_name: str = "val/acc") -> None:
-    """Write the timeline as a PNG: throughput and frozen blocks per epoch; metric over time."""
+    """Write the timeline as a PNG: throughput (labelled with its speed vs epoch 0) and frozen blocks
+    per epoch; metric over time."""
     try:
         import matplotlib
 
@@ -272,7 +280,8 @@ def write_plot(rows: list[EpochRecord], path: Path, metric_name: str = "val/acc"
 
     epochs = [r.epoch for r in rows]
     fig, (ax_speed, ax_metric) = plt.subplots(1, 2, figsize=(10, 3.8))
-    ax_speed.bar(epochs, [r.samples_per_s for r in rows], color="tab:blue", alpha=0.7)
+    bars = ax_speed.bar(epochs, [r.samples_per_s for r in rows], color="tab:blue", alpha=0.7)
+    ax_speed.bar_label(bars, labels=["" if r.speed_vs_epoch0 is None else f"{r.speed_vs_epoch0:.2f}x" for r in rows], fontsize=8)
     ax_speed.set_xlabel("epoch")
     ax_speed.set_ylabel("training samples/s", color="tab:blue")
     ax_speed.set_xticks(epochs)
