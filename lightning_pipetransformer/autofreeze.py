@@ -9,9 +9,12 @@ When things happen (every rank runs the same code on the same numbers, so decisi
 * every optimizer step (``on_before_optimizer_step``: gradients are final, after DDP averaging
   and gradient accumulation, and unscaled under AMP): add each active block's gradient norm to
   an on-device running sum. No host sync per step; only the ``"paper"`` rule pays for this.
-* at the start of every ``freeze_every_n_epochs``-th epoch: decide the new frozen count ``F``,
-  freeze, and tell the strategy (DDP's wrapper is rebuilt so frozen parameters leave the
-  gradient buckets; the pipeline strategy repartitions).
+* at each freeze point: decide the new frozen count ``F``, freeze, and tell the strategy (DDP's
+  wrapper is rebuilt so frozen parameters leave the gradient buckets; the pipeline strategy
+  repartitions). Freeze points are the start of every ``freeze_every_n_epochs``-th epoch, or,
+  with ``freeze_interval``, every N optimizer steps (an int) or every fraction of an epoch (a
+  float, as ``val_check_interval`` takes it), checked at the start of a batch that begins an
+  accumulation window, so that a freeze never splits one.
 * at the end of every epoch: log ``autofreeze/num_frozen``.
 
 Deciding at epoch *start* (not end) makes resuming exact wherever the checkpoint was written
@@ -33,13 +36,21 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .core.discovery import BlockStack
-from .core.freeze_rules import ExplicitSchedule, geometric_num_frozen, paper_num_frozen, validate_alpha
+from .core.freeze_rules import (
+    ExplicitSchedule,
+    autofreeze_num_frozen,
+    geometric_num_frozen,
+    interval_steps,
+    paper_num_frozen,
+    validate_alpha,
+    validate_interval,
+)
 from .core.freezing import apply_freeze, ensure_frozen_eval, frozen_parameters
 from .module_stack import block_stack_of
 
 __all__ = ["AutoFreeze"]
 
-Rule = Literal["paper", "schedule"]
+Rule = Literal["paper", "schedule", "autofreeze"]
 
 #: A strategy that implements this method is told about every freeze (the pipeline strategy).
 STRATEGY_HOOK = "on_autofreeze"
@@ -55,8 +66,12 @@ class AutoFreeze(Callback):
             the freeze stops at the active block with the smallest gradient norm over the last
             interval, so a block still learning fast is not frozen just because the schedule says
             so. ``"schedule"``: the geometric step alone, a fixed plan, as the official
-            PipeTransformer code ran; no gradient norms are measured. See
-            :mod:`lightning_pipetransformer.core.freeze_rules`.
+            PipeTransformer code ran; no gradient norms are measured. ``"autofreeze"``: the rule of
+            the original AutoFreeze system (Liu et al., 2021): per block, the L1 norm of the
+            gradient summed over the interval; the blocks before the first one whose norm changed
+            by at least the ``percentile``-th percentile of the active blocks' relative changes
+            (since the previous interval) freeze. It needs two intervals before its first freeze.
+            See :mod:`lightning_pipetransformer.core.freeze_rules`.
         schedule: an explicit plan, ``{epoch: num_frozen}`` (a step function) or a callable
             ``epoch -> num_frozen``. Overrides ``rule`` and ``alpha``; for reproducible experiments.
         layers: the block container's attribute path relative to the LightningModule (e.g.
@@ -66,6 +81,12 @@ class AutoFreeze(Callback):
             does not tell (see :mod:`lightning_pipetransformer.core.discovery`).
         freeze_every_n_epochs: epochs between freeze points. The first freeze point is the start
             of epoch ``freeze_every_n_epochs``: the first interval always trains the whole model.
+        freeze_interval: freeze points inside epochs instead: an int is a number of optimizer
+            steps, a float in (0, 1] a fraction of an epoch's optimizer steps (like
+            ``val_check_interval``). The first point comes after one interval. With several
+            processes under ``strategy="pipetransformer"`` a point that falls inside an epoch is
+            applied at the next epoch start, where AutoDP can change the replicas (logged once).
+        percentile: the ``"autofreeze"`` rule's threshold (the original's default, 50: the median).
         min_active: blocks that are never frozen. ``0`` lets the whole stack freeze (the head
             after it still trains).
         freeze_embeddings: freeze the modules before the stack (embeddings) together with the
@@ -82,11 +103,23 @@ class AutoFreeze(Callback):
         freeze_every_n_epochs: int = 1,
         min_active: int = 1,
         freeze_embeddings: bool = True,
+        freeze_interval: int | float | None = None,
+        percentile: float = 50.0,
     ) -> None:
         super().__init__()
         self.alpha = validate_alpha(alpha)
-        if rule not in ("paper", "schedule"):
-            raise ValueError(f"rule must be 'paper' or 'schedule', got {rule!r}.")
+        if rule not in ("paper", "schedule", "autofreeze"):
+            raise ValueError(f"rule must be 'paper', 'schedule' or 'autofreeze', got {rule!r}.")
+        self.freeze_interval = validate_interval(freeze_interval)
+        if self.freeze_interval is not None and schedule is not None:
+            raise ValueError(
+                "freeze_interval sets freeze points inside epochs; schedule is a plan per epoch. Pass one of them."
+            )
+        if self.freeze_interval is not None and freeze_every_n_epochs != 1:
+            raise ValueError("Pass freeze_interval (points inside epochs) or freeze_every_n_epochs, not both.")
+        if not 0.0 < float(percentile) < 100.0:
+            raise ValueError(f"percentile must be in (0, 100) (the original AutoFreeze uses 50), got {percentile!r}.")
+        self.percentile = float(percentile)
         if isinstance(freeze_every_n_epochs, bool) or not isinstance(freeze_every_n_epochs, int) or freeze_every_n_epochs < 1:
             raise ValueError(f"freeze_every_n_epochs must be a positive int, got {freeze_every_n_epochs!r}.")
         if isinstance(min_active, bool) or not isinstance(min_active, int) or min_active < 0:
@@ -102,10 +135,21 @@ class AutoFreeze(Callback):
         self.stack: BlockStack | None = None
         self.num_frozen = 0
         self.history: list[tuple[int, int]] = []  # (epoch, num_frozen) at each freeze event
+        #: (global step, num_frozen) at each freeze event.
+        self.step_history: list[tuple[int, int]] = []
         self._decided_epoch = 0  # the last epoch whose start already took its freeze decision
         self._norm_sum: torch.Tensor | None = None  # per block, summed over optimizer steps
         self._norm_steps = 0
         self._restored_norms: list[float] | None = None
+        # freeze_interval: the global step of the next freeze point, and how many points have passed.
+        self._next_point: int | None = None
+        self._points = 0
+        self._interval_steps: int | None = None
+        self._deferred_told = False
+        # rule="autofreeze": per block, the gradient summed over the interval, and the previous
+        # interval's L1 norms.
+        self._grad_sums: list[list[torch.Tensor]] | None = None
+        self._previous_l1: list[float] | None = None
 
     # ------------------------------------------------------------------ set-up and checks
 
@@ -147,7 +191,12 @@ class AutoFreeze(Callback):
     def _rule_text(self) -> str:
         if self.schedule is not None:
             return "explicit schedule"
-        return f"rule '{self.rule}', alpha={self.alpha:.3g}, every {self.freeze_every_n_epochs} epoch(s), min_active={self.min_active}"
+        every = (
+            f"every {self.freeze_interval} optimizer step(s)" if isinstance(self.freeze_interval, int)
+            else f"every {self.freeze_interval:g} of an epoch" if self.freeze_interval is not None
+            else f"every {self.freeze_every_n_epochs} epoch(s)"
+        )
+        return f"rule '{self.rule}', alpha={self.alpha:.3g}, {every}, min_active={self.min_active}"
 
     def _trains_outside_stack(self, pl_module: pl.LightningModule) -> bool:
         assert self.stack is not None
@@ -169,7 +218,20 @@ class AutoFreeze(Callback):
 
     # ------------------------------------------------------------------ the loop
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.freeze_interval is None:
+            return
+        self._interval_steps = interval_steps(self.freeze_interval, _steps_per_epoch(trainer))
+        if self._next_point is None:  # a fresh run; a resumed one restored its next point
+            self._next_point = trainer.global_step + self._interval_steps
+
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.freeze_interval is not None:
+            if self._points_wait_for_epochs(trainer):
+                self._at_point(trainer, trainer.global_step)
+            elif self.stack is not None:
+                ensure_frozen_eval(self.stack, self.num_frozen, self.freeze_embeddings)
+            return
         if not getattr(trainer.strategy, "autofreeze_decides_here", True):
             # AutoDP: global rank 0 alone decides (an idle rank has no gradient norms, and stale
             # ones from rank 0's half-finished interval would decide otherwise). Its decision and
@@ -186,13 +248,49 @@ class AutoFreeze(Callback):
             ensure_frozen_eval(self.stack, self.num_frozen, self.freeze_embeddings)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if (
+            self.freeze_interval is not None
+            and batch_idx % max(1, trainer.accumulate_grad_batches) == 0  # never inside an accumulation window
+            and not self._points_wait_for_epochs(trainer)
+        ):
+            self._at_point(trainer, trainer.global_step)
         # A user's `model.train()` (e.g. in on_validation_model_train) would re-enable dropout in
         # frozen blocks; one attribute read per frozen module puts that right.
         if self.stack is not None and self.num_frozen:
             ensure_frozen_eval(self.stack, self.num_frozen, self.freeze_embeddings)
 
+    def _points_wait_for_epochs(self, trainer: pl.Trainer) -> bool:
+        """Several processes under the pipeline strategy: AutoDP changes replicas at epoch starts only."""
+        waits = callable(getattr(trainer.strategy, STRATEGY_HOOK, None)) and trainer.world_size > 1
+        if waits and not self._deferred_told:
+            self._deferred_told = True
+            rank_zero_info(
+                "AutoFreeze: with several processes under strategy='pipetransformer', freeze points inside an epoch are "
+                "applied at the next epoch start, where AutoDP can change the number of replicas."
+            )
+        return waits
+
+    def _at_point(self, trainer: pl.Trainer, step: int) -> None:
+        """At a batch start (or an epoch start under AutoDP): decide if a freeze point is due."""
+        if self._next_point is None or self._interval_steps is None or step < self._next_point:
+            return
+        self._points += (step - self._next_point) // self._interval_steps + 1
+        self._next_point += ((step - self._next_point) // self._interval_steps + 1) * self._interval_steps
+        if not getattr(trainer.strategy, "autofreeze_decides_here", True):
+            if self.stack is not None:  # rank 0's decision arrives with the plan (load_state_dict)
+                ensure_frozen_eval(self.stack, self.num_frozen, self.freeze_embeddings)
+            return
+        target = self._decide_at_point()
+        if target > self.num_frozen:
+            self._apply(trainer, target, announce=True, epoch=trainer.current_epoch, step=step)
+
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self.schedule is not None or self.rule != "paper" or self.stack is None:
+        if self.schedule is not None or self.stack is None:
+            return
+        if self.rule == "autofreeze":
+            self._add_gradients()
+            return
+        if self.rule != "paper":
             return
         norms = self._block_grad_norms()
         if norms is None:
@@ -229,6 +327,8 @@ class AutoFreeze(Callback):
         self._decided_epoch = epoch
         if self.rule == "schedule":
             target = geometric_num_frozen(self.num_blocks, self.alpha, epoch // n)
+        elif self.rule == "autofreeze":
+            target = self._autofreeze_rule()
         else:
             norms = self._mean_norms()
             self._reset_norms()
@@ -236,6 +336,44 @@ class AutoFreeze(Callback):
                 return self.num_frozen
             target = paper_num_frozen(self.num_frozen, self.alpha, norms)
         return max(self.num_frozen, min(target, self.max_frozen))
+
+    def _decide_at_point(self) -> int:
+        """The frozen count at a point of ``freeze_interval`` (never below the current)."""
+        if self.rule == "schedule":
+            target = geometric_num_frozen(self.num_blocks, self.alpha, self._points)
+        elif self.rule == "paper":
+            norms = self._mean_norms()
+            self._reset_norms()
+            if norms is None:
+                return self.num_frozen
+            target = paper_num_frozen(self.num_frozen, self.alpha, norms)
+        else:
+            target = self._autofreeze_rule()
+        return max(self.num_frozen, min(target, self.max_frozen))
+
+    def _add_gradients(self) -> None:
+        """rule="autofreeze": add this step's gradients of the active blocks to the interval's sums."""
+        assert self.stack is not None
+        if self._grad_sums is None:
+            self._grad_sums = [[torch.zeros_like(p) for p in block.parameters()] for block in self.stack.blocks]
+        for index, block in enumerate(self.stack.blocks):
+            if index < self.num_frozen:
+                continue
+            pairs = [(s, p.grad) for s, p in zip(self._grad_sums[index], block.parameters()) if p.grad is not None]
+            if pairs:
+                sums, grads = zip(*pairs)
+                torch._foreach_add_(list(sums), [torch.nan_to_num(g) for g in grads])
+
+    def _autofreeze_rule(self) -> int:
+        """Liu et al.'s decision: compare each block's summed-gradient L1 norm with the previous interval's."""
+        if self._grad_sums is None:
+            return self.num_frozen
+        l1 = [float(sum(float(s.abs().sum()) for s in sums)) for sums in self._grad_sums]
+        self._grad_sums = None
+        previous, self._previous_l1 = self._previous_l1, l1
+        if previous is None:
+            return self.num_frozen
+        return autofreeze_num_frozen(self.num_frozen, previous, l1, self.percentile)
 
     def _block_grad_norms(self) -> torch.Tensor | None:
         """Per-block gradient norms (0 for frozen blocks), on the device of the last block."""
@@ -266,15 +404,22 @@ class AutoFreeze(Callback):
 
     # ------------------------------------------------------------------ applying a freeze
 
-    def _apply(self, trainer: pl.Trainer, target: int, announce: bool, epoch: int | None = None) -> None:
+    def _apply(self, trainer: pl.Trainer, target: int, announce: bool, epoch: int | None = None, step: int | None = None) -> None:
         assert self.stack is not None
         before = self.num_frozen
         changed = apply_freeze(self.stack, target, self.freeze_embeddings)
         self.num_frozen = target
+        if self._grad_sums is not None:  # rule="autofreeze": frozen blocks' sums are not needed any more
+            for index in range(before, target):
+                self._grad_sums[index] = [torch.zeros_like(s) for s in self._grad_sums[index]]
         if announce:
-            self.history.append((int(epoch if epoch is not None else trainer.current_epoch), target))
+            epoch = int(epoch if epoch is not None else trainer.current_epoch)
+            step = int(step if step is not None else trainer.global_step)
+            self.history.append((epoch, target))
+            self.step_history.append((step, target))
+            where = f"epoch {epoch}" + (f", step {step}" if self.freeze_interval is not None else "")
             rank_zero_info(
-                f"AutoFreeze: epoch {epoch}: froze blocks {before}..{target - 1} "
+                f"AutoFreeze: {where}: froze blocks {before}..{target - 1} "
                 f"({target}/{self.num_blocks} frozen{', embeddings too' if self.freeze_embeddings else ''})."
             )
         if changed:
@@ -304,6 +449,12 @@ class AutoFreeze(Callback):
             "decided_epoch": self._decided_epoch,
             "norm_sum": norms,
             "norm_steps": self._norm_steps,
+            "step_history": [list(h) for h in self.step_history],
+            "next_point": self._next_point,
+            "points": self._points,
+            "previous_l1": self._previous_l1,
+            # rule="autofreeze" mid-interval: the summed gradients (a copy of the active blocks' size).
+            "grad_sums": [[t.detach().cpu() for t in block] for block in self._grad_sums] if self._grad_sums is not None else None,
         }
 
     def _mean_sum_list(self) -> list[float] | None:
@@ -323,7 +474,29 @@ class AutoFreeze(Callback):
         self._norm_sum = None
         self._restored_norms = state_dict.get("norm_sum")
         self._norm_steps = int(state_dict.get("norm_steps", 0))
+        self.step_history = [(int(a), int(b)) for a, b in state_dict.get("step_history", [])]
+        self._next_point = state_dict.get("next_point")
+        self._points = int(state_dict.get("points", 0))
+        self._previous_l1 = state_dict.get("previous_l1")
+        sums = state_dict.get("grad_sums")
+        if sums is not None and self.stack is not None:
+            self._grad_sums = [
+                [t.to(p.device) for t, p in zip(block, module.parameters())] for block, module in zip(sums, self.stack.blocks)
+            ]
+        else:
+            self._grad_sums = None
         if self.stack is not None and self.num_frozen:
             # Callbacks are restored before the strategy wraps the model: freeze now so DDP's
             # first wrapper already leaves the frozen prefix out.
             apply_freeze(self.stack, self.num_frozen, self.freeze_embeddings)
+
+
+def _steps_per_epoch(trainer: pl.Trainer) -> int:
+    """Optimizer steps in one training epoch (what a fractional ``freeze_interval`` is a fraction of)."""
+    batches = trainer.num_training_batches
+    if batches == float("inf") or batches is None:
+        raise ValueError(
+            "freeze_interval as a fraction of an epoch needs a training loader with a length; pass an int number of "
+            "optimizer steps instead."
+        )
+    return max(1, -(-int(batches) // max(1, trainer.accumulate_grad_batches)))

@@ -20,7 +20,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 
-__all__ = ["geometric_num_frozen", "paper_num_frozen", "ExplicitSchedule", "validate_alpha"]
+__all__ = [
+    "ExplicitSchedule",
+    "autofreeze_num_frozen",
+    "geometric_num_frozen",
+    "interval_steps",
+    "paper_num_frozen",
+    "validate_alpha",
+    "validate_interval",
+]
 
 # ``1/3`` as a float times 12 is 3.9999999999999996 or 4.000000000000001 depending on the
 # order of operations; ceil must not turn that into 5.
@@ -67,6 +75,50 @@ def paper_num_frozen(prev_frozen: int, alpha: float, grad_norms: Sequence[float]
     active = list(grad_norms[prev_frozen:])
     smallest = prev_frozen + min(range(len(active)), key=lambda i: active[i])
     return min(num_blocks, geometric, smallest + 1)
+
+
+def autofreeze_num_frozen(prev_frozen: int, previous_l1: Sequence[float], current_l1: Sequence[float], percentile: float = 50.0) -> int:
+    """One decision of the original AutoFreeze system (Liu et al., 2021, ``freeze_intermediate_e2e_lr.py``).
+
+    Per block, the L1 norm of the gradient *summed over an interval*: a block whose gradients keep
+    pointing the same way has a large one, a block that has stopped learning a small, steady one.
+    The relative change from the previous interval, ``|prev - cur| / prev``, is computed for every
+    block (0 where ``prev`` or ``cur`` is 0, as for frozen blocks); the threshold is its
+    ``percentile``-th percentile over the active blocks (``index >= prev_frozen``); the blocks
+    before the first block whose change reaches the threshold freeze. Never returns less than
+    ``prev_frozen``.
+    """
+    import numpy as np
+
+    if len(previous_l1) != len(current_l1):
+        raise ValueError(f"Got {len(previous_l1)} previous and {len(current_l1)} current norms.")
+    ratios = [abs(p - c) / p if p > 0 and c > 0 else 0.0 for p, c in zip(previous_l1, current_l1)]
+    active = ratios[prev_frozen:]
+    if not active:
+        return prev_frozen
+    threshold = float(np.percentile(active, percentile))
+    first = next(i for i, r in enumerate(ratios) if r >= threshold)
+    return max(prev_frozen, first)
+
+
+def validate_interval(interval: int | float | None) -> int | float | None:
+    """``freeze_interval``: ``None``, an int >= 1 (optimizer steps) or a float in (0, 1] (a fraction of an epoch)."""
+    if interval is None:
+        return None
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)):
+        raise ValueError(f"freeze_interval must be an int (optimizer steps) or a float in (0, 1] (a fraction of an epoch), got {interval!r}.")
+    if isinstance(interval, int) and interval < 1:
+        raise ValueError(f"freeze_interval as a number of optimizer steps must be >= 1, got {interval}.")
+    if isinstance(interval, float) and not 0.0 < interval <= 1.0:
+        raise ValueError(f"freeze_interval as a fraction of an epoch must be in (0, 1], got {interval}; an int means optimizer steps.")
+    return interval
+
+
+def interval_steps(interval: int | float, steps_per_epoch: int) -> int:
+    """Optimizer steps between freeze points: the int itself, or the fraction of an epoch rounded (at least 1)."""
+    if isinstance(interval, int):
+        return interval
+    return max(1, round(interval * steps_per_epoch))
 
 
 class ExplicitSchedule:
