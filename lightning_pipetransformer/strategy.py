@@ -226,6 +226,28 @@ class PipeTransformerStrategy(ParallelStrategy):
     def process_group_backend(self) -> str | None:
         return self._process_group_backend
 
+    # One process is rank 0 of 1, whatever the cluster environment says (as under the single-device
+    # strategy, which asks it nothing): a SLURM or torchelastic job of one task must not need more.
+    @property
+    @override
+    def global_rank(self) -> int:
+        return super().global_rank if self.is_distributed else 0
+
+    @property
+    @override
+    def local_rank(self) -> int:
+        return super().local_rank if self.is_distributed else 0
+
+    @property
+    @override
+    def node_rank(self) -> int:
+        return super().node_rank if self.is_distributed else 0
+
+    @property
+    @override
+    def world_size(self) -> int:
+        return super().world_size if self.is_distributed else 1
+
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -252,7 +274,7 @@ class PipeTransformerStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id)
 
     def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
+        if self.cluster_environment is not None and self.is_distributed:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
@@ -1108,6 +1130,7 @@ class PipeTransformerStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
         gone = elastic.dead_peers(self._peers) if self._peers else []
         if gone and exception.args and isinstance(exception.args[0], str):
             named = ", ".join(f"rank {r} (pid {self._peers[r][1]})" for r in gone)

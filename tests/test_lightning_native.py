@@ -199,3 +199,35 @@ def test_fit_logs_the_plan_and_shows_it_in_the_progress_bar():
     assert not any(k.startswith("pt/") for call in recorder.calls for k in call)  # the bar only
     frozen = [call["pipetransformer/num_frozen"] for call in recorder.calls if "pipetransformer/num_frozen" in call]
     assert frozen == [0.0, 2.0]  # at set-up and at the freeze
+
+
+def test_one_process_in_a_cluster_environment_asks_it_nothing(monkeypatch):
+    # One task of a SLURM job (detected), with none of SLURM's rank variables: rank 0 of 1, as under
+    # the single-device strategy (which never asks the cluster environment).
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    monkeypatch.setattr(SLURMEnvironment, "detect", staticmethod(lambda: True))
+    for name in ("SLURM_NODEID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    trainer = trainer_for(PipeTransformerStrategy())
+    assert (trainer.global_rank, trainer.local_rank, trainer.node_rank, trainer.world_size) == (0, 0, 0, 1)
+    module = Linear()
+    trainer.fit(module)
+    assert module.inference_modes  # it trained and validated
+
+
+def test_the_trainer_lets_the_strategy_see_an_exception():
+    seen = []
+
+    class Failing(Linear):
+        def on_fit_start(self):
+            raise RuntimeError("boom")
+
+    class Watching(PipeTransformerStrategy):
+        def on_exception(self, exception):
+            seen.append(exception)
+            super().on_exception(exception)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer_for(Watching()).fit(Failing())
+    assert len(seen) == 1
