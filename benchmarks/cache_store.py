@@ -3,8 +3,10 @@
 MiniLM-shaped activations (64 tokens x 384 fp32 = 96 KiB per sample), batch 32. Times, per
 batch: the content keys of the batch (token ids + masks), a lookup that gathers 32 hits from host
 memory, the same from disk (files just written, so from the page cache: a cold read adds the
-disk's own time), storing a batch (memory / disk), and the no-grad forward of the embeddings
-plus k BERT layers (hidden 384, 12 heads, FFN 1536) that a hit replaces. Variants are
+disk's own time; every file read is checked against its CRC-32), the checksum alone with the
+candidate stdlib hashes (what a disk lookup pays for integrity, and why CRC-32), storing a batch
+(memory / disk; the finite check and, on disk, the checksums included), and the no-grad forward
+of the embeddings plus k BERT layers (hidden 384, 12 heads, FFN 1536) that a hit replaces. Variants are
 interleaved round by round so a change in machine load hits all of them alike; medians shown.
 
     python benchmarks/cache_store.py                 # print the table
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import os
 import platform
 import re
@@ -22,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,7 +33,7 @@ import torch
 from transformers import BertConfig, BertModel
 
 from lightning_pipetransformer.core.cache_keys import content_keys
-from lightning_pipetransformer.core.cache_store import ActivationStore
+from lightning_pipetransformer.core.cache_store import ActivationStore, checksum
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "cache.md"
 BEGIN, END = "<!-- cache_store:begin -->", "<!-- cache_store:end -->"
@@ -55,6 +59,7 @@ def timed(fn: Callable[[], object]) -> float:
 
 def main() -> None:
     args = parse()
+    load = os.getloadavg()  # other work on the machine slows every row alike (rounds interleave variants)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = BertConfig(
@@ -119,13 +124,21 @@ def main() -> None:
     mem_writes = ActivationStore(tmp, FP, 4, memory_budget=(args.rounds + 1) * b * per_sample)
     disk_writes = ActivationStore(tmp, FP, 5, memory_budget=0)
     pick = lambda r: batches[r % len(batches)][0]  # noqa: E731
+    rows = lambda r: list(batches[r % len(batches)][1])  # noqa: E731  (one sample's activation each)
+
+    def hash_all(fn: Callable[[memoryview], object]) -> Callable[[int], object]:
+        return lambda r: [fn(row.view(torch.uint8).reshape(-1).numpy()) for row in rows(r)]
+
     variants: dict[str, Callable[[int], object]] = {
         "content keys of the batch (ids, mask, types)": lambda r: content_keys(
             {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
         ),
         "lookup + gather, memory": lambda r: mem.lookup(pick(r)),
         "lookup + gather, memory, bf16 storage": lambda r: half.lookup(pick(r)),
-        "lookup + gather, disk (page cache)": lambda r: disk.lookup(pick(r)),
+        "lookup + gather, disk (page cache, CRC-32 checked)": lambda r: disk.lookup(pick(r)),
+        "CRC-32 of the batch's activations (what that check costs)": lambda r: [checksum(row) for row in rows(r)],
+        "  for comparison: Adler-32": hash_all(zlib.adler32),
+        "  for comparison: BLAKE2b-64": hash_all(lambda b: hashlib.blake2b(b, digest_size=8).digest()),
         "store a batch, memory": lambda r: store_new(mem_writes)(),
         "store a batch, disk": lambda r: store_new(disk_writes)(),
     }
@@ -154,11 +167,18 @@ def main() -> None:
         f"One layer's no-grad forward ~{one_layer:.0f} ms per batch; disk store: {stats.files_on_disk} files, "
         f"{stats.bytes_on_disk / 2**20:.1f} MiB ({stats.bytes_on_disk / max(stats.files_on_disk, 1) / 1024:.1f} KiB per file)."
     )
+    crc = medians["CRC-32 of the batch's activations (what that check costs)"]
+    disk_lookup = medians["lookup + gather, disk (page cache, CRC-32 checked)"]
+    lines.append(
+        f"Integrity check per lookup from disk: {crc / b * 1e3:.0f} us per sample ({crc:.1f} ms per batch), "
+        f"{crc / disk_lookup:.0%} of the disk lookup it is part of; memory hits are not checked."
+    )
     table = "\n".join(lines)
     header = (
         f"Measured {datetime.date.today().isoformat()} on {platform.machine()} {platform.processor() or platform.platform()}, "
         f"{os.cpu_count()} CPU core(s) visible, {args.threads} torch thread(s), torch {torch.__version__}, "
-        f"{args.rounds} rounds (medians), shared machine. Command: `python benchmarks/cache_store.py"
+        f"{args.rounds} rounds (medians), shared machine (load average {load[0]:.1f} at the start, "
+        f"{os.getloadavg()[0]:.1f} at the end). Command: `python benchmarks/cache_store.py"
         f"{' --write-docs' if args.write_docs else ''}`."
     )
     print(header)
