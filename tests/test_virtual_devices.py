@@ -101,3 +101,19 @@ def test_joining_replicas_get_the_loss_scale():
     rank0, joining = strategy_with_scale(1024.0), strategy_with_scale(65536.0)
     joining._load_sent_state(Trainer(), rank0._replica_state(Trainer()))
     assert joining.precision_plugin.scaler.get_scale() == 1024.0  # replicas unscale by the same factor
+
+
+def test_the_first_hit_check_allows_what_a_lower_precision_rounds():
+    from lightning_pipetransformer.autocache import verification_tolerance
+
+    assert verification_tolerance(torch.float32, torch.float32, None) == (1e-3, 1e-4)
+    bf16 = verification_tolerance(torch.float32, torch.float32, torch.bfloat16)  # bf16-mixed: autocast
+    fp16 = verification_tolerance(torch.float16, torch.float16, None)  # 16-true
+    assert bf16 == (4 * 2**-7, 4 * 2**-7) and fp16 == (4 * 2**-10, 4 * 2**-10)
+    # Two bf16 results of one computation at other batch shapes differ by a few ulps: allowed;
+    # a stale entry (another input) differs by far more: still caught.
+    x = torch.randn(64, 32)
+    a = (x @ torch.randn(32, 32)).to(torch.bfloat16).float()
+    b = a + a.abs() * 2**-7  # one ulp off everywhere
+    assert torch.allclose(a, b, rtol=bf16[0], atol=bf16[1]) and not torch.allclose(a, b, rtol=1e-3, atol=1e-4)
+    assert not torch.allclose(a, a.flip(0), rtol=bf16[0], atol=bf16[1])
