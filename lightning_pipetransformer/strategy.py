@@ -308,6 +308,18 @@ class PipeTransformerStrategy(ParallelStrategy):
         return self._plan.is_active(self.global_rank)
 
     @property
+    def gradient_group(self) -> Any | None:
+        """The process group this replica's gradients are averaged over, or None when nothing is.
+
+        DDP's group for a one-stage replica, the same group averaged by hand after backward for a
+        replica of several stages (see :meth:`configure_ddp`); None with one process, on a shadow
+        rank, or when this is the only active replica.
+        """
+        if isinstance(self.model, DistributedDataParallel):
+            return self.model.process_group
+        return self._active_group if self._average_by_hand else None
+
+    @property
     def autofreeze_decides_here(self) -> bool:
         """Whether AutoFreeze's rule decides on this process: with several, only on global rank 0.
 

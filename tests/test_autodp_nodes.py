@@ -125,7 +125,7 @@ def check_plan_and_split(ranks: list[dict], per_replica: dict[int, int]) -> None
                 index = active.index(rank)
                 assert s["replica_index"] == index
                 assert s["sampler"] == {"num_replicas": replicas, "rank": index}
-                assert s["ddp_group_size"] == replicas, f"epoch {epoch}, rank {rank}: DDP over {s['ddp_group_size']} ranks"
+                assert s["ddp_group_size"] == replicas, f"epoch {epoch}, rank {rank}: gradients averaged over {s['ddp_group_size']} ranks"
                 assert len(s["stage_devices"]) == plan["pipe_len"]
                 # The data split the reference assumes: replica index -> positions index, index+R, ...
                 assert s["batches"] == expected_batches(epoch, index, replicas, per_replica[epoch]), (

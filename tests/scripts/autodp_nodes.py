@@ -53,8 +53,8 @@ class Record(Callback):
             "stage_devices": [str(d) for d in strategy.stage_devices],
             "sampler": dict(strategy.distributed_sampler_kwargs),
             "ddp_group_size": (
-                torch.distributed.get_world_size(strategy.model.process_group)
-                if active and hasattr(strategy.model, "process_group") else None
+                torch.distributed.get_world_size(strategy.gradient_group)
+                if strategy.gradient_group is not None else None
             ),
             "batches": [], "idle_batches": 0,
         }
