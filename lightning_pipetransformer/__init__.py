@@ -11,10 +11,16 @@ Public API:
   modules, a stack of repeated blocks, ``post`` modules.
 """
 
-from .autofreeze import AutoFreeze
-from .core.discovery import BlockStack, BlockStackError, find_block_stack
-from .core.planner import Plan
-from .strategy import PipeTransformerStrategy  # registers "pipetransformer"
+from lightning_pipetransformer.freeze.callback import AutoFreeze
+from lightning_pipetransformer.pipe.planner import Plan
+from lightning_pipetransformer.stack.discovery import (
+    BlockStack,
+    BlockStackError,
+    find_block_stack,
+)
+from lightning_pipetransformer.strategy import (
+    PipeTransformerStrategy,  # registers "pipetransformer"
+)
 
 __all__ = ["AutoFreeze", "BlockStack", "BlockStackError", "Plan", "PipeTransformerStrategy", "find_block_stack"]
 __version__ = "0.1.0.dev0"

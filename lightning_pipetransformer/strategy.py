@@ -3,7 +3,7 @@
 The user's LightningModule is unchanged. At setup the strategy finds the block stack, asks the
 AutoPipe planner for a plan (frozen blocks F, pipe length K, micro-batches M, partition), moves
 each block to its stage's device and makes the model's own loop over the stack call the
-pipeline executor once (:func:`~lightning_pipetransformer.core.pipeline.install_pipeline`:
+pipeline executor once (:func:`~lightning_pipetransformer.pipe.pipeline.install_pipeline`:
 state-dict keys stay the plain model's). When :class:`~lightning_pipetransformer.AutoFreeze`
 freezes more blocks it calls :meth:`PipeTransformerStrategy.on_autofreeze` at the start of the
 epoch, and the strategy re-plans: the pipeline shrinks when the compression rule allows.
@@ -14,7 +14,7 @@ how everything is tested on CPU. With ``devices=G > 1`` (AutoDP) local rank ``j*
 pipeline replica over devices ``[j*K, (j+1)*K)`` (so each replica's first stage is its own
 process's device and nothing outside the stack moves when K shrinks) and the other processes
 are shadow ranks that follow the loop without model work; as K shrinks they become replicas
-(see :mod:`~lightning_pipetransformer.elastic`, :mod:`~lightning_pipetransformer.idle_ranks`
+(see :mod:`~lightning_pipetransformer.dp`, :mod:`~lightning_pipetransformer.dp.idle_hooks`
 and :meth:`PipeTransformerStrategy._transition`).
 
 Everything outside the stack (embeddings, head, loss, metrics) stays on the first stage's
@@ -34,11 +34,14 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _get_default_process_group_backend_for_device
-from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import Accelerator
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
@@ -53,16 +56,29 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
-from . import elastic, idle_ranks
-from .core import devices as dev
-
-from .core.costs import parameter_costs, parameter_count
-from .core.discovery import BlockStack, BlockStackError
-from .core.interception import InterceptionStats, install_pipeline, installed_pipeline, interception_stats, remove_pipeline
-from .core.planner import AutoPipe, Plan
-from .autocache import AutoCache, probe_cache_dir
-from .module_stack import block_stack_of
-from .stack_runners import cached_runner, pipeline_runner
+from lightning_pipetransformer import devices as dev
+from lightning_pipetransformer import lightning_internals
+from lightning_pipetransformer.cache.autocache import AutoCache, probe_cache_dir
+from lightning_pipetransformer.dp import (
+    faults,
+    groups,
+    idle,
+    idle_hooks,
+    state_transfer,
+    transition,
+)
+from lightning_pipetransformer.pipe.costs import parameter_costs, parameter_count
+from lightning_pipetransformer.pipe.planner import AutoPipe, Plan
+from lightning_pipetransformer.stack.declared import block_stack_of
+from lightning_pipetransformer.stack.discovery import BlockStack, BlockStackError
+from lightning_pipetransformer.stack.interception import (
+    InterceptionStats,
+    install_pipeline,
+    installed_pipeline,
+    interception_stats,
+    remove_pipeline,
+)
+from lightning_pipetransformer.stack.runners import cached_runner, pipeline_runner
 
 __all__ = ["PipeTransformerStrategy"]
 
@@ -364,18 +380,18 @@ class PipeTransformerStrategy(ParallelStrategy):
         self._ddp_init_sync = True
         if self.world_size > 1:
             # AutoDP: agree on rank 0's plan and make the active group before DDP wraps on it.
-            self._control_group = elastic.control_group(self._get_process_group_backend(), self._timeout)
-            self._peers = elastic.peer_processes(self._control_group)  # to name a rank that dies
+            self._control_group = groups.control_group(self._get_process_group_backend(), self._timeout)
+            self._peers = faults.peer_processes(self._control_group)  # to name a rank that dies
             if self._autocache is not None:
                 # One namespace for the node's processes: index i names the same sample on every
                 # rank (one dataset, split by the sampler), so replicas share index-keyed entries.
-                self._autocache.namespace = elastic.broadcast_object(self._autocache.namespace, src=0, group=self._control_group)
+                self._autocache.namespace = groups.broadcast_object(self._autocache.namespace, src=0, group=self._control_group)
             self._plan = self._agree(trainer, self.planner.plan(num_frozen) if self.global_rank == 0 else None)
-            self._active_group = elastic.active_group(self._plan.active_ranks, self._get_process_group_backend(), self._timeout)
-            if trainer.state.fn == TrainerFn.FITTING and not any(isinstance(c, elastic.TransitionCallback) for c in trainer.callbacks):
+            self._active_group = groups.active_group(self._plan.active_ranks, self._get_process_group_backend(), self._timeout)
+            if trainer.state.fn == TrainerFn.FITTING and not any(isinstance(c, transition.TransitionCallback) for c in trainer.callbacks):
                 # Right after AutoFreeze (or first): later callbacks see the new loader length.
                 at = next((i + 1 for i, c in enumerate(trainer.callbacks) if c is autofreeze), 0)
-                trainer.callbacks.insert(at, elastic.TransitionCallback(self))
+                trainer.callbacks.insert(at, transition.TransitionCallback(self))
             self._prepare_idle_ranks(trainer)
             plan = self._plan
         self._setup_model_and_optimizers(trainer, plan if self.world_size > 1 else self.planner.plan(num_frozen))
@@ -419,7 +435,7 @@ class PipeTransformerStrategy(ParallelStrategy):
         if fitting:
             self.configure_ddp()  # DDP over the active replicas (several processes only)
             if self._average_by_hand:  # no DDP wrapper to sync the replicas' first weights
-                elastic.broadcast_module_state(self.lightning_module, src=0, group=self._active_group, via=self.root_device)
+                state_transfer.broadcast_module_state(self.lightning_module, src=0, group=self._active_group, via=self.root_device)
             self.setup_optimizers(trainer)
         elif self.is_distributed:
             _sync_module_states(self.lightning_module)  # every rank, as DDPStrategy does without a wrapper
@@ -433,17 +449,17 @@ class PipeTransformerStrategy(ParallelStrategy):
         """Idle ranks skip the module's batch and epoch-end hooks and get rank 0's metrics."""
         module = self.lightning_module
         assert module is not None
-        idle_ranks.skip_module_hooks_when_idle(
+        idle_hooks.skip_module_hooks_when_idle(
             module, lambda: self.is_active, after={"on_train_epoch_end": lambda: self._share_metrics(trainer)}
         )
         if self.is_active:  # torchmetrics sync over the replicas, not WORLD (idle ranks never compute)
-            elastic.point_metrics_at(module, self._active_group)
-        trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, idle_ranks.ShareMetrics)]
+            groups.point_metrics_at(module, self._active_group)
+        trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, idle_hooks.ShareMetrics)]
         # First of all callbacks: its on_validation_end runs before the monitoring ones read metrics.
-        trainer.callbacks.insert(0, idle_ranks.ShareMetrics(self, idle_ranks.monitors_every_n_steps(trainer)))
+        trainer.callbacks.insert(0, idle_hooks.ShareMetrics(self, idle_hooks.monitors_every_n_steps(trainer)))
 
     def _share_metrics(self, trainer: pl.Trainer) -> None:
-        idle_ranks.share_callback_metrics(trainer, self.is_active, self._control_group)
+        idle_hooks.share_callback_metrics(trainer, self.is_active, self._control_group)
 
     def _setup_cache(self, trainer: pl.Trainer, autofreeze: Any) -> None:
         """AutoCache: check the directory now (before training) and key on the right inputs."""
@@ -467,7 +483,7 @@ class PipeTransformerStrategy(ParallelStrategy):
             self._autocache.attach(self.stack, self.lightning_module)
         self._autocache.watch_batch_bytes(self.stack.blocks[0])  # checked at the first training step
         if self.world_size > 1:
-            from .autocache import BoundarySync
+            from lightning_pipetransformer.cache.sync import BoundarySync
 
             # After each transition, on every rank: open the new boundary's store and advance the
             # old entries together (appended last: after the TransitionCallback setup inserts).
@@ -577,7 +593,7 @@ class PipeTransformerStrategy(ParallelStrategy):
         stage is wrapped in DDP (gradients all-reduced while backward runs). A replica whose
         stages span several devices is not: DDP would all-reduce buckets on every device, but the
         process's groups are bound to its own device (NCCL refuses the others), so its gradients
-        are averaged after backward through buffers on that device (:func:`elastic.average_gradients`).
+        are averaged after backward through buffers on that device (:func:`state_transfer.average_gradients`).
         """
         self._drop_ddp()
         self._average_by_hand = False
@@ -637,7 +653,7 @@ class PipeTransformerStrategy(ParallelStrategy):
                 f"{type(dataloader).__name__} without len()."
             )
         # A shadow rank loads nothing: same length as an active replica's share, placeholder batches.
-        return elastic.IdleLoader(len(dataloader))  # type: ignore[arg-type]
+        return idle.IdleLoader(len(dataloader))  # type: ignore[arg-type]
 
     def _check_train_loader(self, dataloader: object) -> None:
         assert self._plan is not None
@@ -691,11 +707,11 @@ class PipeTransformerStrategy(ParallelStrategy):
                 f"be a multiple of {self.world_size} (got {batch}; a custom batch_sampler cannot be split). Change the "
                 "batch size, or use batch_policy='replica'."
             )
-        return elastic.loader_with_batch_size(dataloader, batch // replicas)
+        return lightning_internals.loader_with_batch_size(dataloader, batch // replicas)
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        if elastic.is_idle_batch(batch):
+        if idle.is_idle_batch(batch):
             return batch  # nothing to move, and the user's transfer hooks must not see a placeholder
         return super().batch_to_device(batch, device, dataloader_idx)
 
@@ -705,7 +721,7 @@ class PipeTransformerStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self.is_active:
             self._check_cache_budget()
-            return elastic.idle_loss(self.root_device)
+            return idle.idle_loss(self.root_device)
         self._index_keys_from(args, kwargs, "train")
         output = super().training_step(*args, **kwargs)
         self._check_cache_budget()
@@ -748,7 +764,7 @@ class PipeTransformerStrategy(ParallelStrategy):
             def closure() -> Any:  # the last micro-batch's backward, then the replicas' average
                 result = step_closure()
                 params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-                elastic.average_gradients(params, self._active_group, self.root_device)
+                state_transfer.average_gradients(params, self._active_group, self.root_device)
                 return result
 
         dev.check_optimizer(optimizer)
@@ -881,10 +897,10 @@ class PipeTransformerStrategy(ParallelStrategy):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         # Callbacks' broadcasts (ModelCheckpoint paths, times) are control messages: all ranks.
         if self._control_group is not None:
-            return elastic.broadcast_object(obj, src=src, group=self._control_group)
+            return groups.broadcast_object(obj, src=src, group=self._control_group)
         if not _distributed_is_initialized():
             return obj
-        return elastic.broadcast_object(obj, src=src, group=None)
+        return groups.broadcast_object(obj, src=src, group=None)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -917,7 +933,7 @@ class PipeTransformerStrategy(ParallelStrategy):
             return
         autofreeze = _autofreeze_of(trainer)
         old = self._plan
-        clock = elastic.PhaseClock()
+        clock = transition.PhaseClock()
         # 1-2. AutoFreeze has decided F on every rank; rank 0's F and plan are the ones applied.
         num_frozen = autofreeze.num_frozen if autofreeze is not None else 0
         plan = self._agree(trainer, self.planner.plan(num_frozen) if self.global_rank == 0 else None)
@@ -933,21 +949,21 @@ class PipeTransformerStrategy(ParallelStrategy):
         # 4. Groups + DDP rebuilt; ranks that were idle receive the replicas' state.
         old_group = self._active_group
         if plan.active_ranks != old.active_ranks:
-            idle_ranks.restart_metric_order(trainer)
-            self._active_group = elastic.active_group(plan.active_ranks, self._get_process_group_backend(), self._timeout)
+            idle_hooks.restart_metric_order(trainer)
+            self._active_group = groups.active_group(plan.active_ranks, self._get_process_group_backend(), self._timeout)
             clock.lap("new_group")
             if self.is_active:
                 self._send_state(trainer, joining=[r for r in plan.active_ranks if r not in old.active_ranks], clock=clock)
         if self.is_active:
-            elastic.point_metrics_at(self.lightning_module, self._active_group)
+            groups.point_metrics_at(self.lightning_module, self._active_group)
         self._ddp_init_sync = False
         self.configure_ddp()  # DDP over the active group; frozen parameters leave its buckets
         if old_group is not self._active_group and self.global_rank in old.active_ranks:
-            elastic.destroy_group(old_group)  # its communicators would otherwise live as long as the process
+            groups.destroy_group(old_group)  # its communicators would otherwise live as long as the process
         clock.lap("ddp_rebuild")
         # 5. Sampler re-split over the new replicas (batch size too under batch_policy='global').
         if plan.num_replicas != old.num_replicas:
-            elastic.rebuild_train_loader(trainer)
+            lightning_internals.rebuild_train_loader(trainer)
             clock.lap("loader_rebuild")
         #: Seconds per phase of the last transition on this rank (for logs and benchmarks).
         self.last_transition = clock.laps
@@ -965,7 +981,7 @@ class PipeTransformerStrategy(ParallelStrategy):
                 "autofreeze": autofreeze.state_dict() if autofreeze is not None else None,
                 "step": (trainer.current_epoch, trainer.global_step),
             }
-        message = elastic.broadcast_object(message, src=0, group=self._control_group)
+        message = groups.broadcast_object(message, src=0, group=self._control_group)
         if self.global_rank != 0:
             here = (trainer.current_epoch, trainer.global_step)
             if tuple(message["step"]) != here:
@@ -980,7 +996,7 @@ class PipeTransformerStrategy(ParallelStrategy):
                 autofreeze.load_state_dict(message["autofreeze"])
         return Plan.from_dict(message["plan"])
 
-    def _send_state(self, trainer: pl.Trainer, joining: list[int], clock: elastic.PhaseClock) -> None:
+    def _send_state(self, trainer: pl.Trainer, joining: list[int], clock: transition.PhaseClock) -> None:
         """Global rank 0's model, optimizer and LR-scheduler state to the ranks that join the replicas.
 
         Runs on every active rank. Only ``joining`` (the ranks that were idle) receive parameters and
@@ -991,20 +1007,20 @@ class PipeTransformerStrategy(ParallelStrategy):
         lock-step, checked by _agree) and AutoFreeze state came with the plan.
         """
         group = self._active_group
-        elastic.broadcast_module_state(self.lightning_module, src=0, group=group, receivers=joining, via=self.root_device)
+        state_transfer.broadcast_module_state(self.lightning_module, src=0, group=group, receivers=joining, via=self.root_device)
         clock.lap("model_state")
         state = self._replica_state(trainer) if self.global_rank == 0 else None
-        state = elastic.broadcast_state(state, src=0, group=group, receivers=joining, via=self.root_device)
+        state = state_transfer.broadcast_state(state, src=0, group=group, receivers=joining, via=self.root_device)
         if self.global_rank in joining:
             self._load_sent_state(trainer, state)
         clock.lap("optimizer_state")
 
     def _replica_state(self, trainer: pl.Trainer) -> dict[str, Any]:
         """What a joining replica needs besides the weights: optimizer, LR-scheduler and loss-scaler state."""
-        frozen = elastic.frozen_for_good(_autofreeze_of(trainer))
+        frozen = state_transfer.frozen_for_good(_autofreeze_of(trainer))
         scaler = getattr(self.precision_plugin, "scaler", None)
         return {
-            "optimizers": [elastic.without_state_of(o.state_dict(), o, frozen) for o in self.optimizers],
+            "optimizers": [state_transfer.without_state_of(o.state_dict(), o, frozen) for o in self.optimizers],
             "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
             # 16-mixed: replicas must unscale by the same factor, or they diverge silently.
             "scaler": scaler.state_dict() if scaler is not None else None,
@@ -1124,7 +1140,7 @@ class PipeTransformerStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         if self.lightning_module is not None:
-            idle_ranks.restore_module_hooks(self.lightning_module)
+            idle_hooks.restore_module_hooks(self.lightning_module)
         if self.stack is not None:
             remove_pipeline(self.stack.container)
         if self._autocache is not None:
@@ -1143,7 +1159,7 @@ class PipeTransformerStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        gone = elastic.dead_peers(self._peers) if self._peers else []
+        gone = faults.dead_peers(self._peers) if self._peers else []
         if gone and exception.args and isinstance(exception.args[0], str):
             named = ", ".join(f"rank {r} (pid {self._peers[r][1]})" for r in gone)
             exception.args = (
@@ -1190,7 +1206,7 @@ def _optimizer_state_to_param_devices(optimizers: list[torch.optim.Optimizer]) -
 
 
 def _autofreeze_of(trainer: pl.Trainer) -> Any:
-    from .autofreeze import AutoFreeze
+    from lightning_pipetransformer.freeze.callback import AutoFreeze
 
     return next((c for c in trainer.callbacks if isinstance(c, AutoFreeze)), None)
 

@@ -37,7 +37,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy  # noqa: E402
-from lightning_pipetransformer.core.discovery import find_block_stack  # noqa: E402
+from lightning_pipetransformer.stack.discovery import find_block_stack  # noqa: E402
 
 VOCAB, SEQ, SAMPLES, BATCH, EPOCHS = 64, 16, 96, 16, 3
 SCHEDULE = {1: 2, 2: 3}

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_pipetransformer.autocache import AutoCache, CachedStack, StaleCacheError, run_blocks
-from lightning_pipetransformer.core.discovery import find_block_stack
-from lightning_pipetransformer.core.freezing import apply_freeze
-from lightning_pipetransformer.core.pipeline import install_pipeline, remove_pipeline
+from lightning_pipetransformer.cache.autocache import AutoCache
+from lightning_pipetransformer.cache.cached_stack import CachedStack, StaleCacheError, run_blocks
+from lightning_pipetransformer.stack.discovery import find_block_stack
+from lightning_pipetransformer.freeze.apply import apply_freeze
+from lightning_pipetransformer.pipe.pipeline import install_pipeline, remove_pipeline
 from models import SEQ, VOCAB, tiny_bert
 
 
@@ -131,7 +132,7 @@ def test_dropout_in_frozen_prefix_is_refused_or_turns_cache_off(tmp_path):
 
 
 def test_active_balance_drops_emptied_stages():
-    from lightning_pipetransformer.autocache import active_balance
+    from lightning_pipetransformer.cache.autocache import active_balance
 
     assert active_balance((3, 1), 3) == ((1,), (1,))
     assert active_balance((2, 2, 2), 3) == ((1, 2), (1, 2))
@@ -139,8 +140,8 @@ def test_active_balance_drops_emptied_stages():
 
 
 def test_unwritable_cache_dir_is_a_clear_error(tmp_path):
-    from lightning_pipetransformer.autocache import probe_cache_dir
-    from lightning_pipetransformer.core.cache_store import CacheConfigError
+    from lightning_pipetransformer.cache.autocache import probe_cache_dir
+    from lightning_pipetransformer.cache.store import CacheConfigError
 
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

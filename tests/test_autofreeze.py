@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_pipetransformer import AutoFreeze
-from lightning_pipetransformer.core.discovery import BlockStackError
+from lightning_pipetransformer.stack.discovery import BlockStackError
 from models import TextClassifier, loader, text_dataset
 from train_reference import train_reference
 

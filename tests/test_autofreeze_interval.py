@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from lightning_models import Classifier, data_for
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
-from lightning_pipetransformer.core.freeze_rules import autofreeze_num_frozen, geometric_num_frozen
+from lightning_pipetransformer.freeze.rules import autofreeze_num_frozen, geometric_num_frozen
 from models import TextClassifier, loader, text_dataset
 from train_reference import freeze_by_hand
 

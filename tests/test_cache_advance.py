@@ -9,8 +9,8 @@ import torch
 
 from transformers import BertConfig, BertModel
 
-from lightning_pipetransformer.autocache import run_blocks
-from lightning_pipetransformer.core.cache_advance import (
+from lightning_pipetransformer.cache.cached_stack import run_blocks
+from lightning_pipetransformer.cache.advance import (
     advance_store,
     cached_prefix,
     pack_block_inputs,
@@ -18,13 +18,13 @@ from lightning_pipetransformer.core.cache_advance import (
     shard_of,
     unpack_block_inputs,
 )
-from lightning_pipetransformer.core.cache_keys import content_keys
-from lightning_pipetransformer.core.cache_store import ActivationStore
-from lightning_pipetransformer.core.cache_validity import prefix_fingerprint
-from lightning_pipetransformer.core.discovery import find_block_stack
-from lightning_pipetransformer.core.freezing import apply_freeze
-from lightning_pipetransformer.core.interception import StackCall
-from lightning_pipetransformer.core.pipeline import install_pipeline, remove_pipeline
+from lightning_pipetransformer.cache.keys import content_keys
+from lightning_pipetransformer.cache.store import ActivationStore
+from lightning_pipetransformer.cache.validity import prefix_fingerprint
+from lightning_pipetransformer.stack.discovery import find_block_stack
+from lightning_pipetransformer.freeze.apply import apply_freeze
+from lightning_pipetransformer.stack.interception import StackCall
+from lightning_pipetransformer.pipe.pipeline import install_pipeline, remove_pipeline
 
 SEQ, VOCAB = 8, 50
 

@@ -17,11 +17,12 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_pipetransformer.autocache import AutoCache, CachedStack, StaleCacheError, run_blocks
-from lightning_pipetransformer.core.cache_store import ActivationStore
-from lightning_pipetransformer.core.discovery import find_block_stack
-from lightning_pipetransformer.core.freezing import apply_freeze
-from lightning_pipetransformer.core.pipeline import install_pipeline, remove_pipeline
+from lightning_pipetransformer.cache.autocache import AutoCache
+from lightning_pipetransformer.cache.cached_stack import CachedStack, StaleCacheError, run_blocks
+from lightning_pipetransformer.cache.store import ActivationStore
+from lightning_pipetransformer.stack.discovery import find_block_stack
+from lightning_pipetransformer.freeze.apply import apply_freeze
+from lightning_pipetransformer.pipe.pipeline import install_pipeline, remove_pipeline
 from lightning_models import Classifier, IndexedSamples, _ids, _images, indexed_text
 from models import SEQ, VOCAB, tiny_bert
 from test_autocache_paths import assert_same_run, cached, fit, stats_of, trainer_for

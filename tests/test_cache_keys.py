@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_pipetransformer.core import cache_keys as ck
-from lightning_pipetransformer.core.cache_keys import content_keys, index_keys, row_hashes, tensor_digest
+from lightning_pipetransformer.cache import keys as ck
+from lightning_pipetransformer.cache.keys import content_keys, index_keys, row_hashes, tensor_digest
 
 M64 = (1 << 64) - 1
 

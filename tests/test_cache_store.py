@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_pipetransformer.core.cache_keys import content_keys
-from lightning_pipetransformer.core.cache_store import ActivationStore, CacheConfigError, merge_rows
+from lightning_pipetransformer.cache.keys import content_keys
+from lightning_pipetransformer.cache.store import ActivationStore, CacheConfigError, merge_rows
 
 FP = "0123456789abcdef0123456789abcdef"
 ROW = (4, 8)  # one sample's activation: 32 fp32 = 128 bytes
@@ -169,8 +169,8 @@ _WRITER = textwrap.dedent(
     stub = types.ModuleType("lightning_pipetransformer")
     stub.__path__ = [{pkg!r}]
     sys.modules["lightning_pipetransformer"] = stub
-    from lightning_pipetransformer.core.cache_store import ActivationStore
-    from lightning_pipetransformer.core import cache_advance  # noqa: F401  (the whole core is Lightning-free)
+    from lightning_pipetransformer.cache.store import ActivationStore
+    from lightning_pipetransformer.cache import advance  # noqa: F401  (the whole core is Lightning-free)
     assert "lightning" not in sys.modules and "lightning.pytorch" not in sys.modules
     cache_dir, seed = sys.argv[1], int(sys.argv[2])
     store = ActivationStore(cache_dir, "{fp}", 2, memory_budget=10**6, write_through=True)

@@ -7,17 +7,17 @@ import torch
 from torch import nn
 from transformers import BertConfig, BertModel
 
-from lightning_pipetransformer.core.cache_keys import content_keys
-from lightning_pipetransformer.core.cache_store import ActivationStore
-from lightning_pipetransformer.core.cache_validity import (
+from lightning_pipetransformer.cache.keys import content_keys
+from lightning_pipetransformer.cache.store import ActivationStore
+from lightning_pipetransformer.cache.validity import (
     NondeterministicPrefixError,
     check_deterministic,
     nondeterministic_reasons,
     prefix_fingerprint,
     prefix_modules,
 )
-from lightning_pipetransformer.core.discovery import find_block_stack
-from lightning_pipetransformer.core.freezing import apply_freeze
+from lightning_pipetransformer.stack.discovery import find_block_stack
+from lightning_pipetransformer.freeze.apply import apply_freeze
 
 
 def _bert(seed: int = 0, **overrides) -> BertModel:

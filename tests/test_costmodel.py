@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_pipetransformer.core.costmodel import (
+from lightning_pipetransformer.costmodel.model import (
     BlockCost,
     Cluster,
     ModelCost,
@@ -25,8 +25,8 @@ from lightning_pipetransformer.core.costmodel import (
     pipeline_step_time,
     ring_allreduce_time,
 )
-from lightning_pipetransformer.core.presets import get_preset
-from lightning_pipetransformer.core.simulator import microbatch_profile, simulate
+from lightning_pipetransformer.costmodel.presets import get_preset
+from lightning_pipetransformer.costmodel.simulator import microbatch_profile, simulate
 
 GB = 1e9
 

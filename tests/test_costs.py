@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipetransformer.core.costs import parameter_costs, parameter_count, profile_blocks
+from lightning_pipetransformer.pipe.costs import parameter_costs, parameter_count, profile_blocks
 
 
 class Scale(nn.Module):

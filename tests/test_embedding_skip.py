@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipetransformer.autocache import AutoCache
-from lightning_pipetransformer.core.discovery import find_block_stack
-from lightning_pipetransformer.core.embedding_skip import SkipError
-from lightning_pipetransformer.core.freezing import apply_freeze
-from lightning_pipetransformer.core.pipeline import installed_pipeline, remove_pipeline
+from lightning_pipetransformer.cache.autocache import AutoCache
+from lightning_pipetransformer.stack.discovery import find_block_stack
+from lightning_pipetransformer.cache.embedding_skip import SkipError
+from lightning_pipetransformer.freeze.apply import apply_freeze
+from lightning_pipetransformer.pipe.pipeline import installed_pipeline, remove_pipeline
 from models import SEQ, VOCAB, tiny_bert, tiny_vit
 from test_autocache import batch, count_rows, install
 

@@ -5,7 +5,7 @@ import math
 import pytest
 from hypothesis import given, strategies as st
 
-from lightning_pipetransformer.core.freeze_rules import (
+from lightning_pipetransformer.freeze.rules import (
     ExplicitSchedule,
     geometric_num_frozen,
     paper_num_frozen,

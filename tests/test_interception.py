@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipetransformer.core import pipeline as pipeline_module
-from lightning_pipetransformer.core.interception import Deferred, InterceptionError, interception_stats
-from lightning_pipetransformer.core.pipeline import Pipeline, pipelined
+from lightning_pipetransformer.pipe import pipeline as pipeline_module
+from lightning_pipetransformer.stack.interception import Deferred, InterceptionError, interception_stats
+from lightning_pipetransformer.pipe.pipeline import Pipeline, pipelined
 
 WIDTH, BATCH, SEQ = 8, 6, 5
 

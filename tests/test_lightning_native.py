@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_models import Classifier, data_for
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
-from lightning_pipetransformer.core.discovery import BlockStackError
+from lightning_pipetransformer.stack.discovery import BlockStackError
 
 
 class Recorder(Logger):

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_pipetransformer.core.microbatch import batch_size, gather, map_tensors, scatter
+from lightning_pipetransformer.pipe.microbatch import batch_size, gather, map_tensors, scatter
 
 
 def one_block(*args, **kwargs):

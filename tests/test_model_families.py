@@ -15,8 +15,8 @@ from lightning.pytorch.callbacks import Callback
 
 from families import BATCH, FAMILIES, FamilyModule, family_data
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
-from lightning_pipetransformer.core.cache_store import CacheConfigError
-from lightning_pipetransformer.core.discovery import find_block_stack
+from lightning_pipetransformer.cache.store import CacheConfigError
+from lightning_pipetransformer.stack.discovery import find_block_stack
 
 EPOCHS, STEPS = 3, 3  # 3 batches of 6 samples per epoch
 

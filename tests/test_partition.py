@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_pipetransformer.core.partition import (
+from lightning_pipetransformer.pipe.partition import (
     boundaries,
     compress_pipe_len,
     optimal_partition,

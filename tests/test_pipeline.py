@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipetransformer.core import devices as dev
-from lightning_pipetransformer.core.pipeline import (
+from lightning_pipetransformer import devices as dev
+from lightning_pipetransformer.pipe.pipeline import (
     Pipeline,
     clock_cycles,
     hidden_of,

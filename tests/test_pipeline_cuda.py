@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipetransformer.core.pipeline import Pipeline, hidden_of, pipelined
+from lightning_pipetransformer.pipe.pipeline import Pipeline, hidden_of, pipelined
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (streams and events)")
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_pipetransformer.core.costs import weighted_costs
-from lightning_pipetransformer.core.planner import AutoPipe, Plan, chunk_candidates
+from lightning_pipetransformer.pipe.costs import weighted_costs
+from lightning_pipetransformer.pipe.planner import AutoPipe, Plan, chunk_candidates
 
 # BERT-base (transformers BertConfig() defaults): every encoder layer has 7,087,872 parameters,
 # the embeddings 23,837,184 and the pooler 590,592.

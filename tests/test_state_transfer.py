@@ -23,12 +23,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from lightning_pipetransformer import elastic
+from lightning_pipetransformer.dp import state_transfer
 
 
 def test_transfer_tree_is_a_binomial_tree_over_src_and_receivers():
     for receivers in ([], [1], [1, 2, 3], [2, 3], [5, 1, 7, 3, 2, 6, 4], list(range(1, 16))):
-        tree = elastic.transfer_tree(0, receivers)
+        tree = state_transfer.transfer_tree(0, receivers)
         assert set(tree) == {0, *receivers}
         assert tree[0][0] is None
         rounds = math.ceil(math.log2(len(receivers) + 1))
@@ -38,7 +38,7 @@ def test_transfer_tree_is_a_binomial_tree_over_src_and_receivers():
             parent = tree[rank][0]
             assert order.index(parent) < position  # data flows from ranks that already have it
             assert rank in tree[parent][1]
-    assert elastic.transfer_tree(2, [0, 2, 1])[2] == (None, [0, 1])  # src is the root, listed once
+    assert state_transfer.transfer_tree(2, [0, 2, 1])[2] == (None, [0, 1])  # src is the root, listed once
 
 
 # ---------------------------------------------------------------------------------- multi-process
@@ -97,7 +97,7 @@ def _send_tensors_to_some(rank: int, world: int) -> None:
     tensors = _tensors(seed=rank)  # different on every rank before the transfer
     before = [t.clone() for t in tensors]
     # Rank 1 is an already-active replica: not a receiver, never touched. Small chunks: many pieces.
-    elastic.send_tensors(tensors, src=0, receivers=[2, 3], group=dist.group.WORLD, chunk_bytes=1 << 20)
+    state_transfer.send_tensors(tensors, src=0, receivers=[2, 3], group=dist.group.WORLD, chunk_bytes=1 << 20)
     expected = _tensors(seed=0) if rank in (0, 2, 3) else before
     for got, want in zip(tensors, expected):
         assert got.dtype == want.dtype and got.shape == want.shape
@@ -126,7 +126,7 @@ def _module_state(rank: int, world: int) -> None:
     src = _Net()
     with torch.no_grad():
         src.norm.running_mean.fill_(0.0)
-    elastic.broadcast_module_state(net, src=0, group=dist.group.WORLD, receivers=[2])
+    state_transfer.broadcast_module_state(net, src=0, group=dist.group.WORLD, receivers=[2])
     buffers = {"norm.running_mean", "norm.running_var", "norm.num_batches_tracked"}
     for key, value in net.state_dict().items():
         if rank in (0, 2) or key in buffers:
@@ -152,10 +152,10 @@ def _optimizer_state(rank: int, world: int) -> None:
     state = None
     if rank == 0:
         state = {
-            "optimizers": [elastic.without_state_of(o.state_dict(), o, frozen) for o in (sgd, adam)],
+            "optimizers": [state_transfer.without_state_of(o.state_dict(), o, frozen) for o in (sgd, adam)],
             "schedulers": [scheduler.state_dict()],
         }
-    state = elastic.broadcast_state(state, src=0, group=dist.group.WORLD, receivers=[1, 2, 3])
+    state = state_transfer.broadcast_state(state, src=0, group=dist.group.WORLD, receivers=[1, 2, 3])
     # Reference: what rank 0 has, sent as a (small) pickled object.
     reference = [None]
     if rank == 0:
@@ -193,7 +193,7 @@ def _missing_sender(rank: int, world: int) -> None:
     if rank == 1:  # rank 0 never sends: the receive must give up within the group's timeout
         start = time.monotonic()
         with pytest.raises(RuntimeError):
-            elastic.send_tensors([torch.empty(10)], src=0, receivers=[1], group=group)
+            state_transfer.send_tensors([torch.empty(10)], src=0, receivers=[1], group=group)
         assert time.monotonic() - start < 15
     dist.barrier(group=dist.group.WORLD)
 

@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
-from lightning_pipetransformer.core.discovery import BlockStackError
+from lightning_pipetransformer.stack.discovery import BlockStackError
 from lightning_models import Classifier, data_for, indexed_text
 
 SCHEDULE = {1: 1, 2: 3}

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipetransformer import elastic
-from lightning_pipetransformer.core import devices as dev
-from lightning_pipetransformer.core.devices import VirtualDeviceError, VirtualDevices
+from lightning_pipetransformer.dp import state_transfer
+from lightning_pipetransformer import devices as dev
+from lightning_pipetransformer.devices import VirtualDeviceError, VirtualDevices
 from lightning_pipetransformer.strategy import PipeTransformerStrategy, _optimizer_state_to_param_devices
 
 CPU0, CPU1, CPU2 = (torch.device("cpu", i) for i in range(3))
@@ -67,10 +67,10 @@ def test_a_collective_on_a_tensor_off_the_process_device_fails_and_staging_avoid
         dev.tag_as(on_stage, CPU1)  # a tensor of a pipeline stage on another device
         with pytest.raises(VirtualDeviceError, match="bound to cpu:0"):
             dev.check_collective(on_stage, "test")
-        pieces = list(elastic._pieces([on_stage], elastic.CHUNK_BYTES))  # without via: straight from cpu:1
+        pieces = list(state_transfer._pieces([on_stage], state_transfer.CHUNK_BYTES))  # without via: straight from cpu:1
         with pytest.raises(VirtualDeviceError):
             dev.check_collective(pieces[0][2], "test")
-        for message, targets, source in elastic._pieces([on_stage], elastic.CHUNK_BYTES, via=CPU0):
+        for message, targets, source in state_transfer._pieces([on_stage], state_transfer.CHUNK_BYTES, via=CPU0):
             dev.check_collective(source, "test")  # staged through a buffer on the process's device
             assert targets and message.numel() == sum(t.numel() for t in targets)
 
@@ -104,7 +104,7 @@ def test_joining_replicas_get_the_loss_scale():
 
 
 def test_the_first_hit_check_allows_what_a_lower_precision_rounds():
-    from lightning_pipetransformer.autocache import verification_tolerance
+    from lightning_pipetransformer.cache.autocache import verification_tolerance
 
     assert verification_tolerance(torch.float32, torch.float32, None) == (1e-3, 1e-4)
     bf16 = verification_tolerance(torch.float32, torch.float32, torch.bfloat16)  # bf16-mixed: autocast

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lightning_pipetransformer.core.discovery import find_block_stack
+from lightning_pipetransformer.stack.discovery import find_block_stack
 from models import TextClassifier, loader
 
 

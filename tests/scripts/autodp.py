@@ -24,9 +24,9 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCh
 from torch.utils.data import DataLoader
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
-from lightning_pipetransformer.core.devices import VirtualDevices
-from lightning_pipetransformer.core.interception import interception_stats
-from lightning_pipetransformer.elastic import is_idle_batch
+from lightning_pipetransformer.devices import VirtualDevices
+from lightning_pipetransformer.stack.interception import interception_stats
+from lightning_pipetransformer.dp.idle import is_idle_batch
 from launch import fit_recording_errors
 from models import TextClassifier, text_dataset
 

@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
-from lightning_pipetransformer.elastic import is_idle_batch
+from lightning_pipetransformer.dp.idle import is_idle_batch
 from autodp import final_record  # this script's folder is on sys.path
 from launch import fit_recording_errors
 from models import TextClassifier, text_dataset

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .partition import optimal_partition
+from lightning_pipetransformer.pipe.partition import optimal_partition
 
 __all__ = [
     "BlockCost",

@@ -10,7 +10,12 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from .core.discovery import BlockStack, BlockStackError, find_block_stack, resolve_block_stack
+from lightning_pipetransformer.stack.discovery import (
+    BlockStack,
+    BlockStackError,
+    find_block_stack,
+    resolve_block_stack,
+)
 
 __all__ = ["block_stack_of", "BLOCK_STACK_HOOK"]
 

@@ -52,7 +52,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from .microbatch import is_stateful
+from lightning_pipetransformer.pipe.microbatch import is_stateful
 
 __all__ = [
     "Deferred",

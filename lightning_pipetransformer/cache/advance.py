@@ -42,9 +42,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .cache_store import ActivationStore, StoredEntry, merge_rows
-from .interception import hidden_of
-from .microbatch import per_sample_view
+from lightning_pipetransformer.cache.store import (
+    ActivationStore,
+    StoredEntry,
+    merge_rows,
+)
+from lightning_pipetransformer.pipe.microbatch import per_sample_view
+from lightning_pipetransformer.stack.interception import hidden_of
 
 __all__ = [
     "ENTRY_FORMAT",

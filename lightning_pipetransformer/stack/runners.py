@@ -1,13 +1,13 @@
 """What the strategy installs in place of the block stack for one plan.
 
 The model's own loop over its block stack calls one runner (see
-:func:`~lightning_pipetransformer.core.pipeline.install_pipeline`). For a plan that runner is
+:func:`~lightning_pipetransformer.pipe.pipeline.install_pipeline`). For a plan that runner is
 
 - nothing at all: one stage and one micro-batch, the model's loop runs as written;
-- a :class:`~lightning_pipetransformer.core.pipeline.Pipeline` over the stages' devices;
-- a :class:`~lightning_pipetransformer.auto_chunks.ChunkTuner` (``chunks="auto"``: measures M
+- a :class:`~lightning_pipetransformer.pipe.pipeline.Pipeline` over the stages' devices;
+- a :class:`~lightning_pipetransformer.pipe.chunks.ChunkTuner` (``chunks="auto"``: measures M
   on the first training batch of a new pipe length, then behaves like that pipeline);
-- AutoCache's :class:`~lightning_pipetransformer.autocache.CachedStack`: the frozen prefix from the
+- AutoCache's :class:`~lightning_pipetransformer.cache.autocache.CachedStack`: the frozen prefix from the
   cache, the active blocks as a pipeline of their own.
 
 Each pipeline's output is handed back to the first stage's device (:class:`ReturnTo`), where
@@ -22,12 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .auto_chunks import ChunkTuner
-from .autocache import AutoCache, CachedStack, active_balance
-from .core.devices import place_module
-from .core.interception import StackCall
-from .core.pipeline import Pipeline
-from .core.planner import Plan
+from lightning_pipetransformer.cache.autocache import AutoCache, active_balance
+from lightning_pipetransformer.cache.cached_stack import CachedStack
+from lightning_pipetransformer.devices import place_module
+from lightning_pipetransformer.pipe.chunks import ChunkTuner
+from lightning_pipetransformer.pipe.pipeline import Pipeline
+from lightning_pipetransformer.pipe.planner import Plan
+from lightning_pipetransformer.stack.interception import StackCall
 
 __all__ = ["ReturnTo", "cached_runner", "pipeline_runner"]
 

@@ -36,19 +36,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pipetransformer.core import devices as dev
-from lightning_pipetransformer.core.devices import Device, Stream
-from lightning_pipetransformer.core.interception import (
-    InterceptionError,
-    StackCall,
-    call_block,
-    hidden_of,
-    install_pipeline,
-    installed_pipeline,
-    pipelined,
-    remove_pipeline,
-)
-from lightning_pipetransformer.core.microbatch import (
+from lightning_pipetransformer import devices as dev
+from lightning_pipetransformer.devices import Device, Stream
+from lightning_pipetransformer.pipe.microbatch import (
     BatchArgs,
     BlockArgs,
     Scatter,
@@ -58,7 +48,17 @@ from lightning_pipetransformer.core.microbatch import (
     scatter,
     tensors_in,
 )
-from lightning_pipetransformer.core.partition import boundaries
+from lightning_pipetransformer.pipe.partition import boundaries
+from lightning_pipetransformer.stack.interception import (
+    InterceptionError,
+    StackCall,
+    call_block,
+    hidden_of,
+    install_pipeline,
+    installed_pipeline,
+    pipelined,
+    remove_pipeline,
+)
 
 __all__ = [
     "Pipeline",

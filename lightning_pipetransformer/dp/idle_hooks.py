@@ -1,7 +1,7 @@
 """What the user's code sees on an idle (shadow) rank: batch hooks skipped, rank 0's metrics.
 
 An idle rank stays in Lightning's loop in lock-step with the replicas (see
-:mod:`~lightning_pipetransformer.elastic`) but has no data and no model work. Two things would
+:mod:`~lightning_pipetransformer.dp`) but has no data and no model work. Two things would
 otherwise go wrong in code the user did not write for that:
 
 * **The LightningModule's batch and epoch-end hooks** would see placeholder batches, gradients
@@ -32,7 +32,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from . import elastic
+from lightning_pipetransformer.dp import groups
 
 __all__: list[str] = []
 
@@ -141,7 +141,7 @@ def share_callback_metrics(trainer: pl.Trainer, is_active: bool, control_group: 
     if trainer.global_rank == 0:
         assert metrics is not None
         message = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
-    message = elastic.broadcast_object(message, src=0, group=control_group)
+    message = groups.broadcast_object(message, src=0, group=control_group)
     if not is_active:
         # Private (pinned Lightning): what the monitoring callbacks read on this rank.
         trainer._logger_connector._callback_metrics.update(message)

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .costmodel import BlockCost, Cluster, ModelCost, Training
+from lightning_pipetransformer.costmodel.model import (
+    BlockCost,
+    Cluster,
+    ModelCost,
+    Training,
+)
 
 __all__ = ["Device", "RTX_5000", "transformer_costs", "vit_b16_costs", "Preset", "PRESETS", "get_preset"]
 
@@ -139,7 +144,7 @@ def _this_project(base: Preset, hit_rate: float) -> Training:
     return replace(
         base.train,
         micro_batches="auto",  # profiled M
-        partition="optimal",  # exact min-max partition (core/partition.py)
+        partition="optimal",  # exact min-max partition (pipe/partition.py)
         partition_by="time",  # profiled per-block time
         frozen_placement="pipelined",  # frozen prefix inside stage 0, weighted frozen_cost
         cache_policy="auto",  # cache only when it is predicted to pay

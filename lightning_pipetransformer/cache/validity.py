@@ -26,8 +26,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from .cache_keys import tensor_digest
-from .discovery import BlockStack
+from lightning_pipetransformer.cache.keys import tensor_digest
+from lightning_pipetransformer.stack.discovery import BlockStack
 
 __all__ = [
     "FORMAT_VERSION",

@@ -35,8 +35,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .core.discovery import BlockStack
-from .core.freeze_rules import (
+from lightning_pipetransformer.freeze.apply import (
+    apply_freeze,
+    ensure_frozen_eval,
+    frozen_parameters,
+)
+from lightning_pipetransformer.freeze.rules import (
     ExplicitSchedule,
     autofreeze_num_frozen,
     geometric_num_frozen,
@@ -45,8 +49,8 @@ from .core.freeze_rules import (
     validate_alpha,
     validate_interval,
 )
-from .core.freezing import apply_freeze, ensure_frozen_eval, frozen_parameters
-from .module_stack import block_stack_of
+from lightning_pipetransformer.stack.declared import block_stack_of
+from lightning_pipetransformer.stack.discovery import BlockStack
 
 __all__ = ["AutoFreeze"]
 
@@ -71,14 +75,14 @@ class AutoFreeze(Callback):
             gradient summed over the interval; the blocks before the first one whose norm changed
             by at least the ``percentile``-th percentile of the active blocks' relative changes
             (since the previous interval) freeze. It needs two intervals before its first freeze.
-            See :mod:`lightning_pipetransformer.core.freeze_rules`.
+            See :mod:`lightning_pipetransformer.freeze.rules`.
         schedule: an explicit plan, ``{epoch: num_frozen}`` (a step function) or a callable
             ``epoch -> num_frozen``. Overrides ``rule`` and ``alpha``; for reproducible experiments.
         layers: the block container's attribute path relative to the LightningModule (e.g.
             ``"model.bert.encoder.layer"``), the container, or a ``BlockStack``. Default: the module's
             ``configure_block_stack()`` hook if it has one, else automatic discovery.
         pre: attribute paths of the modules that run before the blocks, if registration order
-            does not tell (see :mod:`lightning_pipetransformer.core.discovery`).
+            does not tell (see :mod:`lightning_pipetransformer.stack.discovery`).
         freeze_every_n_epochs: epochs between freeze points. The first freeze point is the start
             of epoch ``freeze_every_n_epochs``: the first interval always trains the whole model.
         freeze_interval: freeze points inside epochs instead: an int is a number of optimizer

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .core.interception import StackCall, uncounted
-from .core.pipeline import Pipeline, hidden_of
-from .core.planner import chunk_candidates
+from lightning_pipetransformer.pipe.pipeline import Pipeline, hidden_of
+from lightning_pipetransformer.pipe.planner import chunk_candidates
+from lightning_pipetransformer.stack.interception import StackCall, uncounted
 
 __all__ = ["ChunkTuner"]
 

@@ -15,7 +15,7 @@ installs the pipeline: the model's own loop calls it once). For every batch it
 4. runs the active blocks (the pipeline over ``blocks[F:]``) on the merged boundary activations.
 
 Once the embeddings' output is seen to reach the stack unchanged, they are skipped too
-(:class:`~.core.embedding_skip.EmbeddingSkipper`): the model's forward gets a NaN placeholder
+(:class:`~lightning_pipetransformer.cache.embedding_skip.EmbeddingSkipper`): the model's forward gets a NaN placeholder
 of the right shape from them, and only the rows the stack must compute run the real embeddings.
 
 Safety nets, all cheap: every file read from disk is checked against its CRC-32 (a corrupt
@@ -30,27 +30,49 @@ on this device.
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
-from .core.cache_advance import ENTRY_FORMAT, advance_store, cached_prefix, entry_bytes, pack_block_inputs, select_rows
-from .core.cache_keys import content_keys, index_keys
-from .core.cache_store import ActivationStore, CacheConfigError, check_batch_fits
-from .core.cache_validity import check_deterministic, prefix_fingerprint, prefix_modules
-from .core.discovery import BlockStack
-from .core.embedding_skip import EmbeddingSkipper, input_versions, version_of
-from .core.interception import StackCall, call_block, hidden_of, installed_pipeline
-from .core.microbatch import BlockArgs, per_sample_view, tensors_in
-
-__all__ = ["AutoCache", "BoundarySync", "CachedStack", "StaleCacheError"]
+from lightning_pipetransformer.cache.advance import (
+    ENTRY_FORMAT,
+    advance_store,
+    entry_bytes,
+    select_rows,
+)
+from lightning_pipetransformer.cache.cached_stack import (
+    CachedStack,
+    Pending,
+    StaleCacheError,
+    _InputRecorder,
+    _with_block_arguments,
+    run_blocks,
+    shared_once,
+)
+from lightning_pipetransformer.cache.embedding_skip import (
+    EmbeddingSkipper,
+    input_versions,
+)
+from lightning_pipetransformer.cache.keys import content_keys, index_keys
+from lightning_pipetransformer.cache.store import (
+    ActivationStore,
+    CacheConfigError,
+    check_batch_fits,
+)
+from lightning_pipetransformer.cache.validity import (
+    check_deterministic,
+    prefix_fingerprint,
+    prefix_modules,
+)
+from lightning_pipetransformer.pipe.microbatch import BlockArgs
+from lightning_pipetransformer.stack.discovery import BlockStack
+from lightning_pipetransformer.stack.interception import installed_pipeline
 
 CacheMode = bool | Literal["auto"]
+
 
 #: Per block-stack container: the modes in which its embeddings' output was seen to reach the stack
 #: unchanged (:attr:`AutoCache.verified_modes`). That is a property of the model's code, so it outlives
@@ -59,171 +81,6 @@ CacheMode = bool | Literal["auto"]
 _VERIFIED_MODES: weakref.WeakKeyDictionary[nn.Module, set[bool]] = weakref.WeakKeyDictionary()
 
 
-class StaleCacheError(RuntimeError):
-    """A cached activation differs from the recomputed one: caching cannot be exact for this model."""
-
-
-def run_blocks(blocks: Sequence[nn.Module]) -> Callable[[Tensor, Sequence[BlockArgs]], Tensor]:
-    """``run(hidden, calls)`` = the model's loop over ``blocks``, block ``i`` with ``calls[i]``; returns the hidden state."""
-
-    def run(hidden: Tensor, calls: Sequence[BlockArgs]) -> Tensor:
-        for block, (args, kwargs) in zip(blocks, calls, strict=True):
-            hidden = hidden_of(call_block(block, hidden, *args, **kwargs))
-        return hidden
-
-    return run
-
-
-def shared_once(calls: Sequence[BlockArgs], batch: int) -> Any:
-    """``calls`` with every repeat of a tensor (one mask object for every block) replaced by a reference.
-
-    Content keys hash what is left: each distinct tensor once, and which block gets which. A
-    batch-major folded argument (BLOOM's alibi) is hashed per sample (:func:`per_sample_view`).
-    """
-    seen: dict[int, int] = {}
-
-    def ref(value: Any, key: int | str = 0) -> Any:
-        if isinstance(value, Tensor):
-            if id(value) in seen:
-                return f"@{seen[id(value)]}"
-            seen[id(value)] = len(seen)
-            return per_sample_view(key, value, batch)
-        if isinstance(value, Mapping):
-            return {k: ref(v, k) for k, v in value.items()}
-        if isinstance(value, (tuple, list)):
-            return [ref(v, key) for v in value]
-        return value
-
-    return [ref(call) for call in calls]
-
-
-def first_trainable(calls: Sequence[BlockArgs]) -> str | None:
-    """Names the first tensor among the blocks' arguments that requires grad (``None``: none does)."""
-    for index, (args, kwargs) in enumerate(calls):
-        for name, value in [*((f"argument {i + 1}", a) for i, a in enumerate(args)), *((repr(k), v) for k, v in kwargs.items())]:
-            if any(t.requires_grad for t in tensors_in(value)):
-                return f"block {index} argument {name}"
-    return None
-
-
-#: What the recorder saw at the embeddings' last call: inputs, output, the output's and the inputs' version counters.
-Pending = tuple[tuple[Any, ...], dict[str, Any], Any, "int | None", "tuple[int | None, ...]"]
-
-
-class _InputRecorder:
-    """A forward hook on the first module before the stack: its last inputs, output and the output's version.
-
-    The inputs stand for the hidden state only if that very output tensor, unmodified, is what
-    reaches the stack (checked by identity and version counter in :meth:`AutoCache.arrived`): a
-    second embedding added to it, an in-place change, or the module called again for another
-    input, and the hidden state itself is hashed instead.
-    """
-
-    def __init__(self) -> None:
-        self.pending: Pending | None = None
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        self.pending = (args, kwargs, output, version_of(output), input_versions(args, kwargs))
-
-    def take(self) -> Pending | None:
-        pending, self.pending = self.pending, None
-        return pending
-
-
-class CachedStack:
-    """Installed in place of the stack: frozen prefix from the store, active blocks by ``active``."""
-
-    def __init__(self, cache: AutoCache, blocks: Sequence[nn.Module], num_frozen: int, active: Callable[[StackCall], Any]) -> None:
-        self.cache = cache
-        self.blocks = tuple(blocks)  # install_pipeline checks these against the container
-        self.num_frozen = num_frozen
-        self.active = active
-        self._prefix = run_blocks(self.blocks[:num_frozen])
-        #: The boundary's per-sample shape for an input's per-sample shape (a stage may change it, e.g. Swin).
-        self._boundary_shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
-
-    def run(self, call: StackCall) -> Any:
-        cache, frozen = self.cache, self.num_frozen
-        hidden, prefix_calls = call.hidden, call.calls[:frozen]
-        # ``hidden`` is a placeholder when the embeddings were skipped: ``rows`` runs them for
-        # the rows that need real values (misses, verified hits), ``full`` for all rows.
-        skipped, pending = cache.arrived(hidden)
-        rows: Callable[[Tensor], Tensor] = skipped.rows if skipped is not None else (lambda m: hidden[m.to(hidden.device)])
-
-        def full() -> Tensor:
-            return skipped.rows() if skipped is not None else hidden
-
-        def active(boundary: Tensor) -> Any:
-            return self.active(call.part(frozen, hidden=boundary))
-
-        store = cache.current_store(frozen)
-        if torch.is_grad_enabled() and frozen:
-            trainable = "the input of the frozen blocks" if hidden.requires_grad else first_trainable(prefix_calls)
-            if trainable is not None:
-                # Something the frozen blocks read still trains: the gradient must flow through them,
-                # and their output changes with it, so there is nothing to cache.
-                cache.cannot_serve(trainable)
-                return active(self._prefix(hidden, prefix_calls))
-        if store is None or not cache.enabled:
-            return active(self._prefix_plain(full(), prefix_calls))
-        batch = hidden.shape[0]
-        # Keys cover every block's arguments, not only the frozen ones': they must stay the same when
-        # the boundary moves, so that advanced entries are found (a change in an active block's
-        # arguments then misses where it could hit: exact, only slower).
-        keys = cache.keys_for(hidden, call.calls, pending)
-        try:
-            # Every block's inputs from the boundary on: an advance F -> F' runs blocks F..F'-1 with them.
-            extras = pack_block_inputs(call.calls[frozen:], frozen, batch)
-        except TypeError as err:
-            cache.skip_once(f"a block argument cannot be stored per sample ({err})")
-            keys = None
-        if keys is None:
-            return active(self._prefix_plain(full(), prefix_calls))
-        timing: dict[str, float] = {}
-        shape_in = tuple(hidden.shape[1:])
-
-        def compute(miss: Tensor) -> Tensor:
-            start = time.perf_counter()
-            h = rows(miss)
-            with torch.no_grad():
-                out = self._prefix(h, select_rows(prefix_calls, miss, batch))
-            timing["compute"] = (time.perf_counter() - start) / max(1, h.shape[0])
-            self._boundary_shapes[shape_in] = tuple(out.shape[1:])
-            return out
-
-        start = time.perf_counter()
-        boundary, hit_mask = cached_prefix(
-            store, keys, compute, extras=extras,
-            sample_shape=self._boundary_shapes.get(shape_in, shape_in), dtype=hidden.dtype, device=hidden.device,
-        )
-        total = time.perf_counter() - start
-        if "compute" in timing:
-            cache.compute_time = timing["compute"]
-        cache.served(int(hit_mask.sum()), batch)
-        if bool(hit_mask.any()):
-            cache.after_hits(rows, prefix_calls, hit_mask, boundary, self._prefix, total, batch)
-        return active(boundary)
-
-    def _prefix_plain(self, hidden: Tensor, calls: Sequence[BlockArgs]) -> Tensor:
-        if self.num_frozen == 0:
-            return hidden
-        with torch.no_grad():
-            return self._prefix(hidden, calls)
-
-
-def _with_block_arguments(keys: list[str], calls: Sequence[BlockArgs], device: torch.device) -> list[str] | None:
-    """Index keys plus a fingerprint of the blocks' other arguments (attention masks, flags).
-
-    An index names the sample's input (one view of it, reused); the mask the blocks get with it
-    may still change (a shuffled batch, other padding). Hashed in, a changed mask misses instead
-    of pairing the active blocks' mask with a boundary computed under another.
-    """
-    rows = torch.zeros(len(keys), 1, dtype=torch.uint8, device=device)  # a row per sample, even with no per-sample argument
-    try:
-        extras = content_keys(rows, shared_once(calls, len(keys)), batch_size=len(keys))
-    except TypeError:
-        return None  # an argument we cannot hash reliably: compute, never guess
-    return [f"{key}-{extra}" for key, extra in zip(keys, extras)]
 
 
 class AutoCache:
@@ -240,7 +97,7 @@ class AutoCache:
             with :meth:`set_batch`; reuses the first view of an augmented sample, so the
             first-hit verification is skipped).
         skip_embeddings: skip the first module before the stack on batches the cache serves
-            (see :class:`~.core.embedding_skip.EmbeddingSkipper`).
+            (see :class:`~lightning_pipetransformer.cache.embedding_skip.EmbeddingSkipper`).
     """
 
     def __init__(
@@ -397,7 +254,7 @@ class AutoCache:
         return self._batch_bytes
 
     def check_budget(self, batch_bytes: int) -> None:
-        """Raise :class:`~.core.cache_store.CacheConfigError` if a batch of ``batch_bytes`` cannot fit the budget."""
+        """Raise :class:`~lightning_pipetransformer.cache.store.CacheConfigError` if a batch of ``batch_bytes`` cannot fit the budget."""
         check_batch_fits(self.memory_budget, batch_bytes)
 
     def _may_skip_pre(self) -> bool:
@@ -732,34 +589,6 @@ def _autocast_dtype(device: torch.device) -> torch.dtype | None:
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
 
 
-class BoundarySync(Callback):
-    """Several processes: after each AutoDP transition, every rank runs :meth:`AutoCache.sync_boundary`.
-
-    Placed after the strategy's transition callback (so replicas added by it already hold their
-    weights), it runs at every train-epoch start on every rank, shadow ranks included, and
-    syncs whenever the agreed plan's boundary differs from the last one synced: every rank
-    sees the same plan, so every rank calls the same collectives in the same order.
-    """
-
-    def __init__(self, cache: AutoCache, boundary: Callable[[], int | None], group: Callable[[], Any], node: int = 0) -> None:
-        self.cache = cache
-        self._boundary = boundary
-        self._group = group
-        self._node = node
-        self._synced: int | None = None
-
-    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        boundary = self._boundary()
-        group = self._group()
-        if boundary is None or group is None or boundary == self._synced:
-            return
-        self._synced = boundary
-        from .elastic import signals_held
-
-        with signals_held():  # every rank is in the advance's collectives: a SIGTERM waits for their end
-            self.cache.sync_boundary(group, self._node)
-
-
 def _warn(message: str) -> None:
     from lightning.pytorch.utilities import rank_zero_warn
 
@@ -790,7 +619,7 @@ def probe_cache_dir(cache_dir: str) -> None:
     import os
     import tempfile
 
-    from .core.cache_store import CacheConfigError
+    from lightning_pipetransformer.cache.store import CacheConfigError
 
     try:
         os.makedirs(cache_dir, mode=0o700, exist_ok=True)

@@ -12,18 +12,18 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from .costmodel import (
+from lightning_pipetransformer.costmodel.model import (
     VARIANTS,
     Cluster,
     ModelCost,
     Training,
     Variant,
     _partition,
-    geometric_freeze_schedule,
     _planner_costs,
+    geometric_freeze_schedule,
     pipeline_step_time,
 )
-from .partition import compress_pipe_len, stage_costs
+from lightning_pipetransformer.pipe.partition import compress_pipe_len, stage_costs
 
 __all__ = ["EpochPlan", "VariantReport", "Report", "simulate", "simulate_variant", "microbatch_profile"]
 

@@ -1,4 +1,4 @@
-"""``python -m lightning_pipetransformer.plan``: predict PipeTransformer's multi-GPU speed-up.
+"""``python -m lightning_pipetransformer.costmodel`` (also ``.plan``): predict PipeTransformer's multi-GPU speed-up.
 
 Simulates a run epoch by epoch for the baseline (GPipe + DDP) and PipeTransformer with its
 components switched on one by one, and prints the plan sequence and speed-ups::
@@ -7,7 +7,7 @@ components switched on one by one, and prints the plan sequence and speed-ups::
     python -m lightning_pipetransformer.plan --preset paper-vit-b16-imagenet --json
     python -m lightning_pipetransformer.plan --preset paper-vit-b16-imagenet --nodes 4 --alpha 0.25 --plot out.png
 
-The Python API is :func:`simulate` (from :mod:`.core.simulator`).
+The Python API is :func:`simulate` (from :mod:`lightning_pipetransformer.costmodel.simulator`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
-from .core.simulator import Report, simulate
-from .core.presets import PRESETS, get_preset
+from lightning_pipetransformer.costmodel.presets import PRESETS, get_preset
+from lightning_pipetransformer.costmodel.simulator import Report, simulate
 
 __all__ = ["main", "simulate", "format_table", "plot_report"]
 
@@ -28,7 +28,7 @@ GB = 1e9
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m lightning_pipetransformer.plan",
+        prog="python -m lightning_pipetransformer.costmodel",
         description="Predict the speed-up of PipeTransformer (freeze, AutoPipe, AutoDP, AutoCache) "
         "over GPipe + DDP with a cost model. Start from a preset and override what differs.",
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .discovery import BlockStack
+from lightning_pipetransformer.stack.discovery import BlockStack
 
 __all__ = ["frozen_modules", "frozen_parameters", "apply_freeze", "ensure_frozen_eval"]
 

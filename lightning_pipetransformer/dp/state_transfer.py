@@ -1,202 +1,31 @@
-"""AutoDP glue: shadow ranks, process groups and state transfer for the elastic strategy.
+"""State transfer to joining replicas, and gradient averaging, through each process's root device.
 
-Lightning starts one process per device. With pipe length K only G/K processes per node drive a
-pipeline replica ("active"); the others are *shadow ranks*: they stay in Lightning's fit loop in
-lock-step with the active ones (same number of batches, same ``global_step``, same callback
-decisions) but do no model work and load no data. When the pipeline shrinks, shadow ranks become
-replicas: they receive the model, optimizer, scheduler and AutoFreeze state from global rank 0.
-
-Which collective runs on which group (a collective that some ranks skip hangs the others):
-
-* control (plan broadcast, ``barrier``, ``reduce_boolean_decision``, ``new_group``): all ranks,
-  the static WORLD group (gloo on CPU, else a gloo group made once);
-* data (DDP gradients, ``self.log(sync_dist=True)``, torchmetrics, state for new replicas):
-  the active group, rebuilt at every change of the active set; shadow ranks skip it.
-
-This module holds the pieces; :meth:`PipeTransformerStrategy._transition` reads top to bottom.
+When the pipeline shrinks, shadow ranks become replicas: they receive the model, optimizer,
+scheduler and AutoFreeze state from global rank 0, in pieces of bounded size along a tree.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import socket
-import threading
-import time
 from collections.abc import Iterator, Sequence
-from datetime import timedelta
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from .core import devices as dev
-
-__all__: list[str] = []
-
-
-class IdleBatch:
-    """What a shadow rank's loaders yield: a placeholder that is never moved, read or stepped on.
-
-    Not ``None``: Lightning's training loop treats a ``None`` batch as a user error.
-    """
-
-    def __repr__(self) -> str:
-        return "IdleBatch()"
-
-
-IDLE_BATCH = IdleBatch()
-
-
-class IdleLoader:
-    """Stands in for a DataLoader on a shadow rank: the same length, no data loaded.
-
-    The length is that of the real loader over an active replica's share (``len`` of a
-    DataLoader only asks its sampler), so every rank runs the same number of batches.
-    """
-
-    def __init__(self, length: int) -> None:
-        self.length = length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __iter__(self) -> Iterator[IdleBatch]:
-        return (IDLE_BATCH for _ in range(self.length))
-
-
-def is_idle_batch(batch: Any) -> bool:
-    return isinstance(batch, IdleBatch)
-
-
-def idle_loss(device: torch.device) -> torch.Tensor:
-    """A shadow rank's training-step output: Lightning (world size > 1) wants a loss that requires grad."""
-    return torch.zeros((), device=device, requires_grad=True)
-
-
-class PhaseClock:
-    """Seconds spent in each named phase, in order (a transition's breakdown)."""
-
-    def __init__(self) -> None:
-        self.laps: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.laps[name] = self.laps.get(name, 0.0) + now - self._last
-        self._last = now
-
-
-# ---------------------------------------------------------------------------------- signals and dead peers
-
-
-@contextlib.contextmanager
-def signals_held(signums: Sequence[int] = (signal.SIGTERM,)) -> Iterator[None]:
-    """Hold ``signums`` while every rank is inside the same collectives (a transition), then deliver them.
-
-    Lightning's SIGTERM handler broadcasts over the world group at once; arriving while the other
-    ranks wait in a transition's collectives, it would pair with none of them and every rank would
-    hang until the collective timeout. Held, it runs right after the transition, where it works
-    as it does in the middle of an epoch: every rank stops at the next step (with a checkpoint if
-    an ``OnExceptionCheckpoint`` is among the callbacks). Main thread only (Python's rule for
-    signal handlers); elsewhere this does nothing.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[tuple[int, Any]] = []
-    previous = {signum: signal.getsignal(signum) for signum in signums}
-    for signum in signums:
-        signal.signal(signum, lambda s, frame: received.append((s, frame)))
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        for signum, frame in received:
-            handler = previous[signum]
-            if callable(handler):
-                handler(signum, frame)
-            elif handler == signal.SIG_DFL:
-                os.kill(os.getpid(), signum)
-
-
-def peer_processes(group: Any) -> list[tuple[str, int]]:
-    """``(host, pid)`` of every rank of ``group``, by rank (collective)."""
-    mine = (socket.gethostname(), os.getpid())
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    return [tuple(p) for p in everyone]  # type: ignore[misc]
-
-
-def dead_peers(peers: Sequence[tuple[str, int]]) -> list[int]:
-    """The ranks on this host whose process is gone (ranks on other hosts cannot be checked from here)."""
-    host = socket.gethostname()
-    gone = []
-    for rank, (their_host, pid) in enumerate(peers):
-        if their_host != host or pid == os.getpid():
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            gone.append(rank)
-            continue
-        except PermissionError:
-            continue  # alive, someone else's
-        if _is_zombie(pid):  # exited, not yet reaped by its parent (rank 0's launcher)
-            gone.append(rank)
-    return gone
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
-
-
-# ---------------------------------------------------------------------------------- groups
-
-
-def control_group(backend: str, timeout: timedelta) -> Any:
-    """The static group over all ranks for control messages: WORLD when it is gloo, else a gloo copy.
-
-    Must be called by every rank (``new_group`` is collective).
-    """
-    if dist.get_backend() == "gloo":
-        return dist.group.WORLD
-    return dist.new_group(backend="gloo", timeout=timeout)
-
-
-def active_group(ranks: Sequence[int], backend: str, timeout: timedelta) -> Any:
-    """A new group over the active ranks (every rank calls this, in the same order).
-
-    Non-members get ``GroupMember.NON_GROUP_MEMBER`` back and must not use it.
-    """
-    return dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout)
-
-
-def broadcast_object(obj: Any, src: int, group: Any) -> Any:
-    """``obj`` from global rank ``src`` to every member of ``group`` (pickled; keep it small and on CPU)."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
-
-
-# ---------------------------------------------------------------------------------- state transfer
+from lightning_pipetransformer import devices as dev
 
 #: Tensors are sent in pieces of at most this many bytes, so that a rank that has received a piece
 #: forwards it while the next one arrives (a pipelined tree, see :func:`transfer_tree`).
 CHUNK_BYTES = 16 << 20
+
+
 #: Tensors smaller than this are copied together into one staging buffer per piece (one message
 #: instead of hundreds of tiny ones); larger contiguous tensors go straight from and into their
 #: own memory, with no staging copy.
 COALESCE_BYTES = 1 << 20
+
+
 #: Optimizer-state tensors smaller than this ('step' counters, tiny buffers) travel (on the CPU)
 #: inside the pickled structure of :func:`broadcast_state` instead of as messages.
 PICKLE_BYTES = 64 << 10
@@ -446,13 +275,6 @@ def average_gradients(params: Sequence[torch.Tensor], group: Any, via: torch.dev
                 _unpack(message, targets)
 
 
-def destroy_group(group: Any) -> None:
-    """Release a group no longer used (its communicators would otherwise live as long as the process)."""
-    if group is None or group is dist.group.WORLD or group == dist.GroupMember.NON_GROUP_MEMBER:
-        return
-    dist.destroy_process_group(group)
-
-
 def without_state_of(optimizer_state: dict[str, Any], optimizer: torch.optim.Optimizer, params: Any) -> dict[str, Any]:
     """``optimizer_state`` (``optimizer.state_dict()``) without the per-parameter state of ``params``.
 
@@ -468,7 +290,7 @@ def frozen_for_good(autofreeze: Any) -> list[nn.Parameter]:
     """The parameters AutoFreeze has frozen (``requires_grad`` off): they never thaw."""
     if autofreeze is None or autofreeze.stack is None or not autofreeze.num_frozen:
         return []
-    from .core.freezing import frozen_parameters
+    from lightning_pipetransformer.freeze.apply import frozen_parameters
 
     params = frozen_parameters(autofreeze.stack, autofreeze.num_frozen, autofreeze.freeze_embeddings)
     return [p for p in params if not p.requires_grad]
@@ -500,66 +322,3 @@ def _fill(value: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_fill(v, tensors) for v in value)
     return value
-
-
-def point_metrics_at(module: nn.Module, group: Any) -> None:
-    """torchmetrics ``Metric`` objects sync over their own ``process_group`` (default WORLD): shadow
-    ranks never update or compute them, so they must sync over the active group."""
-    for child in module.modules():
-        if hasattr(child, "process_group") and hasattr(child, "_reductions"):  # a torchmetrics Metric
-            child.process_group = group
-
-
-# ---------------------------------------------------------------------------------- Lightning internals
-
-
-def rebuild_train_loader(trainer: pl.Trainer) -> None:
-    """Rebuild the train loader (new sampler split, batch size, stand-ins) at an epoch start.
-
-    Lightning 2.6 has no public way to re-shard between epochs, and ``FitLoop.setup_data`` has
-    already run for this epoch before ``on_train_epoch_start``. These private attributes are
-    pinned with Lightning (pyproject) and exercised by tests/test_autodp.py:
-
-    * ``fit_loop._combined_loader = None`` makes ``setup_data`` request and process the loader
-      again (it calls ``barrier`` and ``has_len_all_ranks``: every rank must run this together);
-    * the sampler epoch is re-applied as ``on_advance_start`` did before (shuffling by epoch);
-    * the val loop's ``_combined_loader = None`` makes it rebuild lazily with the new split.
-    """
-    from lightning.fabric.utilities.data import _set_sampler_epoch
-
-    fit_loop = trainer.fit_loop
-    fit_loop._combined_loader = None
-    fit_loop.setup_data()
-    assert fit_loop._combined_loader is not None
-    for loader in fit_loop._combined_loader.flattened:
-        _set_sampler_epoch(loader, fit_loop.epoch_progress.current.processed)
-    fit_loop.epoch_loop.val_loop._combined_loader = None
-
-
-def loader_with_batch_size(dataloader: Any, batch_size: int) -> Any:
-    """The same DataLoader (sampler, workers, collate) re-made with another ``batch_size``."""
-    from lightning.pytorch.trainer.states import RunningStage
-    from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
-
-    # Lightning's own re-instantiation (as for sampler injection) keeps a DataLoader subclass's
-    # arguments; only the batch size changes.
-    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, dataloader.sampler, mode=RunningStage.TRAINING)
-    kwargs["batch_size"] = batch_size
-    return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
-
-
-class TransitionCallback(Callback):
-    """Runs the strategy's transition at every train-epoch start, on every rank, right after AutoFreeze.
-
-    AutoFreeze only tells the strategy on ranks where the frozen count changed, and a shadow
-    rank's rule may see nothing (no gradients); the transition must run everywhere, with rank 0's
-    decision. Placed right after AutoFreeze so that later callbacks (the progress bar) already
-    see the new loader length.
-    """
-
-    def __init__(self, strategy: Any) -> None:
-        self.strategy = strategy
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        with signals_held():
-            self.strategy._transition(trainer)

@@ -62,8 +62,8 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_save
 from torch import Tensor
 
-from .cache_keys import KEY_PATTERN
-from .cache_validity import FORMAT_VERSION
+from lightning_pipetransformer.cache.keys import KEY_PATTERN
+from lightning_pipetransformer.cache.validity import FORMAT_VERSION
 
 try:
     import fcntl

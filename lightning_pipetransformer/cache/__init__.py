@@ -1,0 +1,1 @@
+"""AutoCache: sample keys, validity, the activation store, boundary advance, embedding skip, the cached stack."""

@@ -1,0 +1,201 @@
+"""The cached stack: what runs in place of the block stack when AutoCache serves the frozen prefix.
+
+Per batch: keys, lookups, the frozen blocks only for the misses, then the active blocks on the
+merged boundary activations. :class:`~lightning_pipetransformer.cache.autocache.AutoCache` owns the store.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_pipetransformer.cache.advance import (
+    cached_prefix,
+    pack_block_inputs,
+    select_rows,
+)
+from lightning_pipetransformer.cache.embedding_skip import input_versions, version_of
+from lightning_pipetransformer.cache.keys import content_keys
+from lightning_pipetransformer.pipe.microbatch import (
+    BlockArgs,
+    per_sample_view,
+    tensors_in,
+)
+from lightning_pipetransformer.stack.interception import (
+    StackCall,
+    call_block,
+    hidden_of,
+)
+
+if TYPE_CHECKING:
+    from lightning_pipetransformer.cache.autocache import AutoCache
+
+#: What the recorder saw at the embeddings' last call: inputs, output, the output's and the inputs' version counters.
+Pending = tuple[tuple[Any, ...], dict[str, Any], Any, "int | None", "tuple[int | None, ...]"]
+
+
+class StaleCacheError(RuntimeError):
+    """A cached activation differs from the recomputed one: caching cannot be exact for this model."""
+
+
+def run_blocks(blocks: Sequence[nn.Module]) -> Callable[[Tensor, Sequence[BlockArgs]], Tensor]:
+    """``run(hidden, calls)`` = the model's loop over ``blocks``, block ``i`` with ``calls[i]``; returns the hidden state."""
+
+    def run(hidden: Tensor, calls: Sequence[BlockArgs]) -> Tensor:
+        for block, (args, kwargs) in zip(blocks, calls, strict=True):
+            hidden = hidden_of(call_block(block, hidden, *args, **kwargs))
+        return hidden
+
+    return run
+
+
+def shared_once(calls: Sequence[BlockArgs], batch: int) -> Any:
+    """``calls`` with every repeat of a tensor (one mask object for every block) replaced by a reference.
+
+    Content keys hash what is left: each distinct tensor once, and which block gets which. A
+    batch-major folded argument (BLOOM's alibi) is hashed per sample (:func:`per_sample_view`).
+    """
+    seen: dict[int, int] = {}
+
+    def ref(value: Any, key: int | str = 0) -> Any:
+        if isinstance(value, Tensor):
+            if id(value) in seen:
+                return f"@{seen[id(value)]}"
+            seen[id(value)] = len(seen)
+            return per_sample_view(key, value, batch)
+        if isinstance(value, Mapping):
+            return {k: ref(v, k) for k, v in value.items()}
+        if isinstance(value, (tuple, list)):
+            return [ref(v, key) for v in value]
+        return value
+
+    return [ref(call) for call in calls]
+
+
+def first_trainable(calls: Sequence[BlockArgs]) -> str | None:
+    """Names the first tensor among the blocks' arguments that requires grad (``None``: none does)."""
+    for index, (args, kwargs) in enumerate(calls):
+        for name, value in [*((f"argument {i + 1}", a) for i, a in enumerate(args)), *((repr(k), v) for k, v in kwargs.items())]:
+            if any(t.requires_grad for t in tensors_in(value)):
+                return f"block {index} argument {name}"
+    return None
+
+
+class _InputRecorder:
+    """A forward hook on the first module before the stack: its last inputs, output and the output's version.
+
+    The inputs stand for the hidden state only if that very output tensor, unmodified, is what
+    reaches the stack (checked by identity and version counter in :meth:`AutoCache.arrived`): a
+    second embedding added to it, an in-place change, or the module called again for another
+    input, and the hidden state itself is hashed instead.
+    """
+
+    def __init__(self) -> None:
+        self.pending: Pending | None = None
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        self.pending = (args, kwargs, output, version_of(output), input_versions(args, kwargs))
+
+    def take(self) -> Pending | None:
+        pending, self.pending = self.pending, None
+        return pending
+
+
+class CachedStack:
+    """Installed in place of the stack: frozen prefix from the store, active blocks by ``active``."""
+
+    def __init__(self, cache: AutoCache, blocks: Sequence[nn.Module], num_frozen: int, active: Callable[[StackCall], Any]) -> None:
+        self.cache = cache
+        self.blocks = tuple(blocks)  # install_pipeline checks these against the container
+        self.num_frozen = num_frozen
+        self.active = active
+        self._prefix = run_blocks(self.blocks[:num_frozen])
+        #: The boundary's per-sample shape for an input's per-sample shape (a stage may change it, e.g. Swin).
+        self._boundary_shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+    def run(self, call: StackCall) -> Any:
+        cache, frozen = self.cache, self.num_frozen
+        hidden, prefix_calls = call.hidden, call.calls[:frozen]
+        # ``hidden`` is a placeholder when the embeddings were skipped: ``rows`` runs them for
+        # the rows that need real values (misses, verified hits), ``full`` for all rows.
+        skipped, pending = cache.arrived(hidden)
+        rows: Callable[[Tensor], Tensor] = skipped.rows if skipped is not None else (lambda m: hidden[m.to(hidden.device)])
+
+        def full() -> Tensor:
+            return skipped.rows() if skipped is not None else hidden
+
+        def active(boundary: Tensor) -> Any:
+            return self.active(call.part(frozen, hidden=boundary))
+
+        store = cache.current_store(frozen)
+        if torch.is_grad_enabled() and frozen:
+            trainable = "the input of the frozen blocks" if hidden.requires_grad else first_trainable(prefix_calls)
+            if trainable is not None:
+                # Something the frozen blocks read still trains: the gradient must flow through them,
+                # and their output changes with it, so there is nothing to cache.
+                cache.cannot_serve(trainable)
+                return active(self._prefix(hidden, prefix_calls))
+        if store is None or not cache.enabled:
+            return active(self._prefix_plain(full(), prefix_calls))
+        batch = hidden.shape[0]
+        # Keys cover every block's arguments, not only the frozen ones': they must stay the same when
+        # the boundary moves, so that advanced entries are found (a change in an active block's
+        # arguments then misses where it could hit: exact, only slower).
+        keys = cache.keys_for(hidden, call.calls, pending)
+        try:
+            # Every block's inputs from the boundary on: an advance F -> F' runs blocks F..F'-1 with them.
+            extras = pack_block_inputs(call.calls[frozen:], frozen, batch)
+        except TypeError as err:
+            cache.skip_once(f"a block argument cannot be stored per sample ({err})")
+            keys = None
+        if keys is None:
+            return active(self._prefix_plain(full(), prefix_calls))
+        timing: dict[str, float] = {}
+        shape_in = tuple(hidden.shape[1:])
+
+        def compute(miss: Tensor) -> Tensor:
+            start = time.perf_counter()
+            h = rows(miss)
+            with torch.no_grad():
+                out = self._prefix(h, select_rows(prefix_calls, miss, batch))
+            timing["compute"] = (time.perf_counter() - start) / max(1, h.shape[0])
+            self._boundary_shapes[shape_in] = tuple(out.shape[1:])
+            return out
+
+        start = time.perf_counter()
+        boundary, hit_mask = cached_prefix(
+            store, keys, compute, extras=extras,
+            sample_shape=self._boundary_shapes.get(shape_in, shape_in), dtype=hidden.dtype, device=hidden.device,
+        )
+        total = time.perf_counter() - start
+        if "compute" in timing:
+            cache.compute_time = timing["compute"]
+        cache.served(int(hit_mask.sum()), batch)
+        if bool(hit_mask.any()):
+            cache.after_hits(rows, prefix_calls, hit_mask, boundary, self._prefix, total, batch)
+        return active(boundary)
+
+    def _prefix_plain(self, hidden: Tensor, calls: Sequence[BlockArgs]) -> Tensor:
+        if self.num_frozen == 0:
+            return hidden
+        with torch.no_grad():
+            return self._prefix(hidden, calls)
+
+
+def _with_block_arguments(keys: list[str], calls: Sequence[BlockArgs], device: torch.device) -> list[str] | None:
+    """Index keys plus a fingerprint of the blocks' other arguments (attention masks, flags).
+
+    An index names the sample's input (one view of it, reused); the mask the blocks get with it
+    may still change (a shuffled batch, other padding). Hashed in, a changed mask misses instead
+    of pairing the active blocks' mask with a boundary computed under another.
+    """
+    rows = torch.zeros(len(keys), 1, dtype=torch.uint8, device=device)  # a row per sample, even with no per-sample argument
+    try:
+        extras = content_keys(rows, shared_once(calls, len(keys)), batch_size=len(keys))
+    except TypeError:
+        return None  # an argument we cannot hash reliably: compute, never guess
+    return [f"{key}-{extra}" for key, extra in zip(keys, extras)]

@@ -1,0 +1,58 @@
+"""Process groups of AutoDP and which collective runs on which.
+
+Which collective runs on which group (a collective that some ranks skip hangs the others):
+
+* control (plan broadcast, ``barrier``, ``reduce_boolean_decision``, ``new_group``): all ranks,
+  the static WORLD group (gloo on CPU, else a gloo group made once);
+* data (gradients, ``self.log(sync_dist=True)``, torchmetrics, state for new replicas):
+  the active group, rebuilt at every change of the active set; shadow ranks skip it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+
+def control_group(backend: str, timeout: timedelta) -> Any:
+    """The static group over all ranks for control messages: WORLD when it is gloo, else a gloo copy.
+
+    Must be called by every rank (``new_group`` is collective).
+    """
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def active_group(ranks: Sequence[int], backend: str, timeout: timedelta) -> Any:
+    """A new group over the active ranks (every rank calls this, in the same order).
+
+    Non-members get ``GroupMember.NON_GROUP_MEMBER`` back and must not use it.
+    """
+    return dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout)
+
+
+def broadcast_object(obj: Any, src: int, group: Any) -> Any:
+    """``obj`` from global rank ``src`` to every member of ``group`` (pickled; keep it small and on CPU)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def destroy_group(group: Any) -> None:
+    """Release a group no longer used (its communicators would otherwise live as long as the process)."""
+    if group is None or group is dist.group.WORLD or group == dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    dist.destroy_process_group(group)
+
+
+def point_metrics_at(module: nn.Module, group: Any) -> None:
+    """torchmetrics ``Metric`` objects sync over their own ``process_group`` (default WORLD): shadow
+    ranks never update or compute them, so they must sync over the active group."""
+    for child in module.modules():
+        if hasattr(child, "process_group") and hasattr(child, "_reductions"):  # a torchmetrics Metric
+            child.process_group = group

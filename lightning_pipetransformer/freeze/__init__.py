@@ -1,0 +1,1 @@
+"""AutoFreeze: freeze rules, applying a frozen prefix, and the Lightning callback."""
