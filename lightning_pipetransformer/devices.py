@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -20,8 +20,8 @@ from torch import Tensor
 __all__: list[str] = []
 
 #: A CUDA stream, or ``None`` for a CPU device (ops run in program order: nothing to order).
-Stream = Optional[torch.cuda.Stream]
-Device = Union[torch.device, str, int]
+Stream = torch.cuda.Stream | None
+Device = torch.device | str | int
 
 
 def as_device(device: Device) -> torch.device:

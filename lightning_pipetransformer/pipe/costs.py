@@ -113,11 +113,11 @@ def profile_blocks(
             p.requires_grad_(True)
         param_ptrs = {p.untyped_storage().data_ptr() for p in sandbox.parameters()}
 
-        def forward_only() -> None:
+        def forward_only(sandbox: nn.Module = sandbox, x: Tensor = x) -> None:
             with torch.no_grad():
                 pick(sandbox(x, *args, **kwargs))
 
-        def forward_backward() -> Tensor:
+        def forward_backward(sandbox: nn.Module = sandbox, x: Tensor = x) -> Tensor:
             inp = x.detach().requires_grad_(x.is_floating_point())
             out = pick(sandbox(inp, *args, **kwargs))
             # Backward with a ones gradient: no extra reduction op in the measured graph.
@@ -129,7 +129,7 @@ def profile_blocks(
         out, nbytes = _activation_bytes(sandbox, x, args, kwargs, pick, param_ptrs, dev)
         act.append(nbytes)
         x = out.detach()
-        del sandbox
+        del sandbox, forward_only, forward_backward
     return BlockProfile(tuple(fwd), tuple(fwd_bwd), tuple(act), str(dev))
 
 

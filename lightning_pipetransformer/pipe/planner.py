@@ -28,7 +28,7 @@ monotonicity can fail, but the planner only ever halves from the current K, and 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from lightning_pipetransformer.pipe.costs import weighted_costs
 from lightning_pipetransformer.pipe.partition import (
@@ -42,7 +42,7 @@ __all__ = ["Plan", "AutoPipe", "Measure", "chunk_candidates"]
 
 #: ``measure(pipe_len, chunks) -> seconds`` per step (lower is better), provided by the caller.
 Measure = Callable[[int, int], float]
-Chunks = Union[int, Literal["auto"], Mapping[int, int]]
+Chunks = int | Literal["auto"] | Mapping[int, int]
 
 
 def chunk_candidates(pipe_len: int) -> range:
