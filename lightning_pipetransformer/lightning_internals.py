@@ -10,6 +10,32 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+# Private functions the strategy calls as Lightning's own DDPStrategy does (same arguments, same
+# moment), so that a PipeTransformer run sets up, syncs and reports errors exactly like DDP.
+from lightning.fabric.utilities.distributed import _distributed_is_initialized as distributed_is_initialized
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device as default_process_group_backend,
+)
+from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
+from lightning.pytorch.overrides.distributed import _sync_module_states as sync_module_states
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher
+from lightning.pytorch.utilities.exceptions import _augment_message as augment_message
+
+__all__ = [
+    "augment_message",
+    "default_process_group_backend",
+    "distributed_is_initialized",
+    "forget_logged_key_order",
+    "init_dist_connection",
+    "loader_with_batch_size",
+    "rebuild_train_loader",
+    "set_callback_metrics",
+    "SubprocessScriptLauncher",
+    "sync_ddp_if_available",
+    "sync_module_states",
+]
+
 
 def rebuild_train_loader(trainer: pl.Trainer) -> None:
     """Rebuild the train loader (new sampler split, batch size, stand-ins) at an epoch start.
@@ -47,3 +73,26 @@ def loader_with_batch_size(dataloader: Any, batch_size: int) -> Any:
     args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, dataloader.sampler, mode=RunningStage.TRAINING)
     kwargs["batch_size"] = batch_size
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+
+
+def forget_logged_key_order(trainer: pl.Trainer) -> None:
+    """Drop the fit loops' logged keys that were reset (not logged yet this epoch) from their results.
+
+    Private: ``fit_loop.epoch_loop._results`` and ``epoch_loop.val_loop._results`` (a
+    ``_ResultCollection``, ordered by first log). Used by
+    :func:`lightning_pipetransformer.dp.idle_hooks.restart_metric_order`; exercised by the AutoDP
+    tests that log with ``sync_dist=True`` across a transition (tests/.../test_autodp_features.py).
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    for results in (epoch_loop._results, epoch_loop.val_loop._results):
+        for key in [key for key, value in results.items() if value.has_reset]:
+            del results[key]
+
+
+def set_callback_metrics(trainer: pl.Trainer, metrics: dict[str, Any]) -> None:
+    """Make ``trainer.callback_metrics`` show ``metrics`` on this rank (an idle rank: rank 0's values).
+
+    Private: ``trainer._logger_connector._callback_metrics``, what ``callback_metrics`` returns
+    and what ModelCheckpoint and EarlyStopping read. Exercised by the idle-rank checkpoint tests.
+    """
+    trainer._logger_connector._callback_metrics.update(metrics)

@@ -34,21 +34,12 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.exceptions import _augment_message
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -268,7 +259,7 @@ class PipeTransformerStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         self._launcher = (
-            _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            lightning_internals.SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
             if self.is_distributed
             else None
         )
@@ -287,7 +278,7 @@ class PipeTransformerStrategy(ParallelStrategy):
         self._process_group_backend = self._get_process_group_backend()
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id)
+        lightning_internals.init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None and self.is_distributed:
@@ -296,7 +287,7 @@ class PipeTransformerStrategy(ParallelStrategy):
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     def _get_process_group_backend(self) -> str:
-        return self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        return self._process_group_backend or lightning_internals.default_process_group_backend(self.root_device)
 
     # ------------------------------------------------------------------ what users read
 
@@ -438,7 +429,7 @@ class PipeTransformerStrategy(ParallelStrategy):
                 state_transfer.broadcast_module_state(self.lightning_module, src=0, group=self._active_group, via=self.root_device)
             self.setup_optimizers(trainer)
         elif self.is_distributed:
-            _sync_module_states(self.lightning_module)  # every rank, as DDPStrategy does without a wrapper
+            lightning_internals.sync_module_states(self.lightning_module)  # every rank, as DDPStrategy does without a wrapper
         self.setup_precision_plugin()
         if fitting:
             # Each optimizer state tensor belongs with its parameter, which may sit on another
@@ -872,7 +863,7 @@ class PipeTransformerStrategy(ParallelStrategy):
                 return tensor
             group = self._active_group
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)  # the tensor itself without a process group
+            return lightning_internals.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)  # the tensor itself without a process group
         return tensor
 
     @override
@@ -890,7 +881,7 @@ class PipeTransformerStrategy(ParallelStrategy):
         # Every rank, over the gloo control group (no device ids, whatever the data backend).
         if self._control_group is not None:
             dist.barrier(group=self._control_group)
-        elif _distributed_is_initialized():
+        elif lightning_internals.distributed_is_initialized():
             dist.barrier()
 
     @override
@@ -898,7 +889,7 @@ class PipeTransformerStrategy(ParallelStrategy):
         # Callbacks' broadcasts (ModelCheckpoint paths, times) are control messages: all ranks.
         if self._control_group is not None:
             return groups.broadcast_object(obj, src=src, group=self._control_group)
-        if not _distributed_is_initialized():
+        if not lightning_internals.distributed_is_initialized():
             return obj
         return groups.broadcast_object(obj, src=src, group=None)
 
@@ -1167,7 +1158,7 @@ class PipeTransformerStrategy(ParallelStrategy):
                 f"rank {self.global_rank}'s collective failed because of it. Look at that rank's log for the cause.",
                 *exception.args[1:],
             )
-        _augment_message(
+        lightning_internals.augment_message(
             exception,
             pattern=".*Expected to have finished reduction in the prior iteration.*",
             new_message=(

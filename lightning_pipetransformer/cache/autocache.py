@@ -30,6 +30,7 @@ on this device.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -590,9 +591,9 @@ def _autocast_dtype(device: torch.device) -> torch.dtype | None:
 
 
 def _warn(message: str) -> None:
-    from lightning.pytorch.utilities import rank_zero_warn
-
-    rank_zero_warn(message)
+    """A warning from global rank 0 only (every replica would say the same)."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        warnings.warn(message, stacklevel=3)
 
 
 def active_balance(partition: Sequence[int], num_frozen: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -32,6 +32,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from lightning_pipetransformer import lightning_internals
 from lightning_pipetransformer.dp import groups
 
 __all__: list[str] = []
@@ -121,12 +122,9 @@ def restart_metric_order(trainer: pl.Trainer) -> None:
     silently wrong values, or a hang. Called on every rank at the epoch start where the active set
     changes, this makes all ranks rebuild the order from the same code path in the same epoch.
     Keys already logged in this epoch (by earlier ``on_train_epoch_start`` hooks, on every rank
-    alike) keep their place. Private (pinned Lightning): the loops' ``_results`` collections.
+    alike) keep their place.
     """
-    epoch_loop = trainer.fit_loop.epoch_loop
-    for results in (epoch_loop._results, epoch_loop.val_loop._results):
-        for key in [key for key, value in results.items() if value.has_reset]:
-            del results[key]
+    lightning_internals.forget_logged_key_order(trainer)
 
 
 def share_callback_metrics(trainer: pl.Trainer, is_active: bool, control_group: Any) -> None:
@@ -143,8 +141,7 @@ def share_callback_metrics(trainer: pl.Trainer, is_active: bool, control_group: 
         message = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
     message = groups.broadcast_object(message, src=0, group=control_group)
     if not is_active:
-        # Private (pinned Lightning): what the monitoring callbacks read on this rank.
-        trainer._logger_connector._callback_metrics.update(message)
+        lightning_internals.set_callback_metrics(trainer, message)  # what monitoring callbacks read here
 
 
 def monitors_every_n_steps(trainer: pl.Trainer) -> bool:
