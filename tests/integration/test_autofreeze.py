@@ -1,0 +1,208 @@
+"""AutoFreeze under a single-device Trainer: equivalence with a plain loop, resume, bad input."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_pipetransformer import AutoFreeze
+from lightning_pipetransformer.stack.discovery import BlockStackError
+from tests.helpers.models import TextClassifier, loader, text_dataset
+from tests.helpers.train_reference import train_reference
+
+
+def make_trainer(callbacks, max_epochs=3, **kwargs) -> pl.Trainer:
+    kwargs.setdefault("logger", False)
+    kwargs.setdefault("enable_checkpointing", False)
+    return pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=max_epochs, callbacks=callbacks,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs,
+    )
+
+
+class Snapshots(Callback):
+    """Parameters at the start of every epoch and at the end of fit."""
+
+    def __init__(self):
+        self.at_epoch_start: list[dict[str, torch.Tensor]] = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.at_epoch_start.append({k: v.detach().clone() for k, v in pl_module.named_parameters()})
+
+    def on_fit_end(self, trainer, pl_module):
+        self.at_epoch_start.append({k: v.detach().clone() for k, v in pl_module.named_parameters()})
+
+
+def assert_state_close(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+SCHEDULE = {1: 1, 2: 3}
+
+
+def test_matches_plain_loop_and_frozen_blocks_stop_changing():
+    data = text_dataset(32)
+    module = TextClassifier(num_layers=4)
+    snapshots = Snapshots()
+    freeze = AutoFreeze(schedule=SCHEDULE)
+    # Snapshots runs after AutoFreeze at epoch start: it sees the freeze of that epoch.
+    make_trainer([freeze, snapshots]).fit(module, loader(data))
+    assert freeze.num_frozen == 3 and freeze.history == [(1, 1), (2, 3)]
+
+    expected = train_reference(data, lambda e: max([v for k, v in SCHEDULE.items() if k <= e], default=0), 3, 8)
+    assert_state_close(module.state_dict(), expected)
+
+    # Over epoch e (snapshot e -> e+1): frozen parameters identical, active ones moved.
+    layer = "model.bert.encoder.layer.{}.output.dense.weight"
+    for epoch, frozen in enumerate([0, 1, 3]):
+        before, after = snapshots.at_epoch_start[epoch], snapshots.at_epoch_start[epoch + 1]
+        for index in range(4):
+            moved = not torch.equal(before[layer.format(index)], after[layer.format(index)])
+            assert moved == (index >= frozen), (epoch, index)
+        emb = "model.bert.embeddings.word_embeddings.weight"
+        assert (not torch.equal(before[emb], after[emb])) == (frozen == 0)
+
+
+def test_freeze_changes_the_result():
+    """The equivalence test above can fail: a different schedule gives different weights."""
+    data = text_dataset(32)
+    module = TextClassifier(num_layers=4)
+    make_trainer([AutoFreeze(schedule={1: 2})]).fit(module, loader(data))
+    other = train_reference(data, lambda e: 1 if e >= 1 else 0, 3, 8)
+    with pytest.raises(AssertionError):
+        assert_state_close(module.state_dict(), other)
+
+
+def test_geometric_rule_by_epoch_and_logging(tmp_path):
+    module = TextClassifier(num_layers=4)
+    freeze = AutoFreeze(alpha=0.5, rule="schedule", min_active=1)
+    from lightning.pytorch.loggers import CSVLogger
+
+    trainer = make_trainer([freeze], max_epochs=4, logger=CSVLogger(tmp_path))
+    trainer.fit(module, loader(text_dataset(16)))
+    # L=4, alpha=1/2: 4(1-0.5^T) = 0, 2, 3, 3.5 -> 0, 2, 3, 4 capped at 3 by min_active=1.
+    assert freeze.history == [(1, 2), (2, 3)]
+    metrics = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
+    logged = [float(line.split(",")[0]) for line in metrics.splitlines()[1:] if line and line.split(",")[0]]
+    assert logged == [0.0, 2.0, 3.0, 3.0]
+
+
+def test_paper_rule_uses_gradient_norms():
+    module = TextClassifier(num_layers=4)
+    freeze = AutoFreeze(alpha=0.75)  # geometric bound from 0 is 3: the norms decide below that
+    seen = []
+
+    class Spy(Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            seen.append(freeze._mean_norms())
+
+    make_trainer([Spy(), freeze], max_epochs=2).fit(module, loader(text_dataset(16)))
+    norms = seen[1]
+    assert norms is not None and len(norms) == 4 and all(n > 0 for n in norms)
+    expected = min(3, min(range(4), key=lambda i: norms[i]) + 1)
+    assert freeze.num_frozen == expected
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    data, val = text_dataset(32), text_dataset(16, seed=1)
+
+    def run(ckpt_dir, max_epochs, ckpt_path=None):
+        module = TextClassifier(num_layers=4)
+        freeze = AutoFreeze(alpha=0.5)  # the paper rule: its gradient sums must survive the checkpoint
+        ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+        trainer = make_trainer([freeze, ckpt], max_epochs=max_epochs, enable_checkpointing=True)
+        trainer.fit(module, loader(data), loader(val), ckpt_path=ckpt_path)
+        return module, freeze
+
+    full, full_freeze = run(tmp_path / "a", 4)
+    run(tmp_path / "b", 2)
+    resumed, resumed_freeze = run(tmp_path / "c", 4, ckpt_path=tmp_path / "b" / "epoch=1.ckpt")
+    assert full_freeze.num_frozen > 0
+    assert resumed_freeze.history == full_freeze.history
+    assert_state_close(resumed.state_dict(), full.state_dict())
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(alpha=1.0), "alpha"),
+        (dict(rule="greedy"), "rule"),
+        (dict(freeze_every_n_epochs=0), "freeze_every_n_epochs"),
+        (dict(min_active=-1), "min_active"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AutoFreeze(**kwargs)
+
+
+class Spy(Callback):
+    steps = 0
+
+    def on_train_batch_start(self, *args):
+        Spy.steps += 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(schedule={1: 2, 2: 1}), "decreases"),
+        (dict(schedule={1: 4}), "outside"),  # 4 blocks, min_active=1
+        (dict(min_active=5), "min_active"),
+        (dict(layers="model.nope"), "does not name"),
+    ],
+)
+def test_bad_setup_fails_before_training(kwargs, match):
+    Spy.steps = 0
+    with pytest.raises((ValueError, BlockStackError), match=match):
+        make_trainer([AutoFreeze(**kwargs), Spy()]).fit(TextClassifier(num_layers=4), loader(text_dataset(16)))
+    assert Spy.steps == 0
+
+
+def test_min_active_zero_needs_something_outside_the_stack():
+    module = TextClassifier(num_layers=4)
+    for p in module.model.classifier.parameters():
+        p.requires_grad_(False)
+    for p in module.model.bert.pooler.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="nothing to train"):
+        make_trainer([AutoFreeze(min_active=0)]).fit(module, loader(text_dataset(16)))
+
+
+def test_manual_optimization_is_refused():
+    class Manual(TextClassifier):
+        def __init__(self):
+            super().__init__(num_layers=2)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            loss = super().training_step(batch, batch_idx)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+
+    with pytest.raises(ValueError, match="automatic optimization"):
+        make_trainer([AutoFreeze()]).fit(Manual(), loader(text_dataset(16)))
+
+
+def test_user_train_call_does_not_unfreeze_dropout_mode():
+    class TrainsEverything(TextClassifier):
+        def on_validation_model_train(self):
+            self.train()
+
+    module = TrainsEverything(num_layers=3)
+    modes = []
+
+    class Mode(Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            modes.append(pl_module.model.bert.encoder.layer[0].training)
+
+    make_trainer([AutoFreeze(schedule={1: 1}), Mode()], max_epochs=2, limit_train_batches=2).fit(
+        module, loader(text_dataset(16)), loader(text_dataset(8))
+    )
+    assert modes == [True, True, False, False]

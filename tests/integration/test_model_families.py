@@ -1,0 +1,101 @@
+"""Every model family engages the pipeline and the cache, equal to plain training, or is refused loudly.
+
+Per family (tiny models from configs, 4 blocks): ``pipe_len=2, chunks=2`` equals a plain Trainer
+and every block runs once per micro-batch; ``cache=True`` with 3 of 4 blocks frozen equals
+``cache=False`` and serves the frozen blocks from the store (they do not run once cached), or
+raises the documented refusal. The supported-models table in docs/user-guide.md states the same.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from tests.helpers.families import BATCH, FAMILIES, FamilyModule, family_data
+from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
+from lightning_pipetransformer.cache.store import CacheConfigError
+from lightning_pipetransformer.stack.discovery import find_block_stack
+
+EPOCHS, STEPS = 3, 3  # 3 batches of 6 samples per epoch
+
+def trainer(strategy, callbacks=(), epochs=EPOCHS):
+    return pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_epochs=epochs, callbacks=list(callbacks), logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+
+
+class BlockRuns(Callback):
+    """Real runs of each block (forward pre-hooks fire only when a block computes), per training epoch."""
+
+    def __init__(self, module):
+        self.blocks = find_block_stack(module).blocks
+        self.epochs: list[list[int]] = []
+        for index, block in enumerate(self.blocks):
+            block.register_forward_pre_hook(lambda *_, i=index: self.epochs[-1].__setitem__(i, self.epochs[-1][i] + 1) if self.epochs else None)
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.epochs.append([0] * len(self.blocks))
+
+
+def assert_same_weights(a, b, rtol=1e-4, atol=1e-5):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        torch.testing.assert_close(sa[key], sb[key], rtol=rtol, atol=atol, msg=key)
+
+
+_plain: dict[str, FamilyModule] = {}
+
+
+def plain(family):
+    if family not in _plain:
+        module = FamilyModule(family)
+        trainer("auto").fit(module, family_data(family))
+        _plain[family] = module
+    return _plain[family]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_pipeline_equals_plain_training_and_runs_every_block_per_micro_batch(family):
+    module = FamilyModule(family)
+    runs = BlockRuns(module)
+    fit = trainer(PipeTransformerStrategy(pipe_len=2, chunks=2), [runs])
+    fit.fit(module, family_data(family))
+    assert_same_weights(module, plain(family))
+    blocks = len(runs.blocks)
+    # Epoch 0: one run per block without a graph on the first batch (learning what blocks return), then
+    # 2 micro-batches per step; later epochs: 2 per step. A bypassed pipeline would give 1 per step.
+    assert runs.epochs == [[1 + 2 * STEPS] * blocks] + [[2 * STEPS] * blocks] * (EPOCHS - 1)
+    # After fit the blocks have their own class again, and a key-value cache turned off for fit is back on.
+    assert not any("_pipetransformer_base" in vars(type(b)) for b in runs.blocks)
+    if FAMILIES[family].task == "lm":
+        assert module.model.config.use_cache is True
+
+
+def fit_cached(family, cache):
+    module = FamilyModule(family)
+    runs = BlockRuns(module)
+    strategy = PipeTransformerStrategy(cache=cache, cache_memory=10**8)
+    fit = trainer(strategy, [AutoFreeze(schedule={1: 3}), runs])
+    fit.fit(module, family_data(family))
+    return module, runs, strategy
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_cache_equals_cache_off_and_serves_the_frozen_blocks(family):
+    refused = FAMILIES[family].cache_refused
+    if refused is not None:
+        with pytest.raises(CacheConfigError, match=refused[0]):
+            fit_cached(family, True)
+        return
+    off, _, _ = fit_cached(family, False)
+    on, runs, strategy = fit_cached(family, True)
+    assert_same_weights(on, off)
+    stats = strategy.cache_stats
+    # Epoch 1 computes and stores every sample at boundary 3; epoch 2 is served from the store:
+    # blocks 0-2 run only for the one-off check of the first hits (one batch), block 3 every step.
+    assert stats["autocache/hits"] == STEPS * BATCH and stats["autocache/misses"] == STEPS * BATCH
+    assert runs.epochs[2][:3] == [1, 1, 1] and runs.epochs[2][3] == STEPS
