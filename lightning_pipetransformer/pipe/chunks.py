@@ -12,19 +12,31 @@ checkpoints by the strategy), so each K pays once.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_pipetransformer.pipe.pipeline import Pipeline, hidden_of
-from lightning_pipetransformer.pipe.planner import chunk_candidates
 from lightning_pipetransformer.stack.interception import StackCall, uncounted
 
 __all__ = ["ChunkTuner"]
 
 _REPEATS = 2
+
+
+def chunk_candidates(pipe_len: int) -> range:
+    """The micro-batch counts the paper enumerated for a pipe length K: ``K .. 6K``."""
+    return range(pipe_len, 6 * pipe_len + 1)
+
+
+def fastest_chunks(timings: Mapping[int, float]) -> int:
+    """The M with the lowest time; on ties the smaller M (fewer, larger micro-batches)."""
+    best = min(sorted(timings), key=timings.__getitem__)
+    if timings[best] == float("inf"):
+        raise ValueError(f"No workable micro-batch count among {sorted(timings)}.")
+    return best
 
 
 class ChunkTuner:
@@ -90,7 +102,7 @@ class ChunkTuner:
                 _synchronize(self.devices)
                 best = min(best, time.perf_counter() - start)
             timings[m] = best
-        return min(timings, key=timings.__getitem__)  # ties: the smaller M
+        return fastest_chunks(timings)
 
 
 def _synchronize(devices: Sequence[torch.device]) -> None:

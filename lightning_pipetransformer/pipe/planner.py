@@ -27,8 +27,8 @@ monotonicity can fail, but the planner only ever halves from the current K, and 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from lightning_pipetransformer.pipe.costs import weighted_costs
 from lightning_pipetransformer.pipe.partition import (
@@ -38,16 +38,11 @@ from lightning_pipetransformer.pipe.partition import (
 )
 from lightning_pipetransformer.plan import Plan
 
-__all__ = ["Plan", "AutoPipe", "Measure", "chunk_candidates"]
+__all__ = ["Plan", "AutoPipe"]
 
-#: ``measure(pipe_len, chunks) -> seconds`` per step (lower is better), provided by the caller.
-Measure = Callable[[int, int], float]
-Chunks = int | Literal["auto"] | Mapping[int, int]
-
-
-def chunk_candidates(pipe_len: int) -> range:
-    """The micro-batch counts the paper enumerated for a pipe length K: ``K .. 6K``."""
-    return range(pipe_len, 6 * pipe_len + 1)
+#: M for every K (an int) or per K (a mapping). ``chunks="auto"`` is measured on real batches by
+#: the strategy (:class:`~lightning_pipetransformer.pipe.chunks.ChunkTuner`), which plans with 1.
+Chunks = int | Mapping[int, int]
 
 
 class AutoPipe:
@@ -60,9 +55,9 @@ class AutoPipe:
         pipe_len: K0, the initial pipe length; defaults to G (one replica per node). Must
             divide G and not exceed the number of blocks.
         frozen_cost: what a frozen block weighs relative to an active one, in [0, 1].
-        chunks: M for every K (an int), per K (a mapping), or ``"auto"``: the ``measure`` that
-            is fastest over :func:`chunk_candidates`, measured once per K and cached.
-        measure: ``measure(pipe_len, chunks) -> seconds``, needed for ``chunks="auto"``.
+        chunks: M for every K (an int) or per K (a mapping). ``chunks="auto"`` is not the
+            planner's: it is measured on the first real batch of each K
+            (:mod:`lightning_pipetransformer.pipe.chunks`), in one place.
         node_devices: the G device names of a node, in order; defaults to ``cuda:0 .. cuda:G-1``.
             Pass ``["cpu"] * G`` for virtual CPU devices.
         pre_cost: cost of what runs before the blocks (embeddings) on the first stage; frozen
@@ -83,7 +78,6 @@ class AutoPipe:
         pipe_len: int | None = None,
         frozen_cost: float = 1 / 6,
         chunks: Chunks = 1,
-        measure: Measure | None = None,
         node_devices: Sequence[str] | None = None,
         pre_cost: float = 0.0,
         post_cost: float = 0.0,
@@ -109,7 +103,7 @@ class AutoPipe:
             raise ValueError(
                 f"frozen_cost must be in [0, 1] (paper: 1/6; 0 when frozen blocks are cached), got {frozen_cost}."
             )
-        _check_chunks(chunks, measure)
+        _check_chunks(chunks)
         if node_devices is None:
             node_devices = [f"cuda:{i}" for i in range(g)]
         if len(node_devices) != g:
@@ -120,7 +114,6 @@ class AutoPipe:
         self.initial_pipe_len = k0
         self.frozen_cost = float(frozen_cost)
         self.chunks = chunks
-        self.measure = measure
         self.node_devices = tuple(str(d) for d in node_devices)
         self.pre_cost = float(pre_cost)
         self.post_cost = float(post_cost)
@@ -131,7 +124,6 @@ class AutoPipe:
         self.budget = max(stage_costs(items, optimal_partition(items, k0)))
         self._pipe_len = k0
         self._num_frozen = 0
-        self._chunk_cache: dict[int, int] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -185,30 +177,16 @@ class AutoPipe:
         return plan
 
     def chunks_for(self, pipe_len: int) -> int:
-        """M for pipe length K: given, or the fastest measured over ``K .. 6K`` (cached per K)."""
+        """M for pipe length K, as given."""
         if isinstance(self.chunks, int):
             return self.chunks
-        if isinstance(self.chunks, Mapping):
-            if pipe_len not in self.chunks:
-                raise ValueError(f"chunks has no entry for pipe length {pipe_len}: give one for every K in use.")
-            return self.chunks[pipe_len]
-        if pipe_len not in self._chunk_cache:
-            assert self.measure is not None
-            timings = {m: float(self.measure(pipe_len, m)) for m in chunk_candidates(pipe_len)}
-            # min() keeps the first (smallest) M on ties: fewer, larger micro-batches.
-            best = min(timings, key=timings.__getitem__)
-            if timings[best] == float("inf"):
-                raise ValueError(f"measure() found no workable micro-batch count for pipe length {pipe_len}.")
-            self._chunk_cache[pipe_len] = best
-        return self._chunk_cache[pipe_len]
+        if pipe_len not in self.chunks:
+            raise ValueError(f"chunks has no entry for pipe length {pipe_len}: give one for every K in use.")
+        return self.chunks[pipe_len]
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-able state to resume planning: current K, F and the measured M per K."""
-        return {
-            "pipe_len": self._pipe_len,
-            "num_frozen": self._num_frozen,
-            "chunk_cache": {str(k): m for k, m in self._chunk_cache.items()},
-        }
+        """JSON-able state to resume planning: current K and F."""
+        return {"pipe_len": self._pipe_len, "num_frozen": self._num_frozen}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         k, f = int(state["pipe_len"]), int(state["num_frozen"])
@@ -218,8 +196,7 @@ class AutoPipe:
                 f"({self.devices_per_node} devices per node, initial pipe length {self.initial_pipe_len}, "
                 f"{self.num_blocks} blocks)."
             )
-        self._pipe_len, self._num_frozen = k, f
-        self._chunk_cache = {int(key): int(m) for key, m in state.get("chunk_cache", {}).items()}
+        self._pipe_len, self._num_frozen = k, f  # (a "chunk_cache" of older checkpoints is not needed)
 
     def _items(self, num_frozen: int) -> tuple[tuple[float, ...], int]:
         """The weighted cost list to partition, and how many blocks its first item stands for
@@ -233,9 +210,9 @@ class AutoPipe:
         return tuple(weighted), 0
 
 
-def _check_chunks(chunks: Chunks, measure: Measure | None) -> None:
+def _check_chunks(chunks: Chunks) -> None:
     if isinstance(chunks, bool):
-        raise ValueError(f"chunks must be an int >= 1, a mapping pipe_len -> int, or 'auto'; got {chunks!r}.")
+        raise ValueError(f"chunks must be an int >= 1 or a mapping pipe_len -> int; got {chunks!r}.")
     if isinstance(chunks, int):
         if chunks < 1:
             raise ValueError(f"chunks (micro-batches per mini-batch) must be >= 1, got {chunks}.")
@@ -244,7 +221,9 @@ def _check_chunks(chunks: Chunks, measure: Measure | None) -> None:
         if bad:
             raise ValueError(f"chunks per pipe length must be ints >= 1, got {bad}.")
     elif chunks == "auto":
-        if measure is None:
-            raise ValueError("chunks='auto' needs measure=(pipe_len, chunks) -> seconds to pick M per K.")
+        raise ValueError(
+            "AutoPipe takes chunks as an int or a mapping pipe_len -> int. chunks='auto' is measured on real "
+            "batches: pass it to PipeTransformerStrategy(chunks='auto'), which plans with 1 and times each K."
+        )
     else:
-        raise ValueError(f"chunks must be an int >= 1, a mapping pipe_len -> int, or 'auto'; got {chunks!r}.")
+        raise ValueError(f"chunks must be an int >= 1 or a mapping pipe_len -> int; got {chunks!r}.")
