@@ -1,9 +1,9 @@
-"""The CUDA/NCCL faults of a multi-device run, made to fail on CPU (core.devices.VirtualDevices), and their fixes.
+"""The CUDA/NCCL faults of a multi-device run, made to fail on CPU (devices.VirtualDevices), and their fixes.
 
 On CPU a move between devices is a no-op, so a DDP wrapper bound before the blocks were placed,
 optimizer state left behind by a move, or a collective on a tensor off the process's device pass
 silently. Under ``VirtualDevices`` they raise; the 4-process AutoDP run under it
-(tests/test_autodp.py, ``virtual``) passes only with the fixes.
+(tests/integration/distributed/test_autodp.py, ``virtual``) passes only with the fixes.
 """
 
 from __future__ import annotations

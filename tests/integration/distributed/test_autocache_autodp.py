@@ -1,6 +1,6 @@
 """AutoCache under AutoDP: 4 CPU processes (gloo), pipe length 4 -> 2 -> 1, cache on == cache off.
 
-tests/scripts/autocache_autodp.py trains a tiny BERT for 3 epochs with the schedule
+tests/integration/scripts/autocache_autodp.py trains a tiny BERT for 3 epochs with the schedule
 {1: 2, 2: 3} and ``frozen_cost=0``: epoch 0 has no frozen block and one replica (K = 4), epoch 1
 freezes 2 blocks and runs 2 replicas (K = 2), epoch 2 freezes 3 and runs 4 (K = 1). With the
 cache on, epoch 1 fills the boundary-2 store (first sight: misses); at the move to boundary 3
@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from tests.helpers.launch import launch_ranks
+
+pytestmark = pytest.mark.distributed  # several processes: deselected by -m "not distributed"
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "autocache_autodp.py"
 PLAN = {0: (0, 4, 1), 1: (2, 2, 2), 2: (3, 1, 4)}  # epoch: (frozen blocks, pipe length, replicas)

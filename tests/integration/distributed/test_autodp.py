@@ -1,6 +1,6 @@
 """AutoDP: 4 CPU processes (gloo), pipe length 4 -> 2 -> 1, idle ranks join as replicas.
 
-Each test launches tests/scripts/autodp.py (Lightning re-launches it per rank) with a hard
+Each test launches tests/integration/scripts/autodp.py (Lightning re-launches it per rank) with a hard
 timeout, and compares what every rank wrote with a one-process reference that trains the same
 global batches with the same freeze schedule.
 
@@ -25,6 +25,8 @@ from torch import nn
 from tests.helpers.launch import is_alive, kill_session, launch_ranks
 from tests.helpers.models import TextClassifier, text_dataset
 from tests.helpers.train_reference import freeze_by_hand
+
+pytestmark = pytest.mark.distributed  # several processes: deselected by -m "not distributed"
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "autodp.py"
 SCHEDULE = {0: 0, 1: 2, 2: 3}

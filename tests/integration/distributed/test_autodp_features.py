@@ -1,4 +1,4 @@
-"""Lightning's features keep working with idle ranks: one 4-process CPU run (tests/scripts/autodp_features.py).
+"""Lightning's features keep working with idle ranks: one 4-process CPU run (tests/integration/scripts/autodp_features.py).
 
 The run stops early (EarlyStopping) at the end of epoch 1, while two of four ranks are idle, on
 metrics only the replicas compute; every rank must take the same decisions and nobody may hang.
@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from tests.helpers.launch import launch_ranks
+
+pytestmark = pytest.mark.distributed  # several processes: deselected by -m "not distributed"
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "autodp_features.py"
 

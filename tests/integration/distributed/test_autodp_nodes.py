@@ -1,6 +1,6 @@
 """AutoDP over 2 simulated nodes on localhost: pipelines inside a node, data parallelism across nodes.
 
-Two launches of tests/scripts/autodp_nodes.py with ``NODE_RANK=0`` and ``NODE_RANK=1`` and one
+Two launches of tests/integration/scripts/autodp_nodes.py with ``NODE_RANK=0`` and ``NODE_RANK=1`` and one
 ``MASTER_ADDR``/``MASTER_PORT`` (what Lightning's LightningEnvironment reads); each launcher starts
 its local rank 1 itself, so the world is 4 processes: global rank = node * 2 + local rank.
 ``devices=2, num_nodes=2, pipe_len=2``: one pipeline replica per node at the start; the freeze
@@ -9,7 +9,7 @@ schedule makes the planner compress K 2 -> 1 and the replicas grow 2 -> 4.
 Which ranks are active is not assumed (the layout of the active local ranks is the planner's
 business): the script records ``plan.active_ranks``, ``is_active`` and ``plan.replica_index`` and
 this test checks them for consistency, then checks every replica's batches against the
-reference's data split (see tests/test_autodp.py's docstring: replica ``r`` of ``R`` gets positions
+reference's data split (see tests/integration/distributed/test_autodp.py's docstring: replica ``r`` of ``R`` gets positions
 ``r, r+R, ...`` of ``randperm(N, epoch)``), and the final weights against the reference.
 
 Both launcher process groups run in sessions of their own and are killed on timeout and at the
@@ -28,6 +28,8 @@ import torch
 
 from tests.helpers.launch import clean_env, is_alive, kill_session
 from tests.integration.distributed.test_autodp import NUM_SAMPLES, SCHEDULE, assert_replicas_identical_and_match, reference
+
+pytestmark = pytest.mark.distributed  # several processes: deselected by -m "not distributed"
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "autodp_nodes.py"
 NUM_NODES, DEVICES = 2, 2

@@ -1,11 +1,11 @@
 """AutoDP with Trainer options no other multi-process test sets: 4 CPU processes (gloo), K 4 -> 2 -> 1.
 
-tests/scripts/autodp_paths.py trains the tiny BERT of tests/test_autodp.py (schedule {1: 2, 2: 3},
+tests/integration/scripts/autodp_paths.py trains the tiny BERT of tests/integration/distributed/test_autodp.py (schedule {1: 2, 2: 3},
 ``frozen_cost=0``: replicas 1 -> 2 -> 4) with gradient accumulation (a last window cut short by
 the epoch end), gradient clipping, an LR scheduler stepping every optimizer step, micro-batches,
 a dataset that is not a multiple of the batch or of the replicas, ``drop_last`` and bf16-mixed.
 Each run is compared with a one-process loop over the same global batches (see
-tests/test_autodp.py's docstring), which here also mimics what Lightning does for each option:
+tests/integration/distributed/test_autodp.py's docstring), which here also mimics what Lightning does for each option:
 
 * Lightning's injected DistributedSampler pads the epoch's permutation to a multiple of the
   replicas by repeating its head (``drop_last=False``), so with R replicas the reference steps on
@@ -29,6 +29,8 @@ from torch import nn
 from tests.helpers.launch import launch_ranks
 from tests.helpers.models import TextClassifier, text_dataset
 from tests.helpers.train_reference import freeze_by_hand
+
+pytestmark = pytest.mark.distributed  # several processes: deselected by -m "not distributed"
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "autodp_paths.py"
 SCHEDULE = {0: 0, 1: 2, 2: 3}

@@ -2,11 +2,14 @@
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.helpers.launch import run_script
 from tests.helpers.models import text_dataset
 from tests.helpers.train_reference import train_reference
+
+pytestmark = pytest.mark.distributed  # several processes: deselected by -m "not distributed"
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ddp_autofreeze.py"
 

@@ -1,4 +1,4 @@
-"""AutoCache under AutoDP on 4 CPU processes (gloo); run by tests/test_autocache_autodp.py.
+"""AutoCache under AutoDP on 4 CPU processes (gloo); run by tests/integration/distributed/test_autocache_autodp.py.
 
 Lightning re-launches this script once per extra rank (same arguments). Tiny BERT with 4 blocks,
 ``frozen_cost=0`` and the schedule {1: 2, 2: 3} make the planner compress K 4 -> 2 -> 1, so the

@@ -1,4 +1,4 @@
-"""AutoDP on 4 CPU processes (gloo): pipe length 4 -> 2 -> 1 as blocks freeze; run by tests/test_autodp.py.
+"""AutoDP on 4 CPU processes (gloo): pipe length 4 -> 2 -> 1 as blocks freeze; run by tests/integration/distributed/test_autodp.py.
 
 Lightning re-launches this script once per extra rank (same arguments). Tiny BERT (or ``--arch llama``, a Llama-style decoder) with 4 blocks,
 ``frozen_cost=0`` and the schedule {1: 2, 2: 3} make the planner compress K 4 -> 2 -> 1, so the

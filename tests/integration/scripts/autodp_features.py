@@ -1,4 +1,4 @@
-"""Lightning's features with idle ranks, in one 4-process CPU run; run by tests/test_autodp_features.py.
+"""Lightning's features with idle ranks, in one 4-process CPU run; run by tests/integration/distributed/test_autodp_features.py.
 
 Lightning re-launches this script once per extra rank. Tiny BERT with 4 blocks, pipe length 4,
 ``frozen_cost=0`` and the schedule {1: 2, 2: 3}: epoch 0 has one replica (ranks 1-3 idle),

@@ -1,4 +1,4 @@
-"""AutoDP over 2 simulated nodes of 2 CPU processes each (gloo); run by tests/test_autodp_nodes.py.
+"""AutoDP over 2 simulated nodes of 2 CPU processes each (gloo); run by tests/integration/distributed/test_autodp_nodes.py.
 
 The test starts this script twice on localhost, with ``NODE_RANK=0`` and ``NODE_RANK=1`` and the
 same ``MASTER_ADDR``/``MASTER_PORT``; on each "node" Lightning's subprocess launcher starts local

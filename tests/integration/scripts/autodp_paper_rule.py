@@ -1,4 +1,4 @@
-"""AutoFreeze's paper rule every 2 epochs under AutoDP on 4 CPU processes; run by tests/test_autodp_paths.py.
+"""AutoFreeze's paper rule every 2 epochs under AutoDP on 4 CPU processes; run by tests/integration/distributed/test_autodp_paths.py.
 
 The gradient norms the rule reads are shaped per epoch (``on_after_backward``) so that rank 0's
 decision is known: at epoch 2 it freezes 2 of 4 blocks (K 4 -> 2, rank 2 joins). Before the fix,

@@ -1,4 +1,4 @@
-"""AutoDP with Trainer options the other multi-process scripts leave at their defaults; run by tests/test_autodp_paths.py.
+"""AutoDP with Trainer options the other multi-process scripts leave at their defaults; run by tests/integration/distributed/test_autodp_paths.py.
 
 Lightning re-launches this script once per extra rank (same arguments). Tiny BERT with 4 blocks,
 ``pipe_len=4``, ``frozen_cost=0`` and the schedule {1: 2, 2: 3}: K 4 -> 2 -> 1, replicas 1 -> 2 -> 4.

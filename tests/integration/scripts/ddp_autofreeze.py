@@ -1,4 +1,4 @@
-"""Two CPU processes (gloo) under Lightning's DDPStrategy with AutoFreeze; run by tests/test_autofreeze_ddp.py.
+"""Two CPU processes (gloo) under Lightning's DDPStrategy with AutoFreeze; run by tests/integration/distributed/test_autofreeze_ddp.py.
 
 Lightning re-launches this script once per extra rank. Each rank saves its final weights and,
 per optimizer step, how many gradient elements DDP all-reduced, into ``--out``.

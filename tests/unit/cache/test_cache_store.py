@@ -187,6 +187,7 @@ _WRITER = textwrap.dedent(
 ).format(fp=FP, pkg=str(Path(__file__).resolve().parents[3] / "lightning_pipetransformer"))
 
 
+@pytest.mark.distributed
 def test_two_processes_share_one_cache_dir(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]))
     procs = [

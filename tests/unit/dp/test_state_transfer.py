@@ -1,4 +1,4 @@
-"""State transfer for AutoDP transitions (lightning_pipetransformer.elastic), on gloo CPU processes.
+"""State transfer for AutoDP transitions (lightning_pipetransformer.dp.state_transfer), on gloo CPU processes.
 
 The functions move model weights and optimizer state from global rank 0 to the ranks that join
 the replicas, point to point along a binomial tree, in pieces. These tests check, with a few
@@ -205,6 +205,7 @@ def _all(rank: int, world: int) -> None:
         dist.barrier()
 
 
+@pytest.mark.distributed
 def test_state_transfer_on_four_processes():
     """send_tensors reaches exactly the receivers (rank 1: an already-active replica, untouched),
     bit-exact over chunks, staging buffers and dtypes; module state: parameters to the receivers,

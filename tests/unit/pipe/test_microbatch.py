@@ -1,4 +1,4 @@
-"""Splitting arguments into micro-batches and joining outputs (core.microbatch)."""
+"""Splitting arguments into micro-batches and joining outputs (pipe.microbatch)."""
 
 from collections import OrderedDict, namedtuple
 

@@ -1,4 +1,4 @@
-"""The pipeline executor equals the plain loop over the blocks (core.pipeline), on CPU."""
+"""The pipeline executor equals the plain loop over the blocks (pipe.pipeline), on CPU."""
 
 import contextlib
 import copy

@@ -1,4 +1,4 @@
-"""Block-level interception (core.interception) and the executor's edge cases, on models' own loops.
+"""Block-level interception (stack.interception) and the executor's edge cases, on models' own loops.
 
 Every equivalence test counts real block runs beside it: a bypassed pipeline gives the same
 numbers on CPU.
