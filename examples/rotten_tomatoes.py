@@ -84,7 +84,10 @@ def default_datasets_cache() -> Path:
     """Where ``datasets`` keeps its Arrow and tokenization files by default: ``datasets/`` in the
     asset cache (``$PIPETRANSFORMER_ASSETS``, else ``~/.cache/lightning-pipetransformer/assets``),
     never ``datasets``' own cache in the user's home."""
-    from assets import default_cache_dir  # examples/ is on sys.path when an example runs
+    if __package__:  # imported as examples.rotten_tomatoes (the benchmarks)
+        from .assets import default_cache_dir
+    else:  # examples/ is on sys.path when an example runs
+        from assets import default_cache_dir
 
     return default_cache_dir() / "datasets"
 
@@ -392,7 +395,10 @@ class RottenTomatoesDataModule(pl.LightningDataModule):
 
     def encode_sides(self) -> Sides:
         """Read, split, subsample and tokenize (or load both sides from ``datasets``' cache)."""
-        from assets import fetch  # examples/ is on sys.path when an example runs
+        if __package__:  # imported as examples.rotten_tomatoes (the benchmarks)
+            from .assets import fetch
+        else:  # examples/ is on sys.path when an example runs
+            from assets import fetch
 
         hp = self.hparams
         cache_dir = Path(hp.datasets_cache_dir) if hp.datasets_cache_dir else default_datasets_cache()

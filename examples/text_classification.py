@@ -26,7 +26,8 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # assets, rotten_tomatoes, timeline
+if not __package__:  # a script, or imported by its plain name: the siblings by theirs (see examples/__init__.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # assets, rotten_tomatoes, timeline
 
 import lightning.pytorch as pl  # noqa: E402
 import lightning_pipetransformer  # noqa: E402,F401  (importing registers strategy="pipetransformer")
@@ -35,7 +36,10 @@ from lightning.pytorch.cli import LightningCLI  # noqa: E402
 from torch.optim.lr_scheduler import LambdaLR  # noqa: E402
 from torchmetrics.classification import MulticlassAccuracy  # noqa: E402
 
-from rotten_tomatoes import Batch, RottenTomatoesDataModule  # noqa: E402
+if __package__:  # imported as examples.text_classification (the benchmarks)
+    from .rotten_tomatoes import Batch, RottenTomatoesDataModule
+else:
+    from rotten_tomatoes import Batch, RottenTomatoesDataModule  # noqa: E402
 
 __all__ = ["SentimentClassifier", "TextCLI", "main"]
 
@@ -130,7 +134,10 @@ def _adamw(groups: list[dict[str, Any]], lr: float, fused: bool | None) -> torch
 
 
 def _asset_path(name: str) -> str:
-    from assets import fetch
+    if __package__:
+        from .assets import fetch
+    else:
+        from assets import fetch
 
     return str(fetch(name))
 
