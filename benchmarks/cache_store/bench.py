@@ -9,8 +9,8 @@ candidate stdlib hashes (what a disk lookup pays for integrity, and why CRC-32),
 of the embeddings plus k BERT layers (hidden 384, 12 heads, FFN 1536) that a hit replaces. Variants are
 interleaved round by round so a change in machine load hits all of them alike; medians shown.
 
-    python benchmarks/cache_store.py                 # print the table
-    python benchmarks/cache_store.py --write-docs    # and put it into docs/cache.md
+    python -m benchmarks.cache_store                 # print the table
+    python -m benchmarks.cache_store --write-docs    # and put it into docs/cache.md
 """
 
 from __future__ import annotations
@@ -32,16 +32,16 @@ from pathlib import Path
 import torch
 from transformers import BertConfig, BertModel
 
-from lightning_pipetransformer.core.cache_keys import content_keys
-from lightning_pipetransformer.core.cache_store import ActivationStore, checksum
+from lightning_pipetransformer.cache.keys import content_keys
+from lightning_pipetransformer.cache.store import ActivationStore, checksum
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "cache.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "cache.md"
 BEGIN, END = "<!-- cache_store:begin -->", "<!-- cache_store:end -->"
 FP = "0" * 32
 
 
 def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cache_store", description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batches", type=int, default=8, help="batches held by each store")
@@ -178,7 +178,7 @@ def main() -> None:
         f"Measured {datetime.date.today().isoformat()} on {platform.machine()} {platform.processor() or platform.platform()}, "
         f"{os.cpu_count()} CPU core(s) visible, {args.threads} torch thread(s), torch {torch.__version__}, "
         f"{args.rounds} rounds (medians), shared machine (load average {load[0]:.1f} at the start, "
-        f"{os.getloadavg()[0]:.1f} at the end). Command: `python benchmarks/cache_store.py"
+        f"{os.getloadavg()[0]:.1f} at the end). Command: `python -m benchmarks.cache_store"
         f"{' --write-docs' if args.write_docs else ''}`."
     )
     print(header)
@@ -193,7 +193,3 @@ def main() -> None:
             sys.exit(f"{DOCS} has no {BEGIN} marker")
         DOCS.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _m: block, text, flags=re.S))
         print(f"\nwrote {DOCS}")
-
-
-if __name__ == "__main__":
-    main()

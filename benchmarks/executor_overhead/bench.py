@@ -9,8 +9,8 @@ show what micro-batching alone costs (smaller matmuls, more Python), not a pipel
 Variants are interleaved round by round so drift in machine load hits all of them alike; the
 table reports medians and, per variant, the median of the per-round ratios to the plain loop.
 
-    python benchmarks/executor_overhead.py                 # print the table
-    python benchmarks/executor_overhead.py --write-docs    # and put it into docs/executor.md
+    python -m benchmarks.executor_overhead                 # print the table
+    python -m benchmarks.executor_overhead --write-docs    # and put it into docs/executor.md
 """
 
 from __future__ import annotations
@@ -31,15 +31,15 @@ import transformers
 from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertLayer
 
-from lightning_pipetransformer.core.partition import optimal_partition
-from lightning_pipetransformer.core.pipeline import Pipeline
+from lightning_pipetransformer.pipe.partition import optimal_partition
+from lightning_pipetransformer.pipe.pipeline import Pipeline
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "executor.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "executor.md"
 BEGIN, END = "<!-- executor_overhead:begin -->", "<!-- executor_overhead:end -->"
 
 
 def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.executor_overhead", description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
@@ -112,7 +112,7 @@ def main() -> None:
             f"| {name} | {1000 * statistics.median(ts):.1f} | {statistics.median(ts) / statistics.median(base):.3f} "
             f"| {statistics.median(ratios):.3f} | {1000 * q[0]:.1f} - {1000 * q[2]:.1f} |"
         )
-    command = "python benchmarks/executor_overhead.py " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.executor_overhead " + " ".join(sys.argv[1:])
     header = (
         f"{datetime.date.today().isoformat()}, torch {torch.__version__}, transformers {transformers.__version__}, "
         f"Python {platform.python_version()}, {os.cpu_count()} CPU cores, {args.threads} torch thread(s); "
@@ -129,7 +129,3 @@ def main() -> None:
             raise SystemExit(f"{DOCS} has no {BEGIN} marker to replace.")
         DOCS.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S))
         print(f"wrote {DOCS}")
-
-
-if __name__ == "__main__":
-    main()

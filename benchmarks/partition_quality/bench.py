@@ -7,7 +7,7 @@ granularity (whole blocks) and at the paper's (attention and MLP sub-layers). Al
 AutoPipe compression sequence on BERT-base as blocks freeze. Prints markdown and writes
 ``docs/planner.md``::
 
-    .venv/bin/python benchmarks/partition_quality.py [--out docs/planner.md]
+    .venv/bin/python -m benchmarks.partition_quality [--out docs/planner.md]
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightning_pipetransformer.core.partition import boundaries, optimal_partition, paper_greedy_partition
-from lightning_pipetransformer.core.planner import AutoPipe
+from lightning_pipetransformer.pipe.partition import boundaries, optimal_partition, paper_greedy_partition
+from lightning_pipetransformer.pipe.planner import AutoPipe
 
 FROZEN_COST = 1 / 6
 KS = (1, 2, 4, 8)
 FS = (0, 3, 6, 9)
 MILLION = 1e6
-COMMAND = ".venv/bin/python benchmarks/partition_quality.py"
+COMMAND = ".venv/bin/python -m benchmarks.partition_quality"
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,7 @@ defaults on the meta device).
 
 ## What it does
 
-`lightning_pipetransformer.core.planner.AutoPipe` turns per-block costs into one `Plan` per
+`lightning_pipetransformer.pipe.planner.AutoPipe` turns per-block costs into one `Plan` per
 number of frozen blocks F. The rules, from the PipeTransformer paper (section 3.2):
 
 - **Costs.** A block costs its parameter count by default (`costs.parameter_costs`, the paper's
@@ -304,7 +304,7 @@ Summary: {sublayers_summary}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.partition_quality", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("docs/planner.md"), help="markdown file to write")
     args = parser.parse_args(argv)
     shapes = model_shapes()
@@ -333,7 +333,3 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(doc)
     print(f"wrote {args.out}", file=sys.stderr)
-
-
-if __name__ == "__main__":
-    main()

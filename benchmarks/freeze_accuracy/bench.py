@@ -1,6 +1,6 @@
 """Where does progressive freezing lose accuracy? Ablations of AutoFreeze on the time-to-accuracy setting (issue 17).
 
-The setting of ``benchmarks/time_to_accuracy.py`` (MiniLM-L6, Rotten Tomatoes, the same data module,
+The setting of ``benchmarks/time_to_accuracy/`` (MiniLM-L6, Rotten Tomatoes, the same data module,
 batches and head initialisation per seed, fused AdamW with warm-up and linear decay), but every
 variant runs under the plain single-device strategy (``"auto"``) without AutoCache: the cache is
 exact (``docs/cache_benchmark.md``: identical accuracy, epoch by epoch), so what costs accuracy is
@@ -11,8 +11,8 @@ Validation runs at the end of the epochs in ``--eval-epochs`` only (default: 1 a
 through the whole validation side, in eval mode and without gradients, by a callback rather than
 Lightning's loop (cheaper on a 2-core machine; the same numbers)::
 
-    python benchmarks/freeze_accuracy.py --list
-    python benchmarks/freeze_accuracy.py --variants full,sched,sched-emb --seeds 0 --threads 1
+    python -m benchmarks.freeze_accuracy --list
+    python -m benchmarks.freeze_accuracy --variants full,sched,sched-emb --seeds 0 --threads 1
 
 Each finished run is appended as one JSON line to ``--out`` (default
 ``outputs/freeze_accuracy/runs.jsonl``); ``--summary`` prints the table of what is there.
@@ -27,7 +27,6 @@ import argparse
 import gc
 import json
 import statistics
-import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -35,18 +34,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "examples"))
+import lightning.pytorch as pl
+import torch
+from torch import nn
 
-from time_to_accuracy import BenchData, _quiet  # noqa: E402  (sets up examples/ on sys.path)
-from text_classification import SentimentClassifier  # noqa: E402
+from benchmarks.time_to_accuracy.data import BenchData
+from benchmarks.time_to_accuracy.runner import lora_config, quiet
+from examples.assets import fetch
+from examples.text_classification import SentimentClassifier
+from lightning_pipetransformer import AutoFreeze
 
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from lightning_pipetransformer import AutoFreeze  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------------------------- callbacks
@@ -196,8 +194,6 @@ def _lora(r: int = 8) -> Callable[[str, float], pl.LightningModule]:
     def build(model_dir: str, lr: float) -> pl.LightningModule:
         from peft import get_peft_model
 
-        from time_to_accuracy import lora_config
-
         model = SentimentClassifier(pretrained=model_dir, lr=lr)
         model.model = get_peft_model(model.model, lora_config(argparse.Namespace(lora_r=r, lora_alpha=2 * r, lora_dropout=0.1)))
         return model
@@ -278,7 +274,7 @@ def summary(path: Path) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.freeze_accuracy", description=__doc__.splitlines()[0])
     p.add_argument("--variants", default="full,sched")
     p.add_argument("--seeds", default="0")
     p.add_argument("--train-size", type=int, default=3000)
@@ -302,10 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [n for n in names if n not in SPECS]
     if unknown:
         p.error(f"unknown variants {unknown}; --list shows them")
-    _quiet()
+    quiet()
     torch.set_num_threads(args.threads)
-    from assets import fetch
-
     model_dir = str(fetch("minilm-l6"))
     dm = BenchData(seed=0, padding="bucket", tokenizer=model_dir, train_size=args.train_size, val_size=args.val_size, max_length=64, batch_size=32)
     dm.setup("fit")
@@ -325,7 +319,3 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f.write(json.dumps(rec) + "\n")
             print(f"freeze_accuracy: seed {seed} {name}: acc {rec['acc']} freezes {rec['step_history']} ({rec['fit_s']:.0f} s)", flush=True)
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

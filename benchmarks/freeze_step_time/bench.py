@@ -5,7 +5,7 @@ forward (under no_grad when nothing before it trains) but has no backward and no
 update. The model is built from a config shaped like all-MiniLM-L6-v2 (6 layers, hidden 384,
 12 heads, FFN 1536); weights do not matter for timing.
 
-    python benchmarks/freeze_step_time.py [--repeats 5] [--write docs/autofreeze.md]
+    python -m benchmarks.freeze_step_time [--repeats 5] [--write docs/autofreeze.md]
 
 Variants are interleaved round by round and medians reported, because machines here are noisy.
 """
@@ -21,8 +21,8 @@ import time
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
-from lightning_pipetransformer.core.discovery import find_block_stack
-from lightning_pipetransformer.core.freezing import apply_freeze
+from lightning_pipetransformer.stack.discovery import find_block_stack
+from lightning_pipetransformer.freeze.apply import apply_freeze
 
 
 def build(seed: int = 0) -> BertForSequenceClassification:
@@ -35,7 +35,7 @@ def build(seed: int = 0) -> BertForSequenceClassification:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.freeze_step_time", description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq", type=int, default=64)
@@ -79,7 +79,7 @@ def main() -> None:
     header = (
         f"Measured {datetime.date.today()} on {platform.machine()} with {torch.get_num_threads()} torch threads, "
         f"torch {torch.__version__}; batch {args.batch} x {args.seq} tokens, AdamW (fused), "
-        f"{args.repeats} interleaved rounds, medians. Command: `python benchmarks/freeze_step_time.py`."
+        f"{args.repeats} interleaved rounds, medians. Command: `python -m benchmarks.freeze_step_time`."
     )
     print(header)
     print(table)
@@ -90,7 +90,3 @@ def main() -> None:
         before, rest = text.split(start)
         _, after = rest.split(end)
         open(path, "w").write(f"{before}{start}\n{header}\n\n{table}\n{end}{after}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,8 @@
 """Time one AutoDP transition (1 -> 4 replicas) of a BERT-base-sized model on 4 CPU processes.
 
-Run (Lightning re-launches this script for ranks 1..3)::
+Run from the repository root (Lightning re-launches the module for ranks 1..3, ``python -m`` included)::
 
-    MASTER_PORT=29700 python benchmarks/transition_time.py --out docs/transition_time.json
+    MASTER_PORT=29700 python -m benchmarks.transition_time --out docs/transition_time.json
 
 ``--pipe-len 2`` starts with two replicas (ranks 0 and 2) instead, so that only ranks 1 and 3
 join: replicas that were already active receive no parameters or optimizer state.
@@ -63,7 +63,7 @@ class Collect(Callback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.transition_time")
     parser.add_argument("--out", default="transition_time.json")
     parser.add_argument(
         "--pipe-len", type=int, default=4, choices=[2, 4],
@@ -90,7 +90,7 @@ def main() -> None:
         (out.parent / f".transition_rank{r}.json").unlink()
     result = {
         "date": time.strftime("%Y-%m-%d"),
-        "command": f"MASTER_PORT={os.environ.get('MASTER_PORT', '')} python benchmarks/transition_time.py --out {args.out}"
+        "command": f"MASTER_PORT={os.environ.get('MASTER_PORT', '')} python -m benchmarks.transition_time --out {args.out}"
         + (f" --pipe-len {args.pipe_len}" if args.pipe_len != 4 else ""),
         "model": f"BertForSequenceClassification (BERT-base config), {params / 1e6:.1f}M parameters, SGD momentum + StepLR",
         "transition": f"pipe length {args.pipe_len} -> 1, replicas {4 // args.pipe_len} -> 4 "
@@ -111,7 +111,3 @@ def table(result: dict) -> str:
         lines.append(f"| {phase} | " + " | ".join(f"{r['phases'].get(phase, 0.0):.2f}" for r in result["ranks"]) + " |")
     lines.append("| **total** | " + " | ".join(f"**{sum(r['phases'].values()):.2f}**" for r in result["ranks"]) + " |")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,7 @@
+"""``python -m benchmarks.freeze_step_time``: see its README.md."""
+
+import sys
+
+from .bench import main
+
+sys.exit(main())

@@ -1,0 +1,106 @@
+"""The duration estimate of ``--dry-run``: seconds per run from calibrated per-token costs."""
+
+from __future__ import annotations
+
+import argparse
+
+from lightning_pipetransformer.freeze.rules import geometric_num_frozen
+
+from .variants import Variant
+
+#: The duration estimate's costs, calibrated on the 2026-11-30 run of this benchmark (docs/benchmarks.md then:
+#: an idle 2-core CPU, 2 torch threads, 3,000 / 5,134 snippets, length buckets): a full training step costs
+#: ~0.94 ms per token (85 s per epoch of 90,792 tokens), a validation forward ~0.27 ms per token (43 s for
+#: 161,664 tokens). Relative step cost with F of 6 blocks frozen, without the cache (the frozen prefix runs
+#: forward) and served from it (the per-epoch times of freeze and freeze+cache a=1/3 then):
+TRAIN_S_PER_TOKEN = 85.0 / 90792
+VAL_S_PER_TOKEN = 43.0 / 161664
+STEP_RATIO = {0: 1.0, 2: 0.74, 4: 0.54, 5: 0.40, 6: 0.33}
+STEP_RATIO_CACHED = {0: 1.0, 2: 0.62, 4: 0.29, 5: 0.14, 6: 0.06}
+#: Guesses for the peers (not measured on an idle machine yet): LoRA still back-propagates through every
+#: block (activation gradients) but computes no weight gradient of the frozen matrices; BaseFinetuning
+#: with the embeddings and 3 of 6 blocks frozen runs like 3 frozen blocks without a cache.
+LORA_STEP_RATIO = 0.75
+ADVANCE_S_PER_BLOCK_PER_SAMPLE = 2.0 / 3000  # cache boundary advance, per block moved and stored snippet
+SETUP_S = 10.0  # model load + Trainer set-up per run
+
+
+def _interp(table: dict[int, float], f: float) -> float:
+    keys = sorted(table)
+    lo = max(k for k in keys if k <= f)
+    hi = min(k for k in keys if k >= f)
+    return table[lo] if lo == hi else table[lo] + (table[hi] - table[lo]) * (f - lo) / (hi - lo)
+
+
+def planned_frozen(variant: Variant, epochs: int, steps: int, args: argparse.Namespace, blocks: int = 6) -> list[int]:
+    """Frozen blocks at each optimizer step of a run, as the duration estimate assumes it.
+
+    Epoch-level rows follow the geometric schedule (the paper rule freezes no more). Sub-epoch rows
+    decide every ``interval``: ``schedule`` the geometric count of the point, ``paper`` one block more per
+    point from the geometric first step (its slowest: each point freezes at least one block, the geometric
+    step is its upper bound), ``autofreeze`` one block per point from its second point (it needs two
+    intervals to compare; how far it freezes depends on the gradients, this is a guess on the slow side).
+    """
+    total = epochs * steps
+    if variant.kind == "bft":
+        return [args.bft_blocks] * total
+    if not variant.autofreeze:
+        return [0] * total
+    limit = blocks - variant.min_active
+    alpha = variant.alpha or 1 / 3
+    if not variant.sub_epoch:
+        return [min(limit, geometric_num_frozen(blocks, alpha, s // steps)) for s in range(total)]
+    every = variant.interval if isinstance(variant.interval, int) else max(1, round(float(variant.interval or 1) * steps))
+    out, frozen = [], 0
+    for s in range(total):
+        if s and s % every == 0:
+            point = s // every
+            if variant.rule == "schedule":
+                frozen = geometric_num_frozen(blocks, alpha, point)
+            elif variant.rule == "paper":
+                frozen = geometric_num_frozen(blocks, alpha, 1) if frozen == 0 else frozen + 1
+            elif point >= 2:
+                frozen += 1
+            frozen = min(frozen, limit)
+        out.append(frozen)
+    return out
+
+
+def estimate_seconds(
+    variant: Variant, epochs: int, steps: int, tokens: float, val_tokens: float, n_train: int, n_val: int, args: argparse.Namespace
+) -> float:
+    """Rough seconds of one run (training, validation every epoch, set-up) on an idle 2-core CPU.
+
+    Step time is taken proportional to tokens per batch. With the cache, a step is served when its
+    snippets were stored at an earlier epoch's step with blocks frozen (batches are reshuffled every
+    epoch: the served share is the share of snippets stored before the epoch); moving the boundary
+    advances the stored entries. Validation through a stored boundary runs the active blocks only.
+    """
+    frozen = planned_frozen(variant, epochs, steps, args)
+    full_step = TRAIN_S_PER_TOKEN * tokens
+    full_val = VAL_S_PER_TOKEN * val_tokens
+    total, stored, prev, val_at = SETUP_S, 0.0, 0, 0  # stored: share of training snippets in the cache
+    cached = variant.kind == "cache"
+    for e in range(epochs):
+        seen_frozen = 0
+        for f in frozen[e * steps : (e + 1) * steps]:
+            if variant.kind == "lora":
+                total += full_step * LORA_STEP_RATIO
+                continue
+            if cached and f > prev:
+                now = 1 - (1 - stored) * (1 - seen_frozen / steps)
+                total += (f - prev) * ADVANCE_S_PER_BLOCK_PER_SAMPLE * (now * n_train + (n_val if val_at else 0))
+            hit = stored if cached and f > 0 else 0.0
+            total += full_step * (hit * _interp(STEP_RATIO_CACHED, f) + (1 - hit) * _interp(STEP_RATIO, f))
+            seen_frozen += f > 0
+            prev = f
+        stored = 1 - (1 - stored) * (1 - seen_frozen / steps) if cached else 0.0
+        f = frozen[(e + 1) * steps - 1]
+        total += full_val * ((blocks_active(f) if cached and val_at else 1.0))
+        val_at = f if cached and f > 0 else 0
+    return total
+
+
+def blocks_active(frozen: int, blocks: int = 6) -> float:
+    """Share of a validation forward left when ``frozen`` blocks (and the embeddings) are served from the cache."""
+    return (blocks - frozen) / blocks

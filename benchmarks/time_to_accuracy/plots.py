@@ -1,0 +1,96 @@
+"""The report's PNGs: accuracy against training time, and speed-up against final accuracy."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from .summary import GOAL_DROP, GOAL_SPEEDUP
+from .variants import RunRecord, Variant
+
+
+def plot_path_for(docs: Path) -> Path:
+    """The PNG next to a report: docs/benchmarks.md -> docs/benchmarks_time_to_accuracy.png (the historic
+    name); docs/cache_benchmark.md -> docs/cache_benchmark_time_to_accuracy.png, never the other's."""
+    return docs.with_name(f"{docs.stem}_time_to_accuracy.png")
+
+def write_plot(records: list[RunRecord], variants: list[Variant], target: float | None, path: Path) -> None:
+    """Validation accuracy against cumulative training time, one line per variant (mean over seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11.5, 5.0))
+    for v in variants:
+        runs = [r for r in records if r.variant == v.name and r.error is None and r.epochs]
+        if not runs:
+            continue
+        n = min(len(r.epochs) for r in runs)
+        times = [statistics.fmean(sum(e["train_s"] for e in r.epochs[: i + 1]) for r in runs) for i in range(n)]
+        accs = [[100 * r.epochs[i]["metric"] for r in runs] for i in range(n)]
+        mean = [statistics.fmean(a) for a in accs]
+        sd = [statistics.stdev(a) if len(a) > 1 else 0.0 for a in accs]
+        ax.errorbar(times, mean, yerr=sd, marker="o", capsize=3, label=v.name, linestyle=_style(v))
+    if target is not None:
+        ax.axhline(100 * target, color="grey", linestyle="--", linewidth=1, label=f"target (baseline - {GOAL_DROP:g} pt)")
+    ax.set_xlim(left=0)
+    ax.set_xlabel("training wall-clock (s, validation excluded)")
+    ax.set_ylabel("validation accuracy (%)")
+    ax.set_title("MiniLM-L6 on Rotten Tomatoes: accuracy vs training time (mean ± sd over seeds)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _style(v: Variant) -> str:
+    return "-" if v.kind in ("full", "lora", "bft") else ":" if v.kind == "freeze" else "--" if v.sub_epoch else "-."
+
+
+def speedup_plot_path_for(docs: Path) -> Path:
+    """The speed-up vs accuracy PNG next to a report: docs/benchmarks.md -> docs/benchmarks_speedup_vs_accuracy.png."""
+    return docs.with_name(f"{docs.stem}_speedup_vs_accuracy.png")
+
+
+def write_speedup_plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Every variant as a point: mean training speed-up over the baseline (x) and mean final accuracy with its
+    spread over seeds (y); the issue-17 goal (>= 3x, >= baseline - 0.3 points) drawn as a shaded corner."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = next((r for r in rows if r["kind"] == "full" and r.get("runs")), None)
+    fig, ax = plt.subplots(figsize=(11.5, 5.5))
+    points = [r for r in rows if r.get("runs") and (r["kind"] == "full" or not math.isnan(r["speedup"]))]
+    markers = {"full": "s", "freeze": "v", "cache": "o", "lora": "D", "bft": "P"}
+    for r in points:
+        x = 1.0 if r["kind"] == "full" else r["speedup"]
+        sd = 0.0 if math.isnan(r["acc"][1]) else r["acc"][1]
+        ax.errorbar([x], [r["acc"][0]], yerr=[sd], marker=markers.get(r["kind"], "o"), capsize=3, linestyle="none",
+                    label=f"{r['variant']} ({r['runs']} seed{'s' if r['runs'] != 1 else ''})")  # fmt: skip
+    if base is not None:
+        target = base["acc"][0] - GOAL_DROP
+        xmax = max([GOAL_SPEEDUP * 1.25] + [r["speedup"] * 1.1 for r in points if r["kind"] != "full"])
+        ax.axvline(GOAL_SPEEDUP, color="tab:green", linestyle="--", linewidth=1)
+        ax.axhline(target, color="tab:green", linestyle="--", linewidth=1)
+        ax.axhline(base["acc"][0], color="grey", linestyle=":", linewidth=1)
+        top = max([r["acc"][0] + (0 if math.isnan(r["acc"][1]) else r["acc"][1]) for r in points] + [target]) + 0.3
+        ax.fill_between([GOAL_SPEEDUP, xmax], target, top, color="tab:green", alpha=0.08,
+                        label=f"goal: >= {GOAL_SPEEDUP:g}x and >= baseline - {GOAL_DROP:g} pt")  # fmt: skip
+        ax.set_xlim(0.8, xmax)
+        ax.set_ylim(top=top)
+    ax.set_xlabel("training speed-up over full fine-tuning (mean train time ratio, validation excluded)")
+    ax.set_ylabel("final validation accuracy (%), mean ± sd over seeds")
+    ax.set_title("MiniLM-L6 on Rotten Tomatoes: speed-up vs final accuracy", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,181 @@
+"""One run: the Trainer of a variant (callbacks, strategy, the peers' set-up) and the fit that fills its record."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import shutil
+import tempfile
+import time
+import traceback
+from dataclasses import asdict
+from typing import Any
+
+import lightning.pytorch as pl
+
+from examples.text_classification import SentimentClassifier
+from examples.timeline import Timeline
+from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
+
+from .data import BenchData
+from .variants import RunRecord, Variant
+
+__all__ = ["StepClock", "build_model", "build_trainer", "lora_config", "lower_blocks_finetuning", "quiet", "run_one"]
+
+def cache_supported() -> bool:
+    """Whether this build's strategy takes AutoCache's arguments (``cache=``)."""
+    try:
+        PipeTransformerStrategy(pipe_len=1, cache=True)  # type: ignore[call-arg]
+    except TypeError:
+        return False
+    return True
+
+
+def interval_supported() -> bool:
+    """Whether this build's AutoFreeze takes ``freeze_interval`` and ``rule="autofreeze"`` (issue 17)."""
+    try:
+        AutoFreeze(rule="autofreeze", freeze_interval=0.5)  # type: ignore[call-arg, arg-type]
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def peft_supported() -> bool:
+    """Whether ``peft`` (the LoRA peer, ``pip install -e ".[benchmarks]"``) is installed."""
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+class StepClock(pl.Callback):
+    """Training seconds and optimizer steps per number of frozen blocks (what bounds a variant's speed-up).
+
+    A batch's time runs from the previous batch's end (or the epoch's start) to its own end, so the
+    data loading, a freeze and a cache advance at its start count with it. The frozen count is
+    AutoFreeze's during the step (0 without AutoFreeze). One ``perf_counter`` per batch.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.steps: dict[str, int] = {}
+        self._mark = 0.0
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._mark = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        now = time.perf_counter()
+        af = next((c for c in trainer.callbacks if isinstance(c, AutoFreeze)), None)  # type: ignore[attr-defined]
+        key = str(af.num_frozen if af is not None else 0)
+        self.seconds[key] = self.seconds.get(key, 0.0) + (now - self._mark)
+        self.steps[key] = self.steps.get(key, 0) + 1
+        self._mark = now
+
+
+def lower_blocks_finetuning(blocks: int) -> pl.Callback:
+    """Lightning's own way to freeze part of a model: a ``BaseFinetuning`` subclass that freezes the
+    embeddings and the first ``blocks`` encoder blocks before training and keeps them frozen.
+
+    ``BaseFinetuning.freeze`` turns ``requires_grad`` off and leaves the modules in train mode (their
+    dropout stays on). The example's ``configure_optimizers`` keeps only trainable parameters, as
+    ``BaseFinetuning`` asks, so the frozen ones are not in the optimizer and LambdaLR schedules the
+    rest as usual. (``BackboneFinetuning``, the other stock subclass, needs a ``backbone`` attribute and
+    unfreezes it into a new parameter group that the example's LambdaLR does not schedule; it also
+    trains the whole model after its unfreeze epoch, so it does not cut training time.)
+    """
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    class FreezeLowerBlocks(BaseFinetuning):
+        def freeze_before_training(self, pl_module: pl.LightningModule) -> None:
+            bert = pl_module.model.bert  # type: ignore[union-attr]
+            self.freeze([bert.embeddings, *list(bert.encoder.layer)[:blocks]])
+
+        def finetune_function(self, pl_module: pl.LightningModule, epoch: int, optimizer: Any) -> None:
+            pass  # frozen for the whole run
+
+    return FreezeLowerBlocks()
+
+
+def lora_config(args: argparse.Namespace) -> Any:
+    """LoRA on the attention query and value projections; the classifier trained in full."""
+    from peft import LoraConfig, TaskType
+
+    return LoraConfig(
+        task_type=TaskType.SEQ_CLS, r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+        target_modules=["query", "value"], modules_to_save=["classifier"],
+    )  # fmt: skip
+
+
+def build_model(variant: Variant, args: argparse.Namespace, model_dir: str) -> pl.LightningModule:
+    """The example's LightningModule; for LoRA its ``model`` wrapped by ``peft.get_peft_model`` (after the
+    classifier head is initialised, so the head starts the same as in every other variant of the seed)."""
+    if variant.kind != "lora":
+        return SentimentClassifier(pretrained=model_dir, lr=args.lr)
+    from peft import get_peft_model
+
+    model = SentimentClassifier(pretrained=model_dir, lr=args.lora_lr if args.lora_lr is not None else args.lr)
+    model.model = get_peft_model(model.model, lora_config(args))
+    return model
+
+
+def build_trainer(variant: Variant, args: argparse.Namespace, cache_dir: str) -> pl.Trainer:
+    """The Trainer of one run: the same settings for every variant except callbacks and strategy."""
+    callbacks: list[pl.Callback] = [Timeline(print_table=False), StepClock()]
+    strategy: Any = "auto"
+    if variant.autofreeze:
+        assert variant.alpha is not None
+        extra: dict[str, Any] = {}
+        if variant.sub_epoch:
+            extra = {"freeze_interval": variant.interval, "percentile": args.percentile, "min_active": variant.min_active}
+        callbacks.insert(0, AutoFreeze(alpha=variant.alpha, rule=variant.rule or args.rule, **extra))  # type: ignore[arg-type]
+        # The same strategy for freeze and freeze+cache: the cache is the only difference (module docstring).
+        cache = variant.kind == "cache"
+        strategy = PipeTransformerStrategy(pipe_len=1, cache=cache, cache_dir=cache_dir if cache else None)  # type: ignore[call-arg]
+    elif variant.kind == "bft":
+        callbacks.insert(0, lower_blocks_finetuning(args.bft_blocks))
+    return pl.Trainer(
+        accelerator=args.accelerator, devices=1, strategy=strategy, precision="32-true", max_epochs=args.epochs,
+        callbacks=callbacks, num_sanity_val_steps=0, enable_checkpointing=False, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+    )  # fmt: skip
+
+
+def run_one(variant: Variant, seed: int, dm: BenchData, args: argparse.Namespace, model_dir: str) -> RunRecord:
+    """Fit one variant with one seed and return its per-epoch timeline."""
+    record = RunRecord(variant=variant.name, seed=seed)
+    cache_dir = tempfile.mkdtemp(prefix="ttacc-cache-")  # a fresh cache per run: never a hit from another run
+    try:
+        dm.seed = seed
+        pl.seed_everything(seed, workers=True, verbose=False)  # classifier head init, dropout
+        model = build_model(variant, args, model_dir)
+        trainer = build_trainer(variant, args, cache_dir)
+        start = time.perf_counter()
+        trainer.fit(model, datamodule=dm)
+        record.fit_s = time.perf_counter() - start
+        timeline = next(c for c in trainer.callbacks if isinstance(c, Timeline))  # type: ignore[attr-defined]
+        record.epochs = [asdict(r) for r in timeline.rows]
+        clock = next(c for c in trainer.callbacks if isinstance(c, StepClock))  # type: ignore[attr-defined]
+        record.frozen_s, record.frozen_steps = dict(clock.seconds), dict(clock.steps)
+        af = next((c for c in trainer.callbacks if isinstance(c, AutoFreeze)), None)  # type: ignore[attr-defined]
+        record.freezes = [[int(a), int(b)] for a, b in (af.step_history if af is not None else [])]
+        record.trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    except Exception as err:  # one failed run must not lose the others of a long benchmark
+        record.error = f"{type(err).__name__}: {err}"
+        traceback.print_exc()
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        gc.collect()
+    return record
+
+
+def quiet() -> None:
+    """Keep the output to the benchmark's own lines: no per-run load reports or Trainer banners."""
+    import logging
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_pipetransformer"):
+        logging.getLogger(name).setLevel(logging.WARNING)

@@ -1,0 +1,130 @@
+"""What the benchmark runs: its variants (the rows of the report) and one run's record."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["KINDS", "Kind", "RunRecord", "Variant", "peer_variants", "sub_epoch_variants"]
+
+Kind = Literal["full", "freeze", "cache", "lora", "bft"]
+#: What --variants takes: the kinds, and ``sub`` for the sub-epoch freeze+cache rows.
+KINDS = ("full", "freeze", "cache", "sub", "lora", "bft")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One line of the benchmark: what runs, under which name.
+
+    ``kind``: ``full`` (the baseline), ``freeze`` / ``cache`` (AutoFreeze without / with AutoCache;
+    with ``interval`` set, freeze points inside epochs), ``lora`` (peft LoRA) or ``bft`` (Lightning's
+    ``BaseFinetuning`` freezing the embeddings and the lower blocks for the whole run).
+    """
+
+    kind: Kind
+    alpha: float | None = None
+    alpha_text: str = ""
+    rule: str | None = None  # None: --rule (the epoch-level rows)
+    interval: float | int | None = None  # AutoFreeze(freeze_interval=...); None: freeze points at epoch starts
+    interval_text: str = ""
+    detail: str = ""  # the peers' settings, in their names
+    min_active: int = 1  # AutoFreeze(min_active=...) of the sub-epoch rows
+
+    @property
+    def name(self) -> str:
+        if self.kind == "full":
+            return "full fine-tuning"
+        if self.kind == "lora":
+            return f"LoRA {self.detail}"
+        if self.kind == "bft":
+            return f"BaseFinetuning {self.detail}"
+        base = "freeze" if self.kind == "freeze" else "freeze+cache"
+        if self.interval is None:
+            return f"{base} a={self.alpha_text}"  # the epoch-level rows keep their issue-8 names
+        what = f"p{self.detail}" if self.rule == "autofreeze" else f"a={self.alpha_text}"
+        every = f"{self.interval_text} epoch" if isinstance(self.interval, float) else f"{self.interval_text} steps"
+        floor = f", min_active={self.min_active}" if self.min_active != 1 else ""
+        return f"{base} {self.rule} {what}, every {every}{floor}"
+
+    @property
+    def sub_epoch(self) -> bool:
+        return self.interval is not None
+
+    @property
+    def autofreeze(self) -> bool:
+        """Whether the variant runs AutoFreeze (our freezing), as opposed to the baseline and the peers."""
+        return self.kind in ("freeze", "cache")
+
+
+@dataclass
+class RunRecord:
+    """One (variant, seed) run: per-epoch rows from the Timeline, plus the fit's wall time."""
+
+    variant: str
+    seed: int
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    fit_s: float = 0.0
+    error: str | None = None
+    #: AutoFreeze's freeze events, ``[global step, frozen blocks]`` ([] for the baseline and the peers).
+    freezes: list[list[int]] = field(default_factory=list)
+    #: Training seconds and optimizer steps spent with F blocks frozen, keyed by ``str(F)`` (from :class:`StepClock`;
+    #: each batch's time runs from the previous batch's end, so a freeze or cache advance at its start counts too).
+    frozen_s: dict[str, float] = field(default_factory=dict)
+    frozen_steps: dict[str, int] = field(default_factory=dict)
+    trainable_params: int = 0  # at the end of the run
+
+    @property
+    def train_s(self) -> float:
+        return sum(e["train_s"] for e in self.epochs)
+
+    @property
+    def val_s(self) -> float:
+        return sum(e["epoch_s"] - e["train_s"] for e in self.epochs)
+
+    @property
+    def final_acc(self) -> float | None:
+        return self.epochs[-1]["metric"] if self.epochs else None
+
+    def cache_peak(self, field_name: Literal["cache_mem_bytes", "cache_disk_bytes"]) -> int | None:
+        """The largest cache footprint at an epoch end (``None``: no epoch reported one, e.g. no cache).
+
+        Epoch ends only: while the boundary advances, the previous boundary's store briefly coexists
+        with the new one, so the footprint within an epoch can be higher than this.
+        """
+        values = [e[field_name] for e in self.epochs if e.get(field_name) is not None]  # .get: older JSON rows lack it
+        return max(values) if values else None
+
+    def time_to(self, target: float) -> float | None:
+        """Training seconds (validation excluded) until validation accuracy >= ``target``."""
+        elapsed = 0.0
+        for e in self.epochs:
+            elapsed += e["train_s"]
+            if e["metric"] is not None and e["metric"] >= target:
+                return elapsed
+        return None
+
+
+def sub_epoch_variants(args: argparse.Namespace) -> list[Variant]:
+    """freeze+cache rows with freeze points inside epochs: every interval x rule (x alpha for paper/schedule)."""
+    out = []
+    for interval, itext in args.interval_list:
+        for rule in args.sub_rule_list:
+            if rule == "autofreeze":  # alpha is unused by the rule; keep a valid one for AutoFreeze's check
+                a, t = args.sub_alpha_list[0]
+                out.append(Variant("cache", a, t, rule=rule, interval=interval, interval_text=itext, detail=f"{args.percentile:g}"))
+            else:
+                out += [Variant("cache", a, t, rule=rule, interval=interval, interval_text=itext) for a, t in args.sub_alpha_list]
+    return [dataclasses.replace(v, min_active=args.sub_min_active) for v in out]
+
+
+def peer_variants(args: argparse.Namespace) -> list[Variant]:
+    """The peers: LoRA through peft, and Lightning's BaseFinetuning."""
+    out = []
+    if "lora" in args.kinds:
+        lr = "" if args.lora_lr is None or args.lora_lr == args.lr else f" lr={args.lora_lr:g}"
+        out.append(Variant("lora", detail=f"r={args.lora_r} (query, value){lr}"))
+    if "bft" in args.kinds:
+        out.append(Variant("bft", detail=f"(embeddings + {args.bft_blocks} lower blocks)"))
+    return out
