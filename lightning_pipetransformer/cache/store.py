@@ -159,7 +159,7 @@ def checksum(tensor: Tensor) -> str:
 
     CRC-32 because it is the cheapest stdlib hash that catches what happens to files (any burst
     of up to 32 flipped bits, any overwritten run with probability 1 - 2**-32): ~2 GB/s, ~45 us
-    for a 96 KiB activation, against ~5x that for BLAKE2b (``benchmarks/cache_store.py``). It is
+    for a 96 KiB activation, against ~5x that for BLAKE2b (``benchmarks/cache_store``). It is
     not a defence against someone who can write the directory (0700): they could write any file.
     """
     flat = tensor.detach().contiguous().reshape(-1)
