@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import torch
 import lightning.pytorch as pl
+import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from transformers import BertConfig, BertForSequenceClassification, ViTConfig, ViTForImageClassification

@@ -10,9 +10,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader
 
-from tests.helpers.lightning_models import Classifier, data_for
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.freeze.rules import autofreeze_num_frozen, geometric_num_frozen
+from tests.helpers.lightning_models import Classifier, data_for
 from tests.helpers.models import TextClassifier, loader, text_dataset
 from tests.helpers.train_reference import freeze_by_hand
 

@@ -14,9 +14,9 @@ from lightning.pytorch.tuner import Tuner
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.helpers.lightning_models import Classifier, data_for
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.stack.discovery import BlockStackError
+from tests.helpers.lightning_models import Classifier, data_for
 
 
 class Recorder(Logger):

@@ -13,10 +13,10 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from tests.helpers.families import BATCH, FAMILIES, FamilyModule, family_data
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.cache.store import CacheConfigError
 from lightning_pipetransformer.stack.discovery import find_block_stack
+from tests.helpers.families import BATCH, FAMILIES, FamilyModule, family_data
 
 EPOCHS, STEPS = 3, 3  # 3 batches of 6 samples per epoch
 

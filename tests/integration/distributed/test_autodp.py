@@ -168,7 +168,6 @@ def test_sigterm_inside_a_transition_ends_every_rank_promptly_with_a_checkpoint_
     # used to pair with nothing and hang every rank until the collective timeout (120 s here).
     timeout = 120.0
     (tmp_path / "stopped").mkdir()
-    start = time.monotonic()
     proc = launch(tmp_path / "stopped", "--mode", "sigterm", "--timeout", str(timeout), timeout=3 * timeout + 60, cleanup=False)
     try:
         pids = [int((tmp_path / "stopped" / f"pid{r}").read_text()) for r in range(4)]

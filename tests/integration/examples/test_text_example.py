@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import random
 import subprocess
 import sys
@@ -14,12 +13,13 @@ import pytest
 import torch
 import yaml
 
+from tests.helpers.launch import clean_env
+
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 import rotten_tomatoes as rt  # noqa: E402
-from tests.helpers.launch import clean_env
 
 WORDS = "good bad great awful fun boring movie film the a plot story acting".split()
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]

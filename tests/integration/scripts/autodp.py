@@ -12,8 +12,8 @@ import argparse
 import contextlib
 import os
 import signal
-import time
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root, for tests.helpers
@@ -25,8 +25,8 @@ from torch.utils.data import DataLoader
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.devices import VirtualDevices
-from lightning_pipetransformer.stack.interception import interception_stats
 from lightning_pipetransformer.dp.idle import is_idle_batch
+from lightning_pipetransformer.stack.interception import interception_stats
 from tests.helpers.launch import fit_recording_errors
 from tests.helpers.models import TextClassifier, text_dataset
 

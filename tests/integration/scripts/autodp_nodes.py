@@ -25,9 +25,9 @@ from torch.utils.data import DataLoader
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.dp.idle import is_idle_batch
-from autodp import final_record  # this script's folder is on sys.path
 from tests.helpers.launch import fit_recording_errors
 from tests.helpers.models import TextClassifier, text_dataset
+from tests.integration.scripts.autodp import final_record
 
 SCHEDULE = {1: 2, 2: 3}
 NUM_SAMPLES = 32

@@ -22,9 +22,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
-from autodp import Record as EpochRecord  # this script's folder is on sys.path
 from tests.helpers.launch import fit_recording_errors
 from tests.helpers.models import TextClassifier, text_dataset
+from tests.integration.scripts.autodp import Record as EpochRecord
 
 SCHEDULE = {1: 2, 2: 3}
 GAMMA = 0.9  # StepLR(step_size=1) per optimizer step

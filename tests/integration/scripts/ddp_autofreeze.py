@@ -5,7 +5,6 @@ per optimizer step, how many gradient elements DDP all-reduced, into ``--out``.
 """
 
 import argparse
-import os
 import sys
 from datetime import timedelta
 from pathlib import Path

@@ -7,9 +7,9 @@ import torch
 
 from lightning_pipetransformer.cache.autocache import AutoCache
 from lightning_pipetransformer.cache.cached_stack import CachedStack, StaleCacheError, run_blocks
-from lightning_pipetransformer.stack.discovery import find_block_stack
 from lightning_pipetransformer.freeze.apply import apply_freeze
 from lightning_pipetransformer.pipe.pipeline import install_pipeline, remove_pipeline
+from lightning_pipetransformer.stack.discovery import find_block_stack
 from tests.helpers.models import SEQ, VOCAB, tiny_bert
 
 

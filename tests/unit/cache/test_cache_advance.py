@@ -6,10 +6,8 @@ from typing import Any
 
 import pytest
 import torch
-
 from transformers import BertConfig, BertModel
 
-from lightning_pipetransformer.cache.cached_stack import run_blocks
 from lightning_pipetransformer.cache.advance import (
     advance_store,
     cached_prefix,
@@ -18,13 +16,14 @@ from lightning_pipetransformer.cache.advance import (
     shard_of,
     unpack_block_inputs,
 )
+from lightning_pipetransformer.cache.cached_stack import run_blocks
 from lightning_pipetransformer.cache.keys import content_keys
 from lightning_pipetransformer.cache.store import ActivationStore
 from lightning_pipetransformer.cache.validity import prefix_fingerprint
-from lightning_pipetransformer.stack.discovery import find_block_stack
 from lightning_pipetransformer.freeze.apply import apply_freeze
-from lightning_pipetransformer.stack.interception import StackCall
 from lightning_pipetransformer.pipe.pipeline import install_pipeline, remove_pipeline
+from lightning_pipetransformer.stack.discovery import find_block_stack
+from lightning_pipetransformer.stack.interception import StackCall
 
 SEQ, VOCAB = 8, 50
 

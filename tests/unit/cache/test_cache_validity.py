@@ -16,8 +16,8 @@ from lightning_pipetransformer.cache.validity import (
     prefix_fingerprint,
     prefix_modules,
 )
-from lightning_pipetransformer.stack.discovery import find_block_stack
 from lightning_pipetransformer.freeze.apply import apply_freeze
+from lightning_pipetransformer.stack.discovery import find_block_stack
 
 
 def _bert(seed: int = 0, **overrides) -> BertModel:

@@ -17,6 +17,7 @@ from lightning_pipetransformer.pipe.pipeline import (
     remove_pipeline,
 )
 
+
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """Tiny shapes gain nothing from intra-op threads, and on a busy 2-core machine OpenMP's

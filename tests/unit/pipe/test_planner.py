@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_pipetransformer.pipe.costs import weighted_costs
 from lightning_pipetransformer.pipe.chunks import chunk_candidates, fastest_chunks
+from lightning_pipetransformer.pipe.costs import weighted_costs
 from lightning_pipetransformer.pipe.planner import AutoPipe, Plan
 
 # BERT-base (transformers BertConfig() defaults): every encoder layer has 7,087,872 parameters,

@@ -6,9 +6,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_pipetransformer.stack.discovery import BlockStackError, find_block_stack, find_candidates
 from lightning_pipetransformer.freeze.apply import apply_freeze, frozen_parameters
 from lightning_pipetransformer.stack.declared import block_stack_of
+from lightning_pipetransformer.stack.discovery import BlockStackError, find_block_stack, find_candidates
 from tests.helpers.models import TextClassifier, TimmStyleViT, TorchEncoderClassifier, tiny_bert, tiny_vit
 
 

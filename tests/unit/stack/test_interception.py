@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from lightning_pipetransformer.pipe import pipeline as pipeline_module
-from lightning_pipetransformer.stack.interception import Deferred, InterceptionError, interception_stats
 from lightning_pipetransformer.pipe.pipeline import Pipeline, pipelined
+from lightning_pipetransformer.stack.interception import Deferred, InterceptionError, interception_stats
 
 WIDTH, BATCH, SEQ = 8, 6, 5
 
