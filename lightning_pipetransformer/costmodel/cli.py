@@ -49,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--micro-batches", help="an integer, or 'auto' for the predicted best M per K")
     t.add_argument("--alpha", type=float, help="geometric freeze schedule F(e)=ceil(L(1-(1-alpha)^e))")
     t.add_argument("--frozen", help="explicit frozen blocks per epoch, comma-separated, e.g. 0,4,7,9")
+    t.add_argument("--min-active", type=int, help="blocks that never freeze, as AutoFreeze(min_active=...)")
     t.add_argument("--dataset-size", type=int)
     t.add_argument("--cache-hit-rate", type=float)
     t.add_argument("--partition", choices=("optimal", "paper-greedy"))
@@ -77,6 +78,7 @@ def _configure(args: argparse.Namespace):  # -> (ModelCost, Cluster, Training)
             dataset_size=args.dataset_size,
             cache_hit_rate=args.cache_hit_rate,
             partition=args.partition,
+            min_active=args.min_active,
         ).items()
         if v is not None
     }

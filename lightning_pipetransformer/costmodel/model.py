@@ -16,17 +16,25 @@ enabled components would choose it, and a step time built from a few closed-form
   gradients); with AutoCache their forward is replaced by reading the cached activation;
 * a fixed cost whenever the plan changes (re-partition, weights moved, DDP rebuilt).
 
+The plan itself is the trainer's: the cost lists are weighted and folded as
+:class:`~lightning_pipetransformer.pipe.planner.AutoPipe` does, and partitioned by
+:mod:`lightning_pipetransformer.pipe.partition`; the freeze schedule is
+:mod:`lightning_pipetransformer.freeze.rules`. The one mirrored piece, folding the embedding and
+head into the end blocks as ``AutoPipe._items`` does, is checked against AutoPipe by the tests.
+
 Everything here is plain arithmetic on dataclasses: no torch, no Lightning.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from lightning_pipetransformer.pipe.partition import optimal_partition
+from lightning_pipetransformer.freeze.rules import validate_alpha
+from lightning_pipetransformer.pipe.costs import weighted_costs
+from lightning_pipetransformer.pipe.partition import boundaries, optimal_partition, paper_greedy_partition
 
 __all__ = [
     "BlockCost",
@@ -38,17 +46,18 @@ __all__ = [
     "ring_allreduce_time",
     "flow_shop_time",
     "bubble_fraction",
-    "geometric_freeze_schedule",
-    "greedy_partition",
     "pipeline_step_time",
 ]
 
 PartitionRule = Literal["optimal", "paper-greedy"]
 FrozenPlacement = Literal["pipelined", "serial"]
 CachePolicy = Literal["min-frozen", "auto"]
+Partitioner = Callable[[Sequence[float], int], tuple[int, ...]]
 
-# Against float error in L * (1 - (1 - alpha)^e): 12 * (1 - 2/3) must give 4, not 5.
-_FREEZE_EPS = 1e-9
+# partition_by="params" balances millions of fp32 parameters (param_bytes / 4e6), the unit of the
+# official load_balance.py. The optimal partition does not care; the paper's greedy does: its
+# threshold adds a variance to a mean, so in bytes the variance swamps the mean.
+_PARAM_UNIT = 4e6
 
 
 @dataclass(frozen=True)
@@ -121,7 +130,8 @@ class Training:
     ``micro_batches`` is a count used for every K, a mapping ``{K: M}``, or ``"auto"`` (the M
     that this model predicts fastest, which is what a profiler would find). The freeze schedule
     is either explicit per-epoch frozen counts (``frozen``) or ``alpha`` for the geometric
-    schedule ``F(e) = ceil(L (1 - (1 - alpha)^e))``.
+    schedule ``F(e) = ceil(L (1 - (1 - alpha)^e))`` (AutoFreeze's ``rule="schedule"``). Either
+    way at most ``L - min_active`` blocks freeze, as AutoFreeze's ``min_active`` (default 1).
     """
 
     dataset_size: int
@@ -131,6 +141,7 @@ class Training:
     micro_batches: int | Mapping[int, int] | Literal["auto"] = "auto"
     alpha: float | None = None
     frozen: tuple[int, ...] | None = None
+    min_active: int = 1  # AutoFreeze(min_active=...): blocks that never freeze
     frozen_cost: float = 1.0 / 6.0  # planner weight of a frozen block relative to an active one
     partition: PartitionRule = "optimal"
     partition_by: Literal["time", "params"] = "time"
@@ -146,8 +157,10 @@ class Training:
             raise ValueError("dataset_size, epochs, batch_size and pipe_len must all be >= 1.")
         if self.alpha is not None and self.frozen is not None:
             raise ValueError("Give either alpha or an explicit frozen schedule, not both.")
-        if self.alpha is not None and not 0 <= self.alpha < 1:
-            raise ValueError(f"alpha must be in [0, 1), got {self.alpha}.")
+        if self.alpha is not None:
+            validate_alpha(self.alpha)  # AutoFreeze's check: 0 < alpha < 1
+        if isinstance(self.min_active, bool) or not isinstance(self.min_active, int) or self.min_active < 0:
+            raise ValueError(f"min_active must be an int >= 0, got {self.min_active!r}.")
         if self.frozen is not None and len(self.frozen) > self.epochs:
             raise ValueError(
                 f"The freeze schedule has {len(self.frozen)} entries but the run has only {self.epochs} "
@@ -206,37 +219,6 @@ def bubble_fraction(pipe_len: int, micro_batches: int) -> float:
     return (pipe_len - 1) / (micro_batches + pipe_len - 1)
 
 
-def geometric_freeze_schedule(num_blocks: int, alpha: float, epochs: int) -> tuple[int, ...]:
-    """The official code's schedule ``F(e) = ceil(L (1 - (1 - alpha)^e))``, ``F(0) = 0``."""
-    return tuple(
-        min(num_blocks, math.ceil(num_blocks * (1 - (1 - alpha) ** e) - _FREEZE_EPS)) for e in range(epochs)
-    )
-
-
-def greedy_partition(costs: Sequence[float], k: int) -> tuple[int, ...]:
-    """The paper's greedy (its Algorithm 1, simplified to whole blocks): fill each stage while it
-    stays within the mean of what is left, give the last stage the rest."""
-    n = len(costs)
-    if not 1 <= k <= n:
-        raise ValueError(f"Cannot split {n} blocks into {k} non-empty stages.")
-    balance: list[int] = []
-    i = 0
-    for stage in range(k):
-        left_stages = k - stage
-        if left_stages == 1:
-            balance.append(n - i)
-            break
-        mean = sum(costs[i:]) / left_stages
-        size, acc = 0, 0.0
-        # Keep at least one block per remaining stage.
-        while i + size < n - (left_stages - 1) and (size == 0 or acc + costs[i + size] <= mean * (1 + 1e-9)):
-            acc += costs[i + size]
-            size += 1
-        balance.append(size)
-        i += size
-    return tuple(balance)
-
-
 # --------------------------------------------------------------------------- one training step
 
 
@@ -247,27 +229,55 @@ class _StepResult:
     breakdown: dict[str, float]
 
 
-def _partition(costs: Sequence[float], k: int, rule: PartitionRule) -> tuple[int, ...]:
-    return optimal_partition(costs, k) if rule == "optimal" else greedy_partition(costs, k)
+def _cost(b: BlockCost, train: Training) -> float:
+    return b.forward_s + b.backward_s if train.partition_by == "time" else b.param_bytes / _PARAM_UNIT
 
 
 def _planner_costs(model: ModelCost, first: int, frozen: int, train: Training) -> list[float]:
-    """What the planner balances for blocks ``first..L-1``: time or parameter size, frozen
-    blocks weighted by ``frozen_cost``. Embedding and head are folded into the end blocks."""
-    out = []
-    for i in range(first, model.num_blocks):
-        b = model.blocks[i]
-        c = b.forward_s + b.backward_s if train.partition_by == "time" else b.param_bytes
-        if i == model.num_blocks - 1:
-            h = model.head
-            c += h.forward_s + h.backward_s if train.partition_by == "time" else h.param_bytes
-        out.append(c * (train.frozen_cost if i < frozen else 1.0))
-    if first == 0 and out:
-        e = model.embedding
-        out[0] += (e.forward_s + e.backward_s if train.partition_by == "time" else e.param_bytes) * (
-            train.frozen_cost if frozen > 0 else 1.0
-        )
+    """What the planner balances for blocks ``first..L-1``, exactly as AutoPipe builds it
+    (``AutoPipe._items``): time or parameter size, frozen blocks weighted by ``frozen_cost``
+    (:func:`~lightning_pipetransformer.pipe.costs.weighted_costs`), the embedding folded into
+    block 0 (weighted once anything is frozen) and the head into the last block (never weighted)."""
+    raw = [_cost(model.blocks[i], train) for i in range(first, model.num_blocks)]
+    if not raw:
+        return []
+    out = list(weighted_costs(raw, max(0, frozen - first), train.frozen_cost))
+    if first == 0:
+        out[0] += _cost(model.embedding, train) * (train.frozen_cost if frozen > 0 else 1.0)
+    out[-1] += _cost(model.head, train)
     return out
+
+
+def _partitioner(model: ModelCost, first: int, frozen: int, train: Training) -> tuple[list[float], Partitioner]:
+    """The weighted cost list of blocks ``first..L-1`` and the partition rule to split it with.
+
+    ``"optimal"`` is :func:`~lightning_pipetransformer.pipe.partition.optimal_partition`, what
+    AutoPipe runs. ``"paper-greedy"`` is
+    :func:`~lightning_pipetransformer.pipe.partition.paper_greedy_partition` on the raw
+    (unweighted) costs with the frozen blocks pinned to stage 0, as the paper's code did; it may
+    leave a stage empty (a device that only passes activations on).
+    """
+    costs = _planner_costs(model, first, frozen, train)
+    if train.partition == "optimal":
+        return costs, optimal_partition
+    # The greedy takes raw costs and weights the pinned frozen prefix itself.
+    raw = [_cost(model.blocks[i], train) for i in range(first, model.num_blocks)]
+    if raw:
+        if first == 0:
+            raw[0] += _cost(model.embedding, train)
+        raw[-1] += _cost(model.head, train)
+    nf = max(0, frozen - first)
+
+    def greedy(_weighted: Sequence[float], k: int) -> tuple[int, ...]:
+        return paper_greedy_partition(raw, k, num_frozen=nf, frozen_cost=train.frozen_cost)
+
+    return costs, greedy
+
+
+def _largest_stage(costs: Sequence[float], balance: Sequence[int]) -> float:
+    """The costliest stage of ``balance`` over ``costs``; an empty stage costs 0."""
+    edges = boundaries(balance)
+    return max(float(sum(costs[a:b])) for a, b in zip(edges[:-1], edges[1:]))
 
 
 def pipeline_step_time(
@@ -333,10 +343,9 @@ def pipeline_step_time(
         if fixed_balance is not None and first == 0:
             balance, units_k = fixed_balance, len(fixed_balance)
         else:
-            balance = _partition(_planner_costs(model, first, frozen, train), units_k, train.partition)
-        edges = [first]
-        for size in balance:
-            edges.append(edges[-1] + size)
+            costs, partition = _partitioner(model, first, frozen, train)
+            balance = partition(costs, units_k)
+        edges = [first + e for e in boundaries(balance)]
         fwd, bwd, copies, grad_copies, stage_params = [], [], [], [], []
         for s in range(units_k):
             blocks = range(edges[s], edges[s + 1])
@@ -357,7 +366,11 @@ def pipeline_step_time(
             bwd.append(mb * bw + cluster.cell_overhead_s / 2 if bw > 0 or s == units_k - 1 else 0.0)
             stage_params.append(p)
             if s < units_k - 1:
-                c = mb * model.blocks[edges[s + 1] - 1].activation_bytes / cluster.intra_node_bw
+                # What crosses the boundary: the output of the last block before it (an empty
+                # stage, which the paper's greedy can leave, passes its input on).
+                last = edges[s + 1] - 1
+                act = model.blocks[last].activation_bytes if last >= 0 else model.embedding.activation_bytes
+                c = mb * act / cluster.intra_node_bw
                 copies.append(c)
                 # The gradient goes back only if the stage it returns to trains something.
                 grad_copies.append(c if edges[s + 1] - 1 >= frozen else 0.0)

@@ -126,6 +126,8 @@ def _paper_training() -> Training:
         # (16 for all three, which is paper Fig. 11's "M = 2, 4, 8" in units of K), 4K for K = 1.
         micro_batches={8: 16, 4: 16, 2: 16, 1: 4},
         alpha=1 / 3,  # paper Sec. 5.2: speed-ups reported with the "conservative" alpha = 1/3
+        # official auto_freeze.py: the schedule runs up to all 12 layers (only the head trains)
+        min_active=0,
         frozen_cost=1 / 6,  # paper Sec. 3.2 / official load_balance.py
         partition="paper-greedy",
         partition_by="params",  # official load_balance.py balances parameter sizes
@@ -149,6 +151,7 @@ def _this_project(base: Preset, hit_rate: float) -> Training:
         frozen_placement="pipelined",  # frozen prefix inside stage 0, weighted frozen_cost
         cache_policy="auto",  # cache only when it is predicted to pay
         cache_hit_rate=hit_rate,
+        min_active=1,  # AutoFreeze's default: the last block never freezes
     )
 
 

@@ -1,9 +1,13 @@
 """Replays a training run epoch by epoch: the plan each variant would pick, and its time.
 
-Per epoch: the freeze schedule gives ``F``; AutoPipe halves ``K`` while the largest stage stays
-within the budget (the largest stage at the start); AutoDP fills the freed GPUs with replicas
-(``R = GPUs / K``, else ``R`` stays at its start); AutoCache replaces the frozen prefix with a
-cache read once it is on. The step time comes from :func:`.costmodel.pipeline_step_time`.
+Per epoch: the freeze schedule gives ``F`` (AutoFreeze's own rule,
+:func:`~lightning_pipetransformer.freeze.rules.geometric_num_frozen`, or an
+:class:`~lightning_pipetransformer.freeze.rules.ExplicitSchedule`, capped at ``L - min_active``);
+AutoPipe halves ``K`` while the largest stage stays within the budget (the largest stage at the
+start: :func:`~lightning_pipetransformer.pipe.partition.compress_pipe_len`); AutoDP fills the
+freed GPUs with replicas (``R = GPUs / K``, else ``R`` stays at its start); AutoCache replaces the
+frozen prefix with a cache read once it is on. The step time comes from
+:func:`.model.pipeline_step_time`.
 """
 
 from __future__ import annotations
@@ -18,12 +22,12 @@ from lightning_pipetransformer.costmodel.model import (
     ModelCost,
     Training,
     Variant,
-    _partition,
-    _planner_costs,
-    geometric_freeze_schedule,
+    _largest_stage,
+    _partitioner,
     pipeline_step_time,
 )
-from lightning_pipetransformer.pipe.partition import compress_pipe_len, stage_costs
+from lightning_pipetransformer.freeze.rules import ExplicitSchedule, geometric_num_frozen
+from lightning_pipetransformer.pipe.partition import compress_pipe_len
 
 __all__ = ["EpochPlan", "VariantReport", "Report", "simulate", "simulate_variant", "microbatch_profile"]
 
@@ -112,11 +116,10 @@ def _choose_m(model: ModelCost, cluster: Cluster, train: Training, **kw: object)
 
 
 def _max_stage(model: ModelCost, train: Training, first: int, frozen: int, k: int) -> float:
-    costs = _planner_costs(model, first, frozen, train)
+    costs, partition = _partitioner(model, first, frozen, train)
     if not costs:
         return 0.0
-    k = min(k, len(costs))
-    return max(stage_costs(costs, _partition(costs, k, train.partition)))
+    return _largest_stage(costs, partition(costs, min(k, len(costs))))
 
 
 def _compress(
@@ -124,33 +127,30 @@ def _compress(
 ) -> int:
     """AutoPipe's K -> K/2 rule on what the pipeline will hold (cached blocks are not in it)."""
     first = 0 if train.frozen_placement == "pipelined" and not cached else frozen
-    costs = _planner_costs(model, first, frozen, train)
+    costs, partition = _partitioner(model, first, frozen, train)
     if not costs:
         return 1
-    while k > len(costs) and k % 2 == 0:  # a pipeline cannot be longer than what it holds
-        k //= 2
-    if train.partition == "optimal":
-        return compress_pipe_len(costs, k, cluster.gpus_per_node, budget)
-    while k % 2 == 0 and cluster.gpus_per_node % (k // 2) == 0:
-        half = k // 2
-        if half <= len(costs) and _max_stage(model, train, first, frozen, half) > budget * (1 + 1e-9):
-            break
-        k = half
-    return k
+    g = cluster.gpus_per_node
+    if k > len(costs):  # a pipeline cannot be longer than what it holds: AutoPipe.plan's rule
+        k = max(d for d in range(1, len(costs) + 1) if g % d == 0 and d <= k)
+    return compress_pipe_len(costs, k, g, budget, partition=partition)
 
 
 def _schedule(model: ModelCost, train: Training) -> tuple[int, ...]:
+    """Frozen blocks per epoch, by AutoFreeze's rules (``freeze_every_n_epochs=1``)."""
+    L, epochs = model.num_blocks, train.epochs
+    limit = L - train.min_active
+    if limit < 0:
+        raise ValueError(f"min_active={train.min_active} exceeds the {L} blocks.")
     if train.frozen is not None:
-        sched = tuple(train.frozen) + (train.frozen[-1] if train.frozen else 0,) * (train.epochs - len(train.frozen))
-    elif train.alpha is not None:
-        sched = geometric_freeze_schedule(model.num_blocks, train.alpha, train.epochs)
-    else:
-        raise ValueError("No freeze schedule: give Training(alpha=...) or Training(frozen=(0, ...)).")
-    if any(not 0 <= f <= model.num_blocks for f in sched):
-        raise ValueError(f"Frozen counts must be in 0..{model.num_blocks}, got {sched}.")
-    if any(b < a for a, b in zip(sched, sched[1:])):
-        raise ValueError(f"Frozen counts never decrease, got {sched}.")
-    return sched
+        # A list per epoch is a step function from epoch 0: later epochs keep the last count.
+        plan = ExplicitSchedule(dict(enumerate(train.frozen)))
+        plan.validate(limit, epochs)
+        return tuple(plan(e) for e in range(epochs))
+    if train.alpha is not None:
+        # AutoFreeze(rule="schedule") at the start of epoch e: min(F(e), L - min_active).
+        return tuple(min(geometric_num_frozen(L, train.alpha, e), limit) for e in range(epochs))
+    raise ValueError("No freeze schedule: give Training(alpha=...) or Training(frozen=(0, ...)).")
 
 
 def _check(model: ModelCost, cluster: Cluster, train: Training) -> None:
@@ -169,7 +169,8 @@ def simulate_variant(model: ModelCost, cluster: Cluster, train: Training, varian
     sched = _schedule(model, train) if variant.freeze else (0,) * train.epochs
     k0 = train.pipe_len
     budget = _max_stage(model, train, 0, 0, k0)
-    balance0 = _partition(_planner_costs(model, 0, 0, train), k0, train.partition)
+    costs0, partition0 = _partitioner(model, 0, 0, train)
+    balance0 = partition0(costs0, k0)
     k = k0
     prev: tuple[int, int, int] | None = None
     cached_prev: int | None = None

@@ -12,7 +12,7 @@ e.g. ``(4, 4, 4)`` for 12 blocks on 3 stages.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from statistics import pvariance
 
 __all__ = [
@@ -164,6 +164,8 @@ def compress_pipe_len(
     pipe_len: int,
     devices_per_node: int,
     budget: float,
+    *,
+    partition: Callable[[Sequence[float], int], Balance] = optimal_partition,
 ) -> int:
     """AutoPipe's compression rule: halve the pipeline while it still fits the budget.
 
@@ -172,7 +174,9 @@ def compress_pipe_len(
     more than ``budget`` (the paper uses the largest stage cost at the start of training, so a
     shorter pipeline is never slower per micro-batch than the initial one).
 
-    ``costs`` are the per-block costs *after* weighting frozen blocks.
+    ``costs`` are the per-block costs *after* weighting frozen blocks. ``partition`` replaces the
+    optimal partition (the cost model passes the paper's greedy to replay the paper's code); a
+    stage it leaves empty costs 0.
     """
     if pipe_len < 1 or devices_per_node % pipe_len != 0:
         raise ValueError(
@@ -183,7 +187,8 @@ def compress_pipe_len(
         half = k // 2
         if devices_per_node % half != 0 or half > len(costs):
             break
-        if max(stage_costs(costs, optimal_partition(costs, half))) > budget * (1 + 1e-9):
+        edges = boundaries(partition(costs, half))
+        if max(float(sum(costs[a:b])) for a, b in zip(edges[:-1], edges[1:])) > budget * (1 + 1e-9):
             break
         k = half
     return k
