@@ -30,11 +30,12 @@ if not __package__:  # a script, or imported by its plain name: the siblings by 
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # assets, rotten_tomatoes, timeline
 
 import lightning.pytorch as pl  # noqa: E402
-import lightning_pipetransformer  # noqa: E402,F401  (importing registers strategy="pipetransformer")
 import torch  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 from torch.optim.lr_scheduler import LambdaLR  # noqa: E402
 from torchmetrics.classification import MulticlassAccuracy  # noqa: E402
+
+import lightning_pipetransformer  # noqa: E402,F401  (importing registers strategy="pipetransformer")
 
 if __package__:  # imported as examples.text_classification (the benchmarks)
     from .rotten_tomatoes import Batch, RottenTomatoesDataModule

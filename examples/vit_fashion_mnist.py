@@ -40,7 +40,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # assets, timeline
 
 import lightning.pytorch as pl  # noqa: E402
-import lightning_pipetransformer  # noqa: E402,F401  (importing registers strategy="pipetransformer")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
@@ -48,6 +47,8 @@ from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
 from torch.optim.lr_scheduler import LambdaLR  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 from torchmetrics.classification import MulticlassAccuracy  # noqa: E402
+
+import lightning_pipetransformer  # noqa: E402,F401  (importing registers strategy="pipetransformer")
 
 __all__ = ["ImageDataModule", "ImageSet", "ViTClassifier", "main", "read_idx", "read_mnist_csv"]
 

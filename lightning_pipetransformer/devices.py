@@ -284,3 +284,21 @@ class VirtualDevices:
                 f"{what}: a collective on a tensor on {where}, but this process's groups are bound to {root} "
                 "(NCCL refuses tensors on other devices)."
             )
+
+
+def optimizer_state_to_param_devices(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Each optimizer-state tensor to its parameter's device (after a checkpoint load, a state
+    transfer, or a plan that moved blocks between devices)."""
+    for optimizer in optimizers:
+        on_device_step = {
+            id(p) for group in optimizer.param_groups if group.get("capturable") or group.get("fused") for p in group["params"]
+        }
+        for param, state in optimizer.state.items():
+            for key, value in state.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                # 'step' stays on the CPU unless the optimizer runs it on the device (capturable, fused).
+                if key == "step" and id(param) not in on_device_step:
+                    continue
+                if value.device != param.device or virtual_mode():
+                    state[key] = move_state(value, param)

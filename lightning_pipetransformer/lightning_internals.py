@@ -42,7 +42,7 @@ def rebuild_train_loader(trainer: pl.Trainer) -> None:
 
     Lightning 2.6 has no public way to re-shard between epochs, and ``FitLoop.setup_data`` has
     already run for this epoch before ``on_train_epoch_start``. These private attributes are
-    pinned with Lightning (pyproject) and exercised by tests/test_autodp.py:
+    pinned with Lightning (pyproject) and exercised by tests/integration/distributed/test_autodp.py:
 
     * ``fit_loop._combined_loader = None`` makes ``setup_data`` request and process the loader
       again (it calls ``barrier`` and ``has_len_all_ranks``: every rank must run this together);
@@ -81,7 +81,7 @@ def forget_logged_key_order(trainer: pl.Trainer) -> None:
     Private: ``fit_loop.epoch_loop._results`` and ``epoch_loop.val_loop._results`` (a
     ``_ResultCollection``, ordered by first log). Used by
     :func:`lightning_pipetransformer.dp.idle_hooks.restart_metric_order`; exercised by the AutoDP
-    tests that log with ``sync_dist=True`` across a transition (tests/.../test_autodp_features.py).
+    tests that log with ``sync_dist=True`` across a transition (tests/integration/distributed/test_autodp_features.py).
     """
     epoch_loop = trainer.fit_loop.epoch_loop
     for results in (epoch_loop._results, epoch_loop.val_loop._results):

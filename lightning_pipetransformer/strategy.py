@@ -56,8 +56,8 @@ from lightning_pipetransformer.dp import (
     idle,
     idle_hooks,
     state_transfer,
-    transition,
 )
+from lightning_pipetransformer.dp.replicas import Elastic, OneProcess, Replicas
 from lightning_pipetransformer.pipe.costs import parameter_costs, parameter_count
 from lightning_pipetransformer.pipe.planner import AutoPipe, Plan
 from lightning_pipetransformer.stack.declared import block_stack_of
@@ -181,10 +181,8 @@ class PipeTransformerStrategy(ParallelStrategy):
         self._plan: Plan | None = None
         self._restored: dict[str, Any] | None = None
         self._auto_chunks: dict[int, int] = {}  # chunks="auto": the measured M per pipe length
-        # AutoDP (several processes): the static control group over all ranks and the group of
-        # the ranks that drive a replica under the current plan (rebuilt at each transition).
-        self._control_group: Any = None
-        self._active_group: Any = None
+        # One process, or several (AutoDP): picked at setup_environment, asked instead of the world size.
+        self._replicas: Replicas = OneProcess(self)
         self._ddp_init_sync = True
         self._average_by_hand = False  # replicas of several stages: gradients averaged after backward
         self.last_transition: dict[str, float] = {}
@@ -194,7 +192,6 @@ class PipeTransformerStrategy(ParallelStrategy):
         self._warned_disengaged = False
         self._runner_installed = False
         self._kv_cache_configs: list[Any] = []  # configs whose use_cache this fit turned off
-        self._peers: list[tuple[str, int]] = []  # (host, pid) per rank, to name a rank that died
 
     # ------------------------------------------------------------------ one process, or several
     #
@@ -268,6 +265,7 @@ class PipeTransformerStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         dev.bind_process_device(self.root_device)
+        self._replicas = Elastic(self) if self.is_distributed else OneProcess(self)
         if self.is_distributed:
             self._setup_distributed()
 
@@ -310,9 +308,12 @@ class PipeTransformerStrategy(ParallelStrategy):
     @property
     def is_active(self) -> bool:
         """Whether this process drives a pipeline replica now (False: a shadow rank, idle until K shrinks)."""
-        if self.world_size == 1 or self._plan is None:
-            return True
-        return self._plan.is_active(self.global_rank)
+        return self._replicas.is_active(self._plan)
+
+    @property
+    def control_group(self) -> Any | None:
+        """The group of every rank (plan broadcast, barriers, decisions); None with one process."""
+        return self._replicas.control_group
 
     @property
     def gradient_group(self) -> Any | None:
@@ -324,27 +325,18 @@ class PipeTransformerStrategy(ParallelStrategy):
         """
         if isinstance(self.model, DistributedDataParallel):
             return self.model.process_group
-        return self._active_group if self._average_by_hand else None
+        return self._replicas.active_group if self._average_by_hand else None
 
     @property
     def autofreeze_decides_here(self) -> bool:
-        """Whether AutoFreeze's rule decides on this process: with several, only on global rank 0.
-
-        The others take rank 0's decision with the plan (:meth:`_agree`); deciding from their own
-        (absent or stale) gradient norms could freeze blocks rank 0 keeps training.
-        """
-        return self.world_size == 1 or self.global_rank == 0
+        """Whether AutoFreeze's rule decides on this process: with several, only on global rank 0
+        (see :attr:`Elastic.decides_here <lightning_pipetransformer.dp.replicas.Elastic.decides_here>`)."""
+        return self._replicas.decides_here
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # The data is split over the active replicas only. A shadow rank asks for an active
-        # replica's share, so its (stand-in) loader has the same length as everyone's.
-        plan = self._plan
-        if self.world_size == 1 or plan is None:
-            return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-        rank = plan.replica_index(self.global_rank) if self.is_active else 0
-        return {"num_replicas": plan.num_replicas, "rank": rank}
+        return self._replicas.sampler_kwargs(self._plan)
 
     # ------------------------------------------------------------------ set-up, in loop order
 
@@ -369,23 +361,8 @@ class PipeTransformerStrategy(ParallelStrategy):
         if self.cache:
             self._setup_cache(trainer, autofreeze)
         self._ddp_init_sync = True
-        if self.world_size > 1:
-            # AutoDP: agree on rank 0's plan and make the active group before DDP wraps on it.
-            self._control_group = groups.control_group(self._get_process_group_backend(), self._timeout)
-            self._peers = faults.peer_processes(self._control_group)  # to name a rank that dies
-            if self._autocache is not None:
-                # One namespace for the node's processes: index i names the same sample on every
-                # rank (one dataset, split by the sampler), so replicas share index-keyed entries.
-                self._autocache.namespace = groups.broadcast_object(self._autocache.namespace, src=0, group=self._control_group)
-            self._plan = self._agree(trainer, self.planner.plan(num_frozen) if self.global_rank == 0 else None)
-            self._active_group = groups.active_group(self._plan.active_ranks, self._get_process_group_backend(), self._timeout)
-            if trainer.state.fn == TrainerFn.FITTING and not any(isinstance(c, transition.TransitionCallback) for c in trainer.callbacks):
-                # Right after AutoFreeze (or first): later callbacks see the new loader length.
-                at = next((i + 1 for i, c in enumerate(trainer.callbacks) if c is autofreeze), 0)
-                trainer.callbacks.insert(at, transition.TransitionCallback(self))
-            self._prepare_idle_ranks(trainer)
-            plan = self._plan
-        self._setup_model_and_optimizers(trainer, plan if self.world_size > 1 else self.planner.plan(num_frozen))
+        # One process: the planner's plan. Several: rank 0's, agreed on, with the groups made.
+        self._setup_model_and_optimizers(trainer, self._replicas.first_plan(trainer, autofreeze, num_frozen))
 
     def _find_stack(self, module: pl.LightningModule, autofreeze: Any) -> BlockStack | None:
         """The block stack to plan over; ``None`` (with a warning) when the model has none and
@@ -426,7 +403,7 @@ class PipeTransformerStrategy(ParallelStrategy):
         if fitting:
             self.configure_ddp()  # DDP over the active replicas (several processes only)
             if self._average_by_hand:  # no DDP wrapper to sync the replicas' first weights
-                state_transfer.broadcast_module_state(self.lightning_module, src=0, group=self._active_group, via=self.root_device)
+                state_transfer.broadcast_module_state(self.lightning_module, src=0, group=self._replicas.active_group, via=self.root_device)
             self.setup_optimizers(trainer)
         elif self.is_distributed:
             lightning_internals.sync_module_states(self.lightning_module)  # every rank, as DDPStrategy does without a wrapper
@@ -434,23 +411,7 @@ class PipeTransformerStrategy(ParallelStrategy):
         if fitting:
             # Each optimizer state tensor belongs with its parameter, which may sit on another
             # stage's device than the root one (a checkpoint's state arrives on the CPU).
-            _optimizer_state_to_param_devices(self.optimizers)
-
-    def _prepare_idle_ranks(self, trainer: pl.Trainer) -> None:
-        """Idle ranks skip the module's batch and epoch-end hooks and get rank 0's metrics."""
-        module = self.lightning_module
-        assert module is not None
-        idle_hooks.skip_module_hooks_when_idle(
-            module, lambda: self.is_active, after={"on_train_epoch_end": lambda: self._share_metrics(trainer)}
-        )
-        if self.is_active:  # torchmetrics sync over the replicas, not WORLD (idle ranks never compute)
-            groups.point_metrics_at(module, self._active_group)
-        trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, idle_hooks.ShareMetrics)]
-        # First of all callbacks: its on_validation_end runs before the monitoring ones read metrics.
-        trainer.callbacks.insert(0, idle_hooks.ShareMetrics(self, idle_hooks.monitors_every_n_steps(trainer)))
-
-    def _share_metrics(self, trainer: pl.Trainer) -> None:
-        idle_hooks.share_callback_metrics(trainer, self.is_active, self._control_group)
+            dev.optimizer_state_to_param_devices(self.optimizers)
 
     def _setup_cache(self, trainer: pl.Trainer, autofreeze: Any) -> None:
         """AutoCache: check the directory now (before training) and key on the right inputs."""
@@ -482,7 +443,7 @@ class PipeTransformerStrategy(ParallelStrategy):
             trainer.callbacks.append(
                 BoundarySync(
                     self._autocache, lambda: self._plan.num_frozen if self._plan is not None else None,
-                    lambda: self._control_group, node=self.node_rank,
+                    lambda: self._replicas.control_group, node=self.node_rank,
                 )
             )
 
@@ -601,11 +562,11 @@ class PipeTransformerStrategy(ParallelStrategy):
 
     def _wrap_ddp(self, model: torch.nn.Module) -> DistributedDataParallel:
         # DDP over the active replicas only. The first wrapper of a fit syncs the replicas'
-        # weights itself; at a transition _send_state already did, so the copy is skipped.
+        # weights itself; at a transition Elastic.send_state already did, so the copy is skipped.
         return DistributedDataParallel(
             module=model,
             device_ids=self.determine_ddp_device_ids(),
-            process_group=self._active_group,
+            process_group=self._replicas.active_group,
             init_sync=self._ddp_init_sync,
             **self._ddp_kwargs,
         )
@@ -725,9 +686,9 @@ class PipeTransformerStrategy(ParallelStrategy):
         needed = self._autocache.measured_batch_bytes() if self._autocache is not None else None
         if needed is None:  # no cache, or checked already (every rank measured since the same set-up)
             return
-        if self.world_size > 1 and self._control_group is not None:
+        if self._replicas.control_group is not None:
             largest = torch.tensor(needed, dtype=torch.int64)
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self._control_group)
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self._replicas.control_group)
             needed = int(largest)
         self._autocache.check_budget(needed)
 
@@ -755,7 +716,7 @@ class PipeTransformerStrategy(ParallelStrategy):
             def closure() -> Any:  # the last micro-batch's backward, then the replicas' average
                 result = step_closure()
                 params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-                state_transfer.average_gradients(params, self._active_group, self.root_device)
+                state_transfer.average_gradients(params, self._replicas.active_group, self.root_device)
                 return result
 
         dev.check_optimizer(optimizer)
@@ -861,7 +822,7 @@ class PipeTransformerStrategy(ParallelStrategy):
         if self.world_size > 1 and isinstance(tensor, Tensor) and group is None:
             if not self.is_active:
                 return tensor
-            group = self._active_group
+            group = self._replicas.active_group
         if isinstance(tensor, Tensor):
             return lightning_internals.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)  # the tensor itself without a process group
         return tensor
@@ -870,25 +831,25 @@ class PipeTransformerStrategy(ParallelStrategy):
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         # LightningModule.all_gather runs in steps and module hooks: on the active ranks only
         # (idle ranks skip those hooks and get their input back, stacked as a group of one).
-        if self.world_size > 1 and group is None and self._active_group is not None:
+        if group is None and self._replicas.active_group is not None:
             if not self.is_active:
                 return tensor.unsqueeze(0)
-            group = self._active_group
+            group = self._replicas.active_group
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     @override
     def barrier(self, name: str | None = None) -> None:
         # Every rank, over the gloo control group (no device ids, whatever the data backend).
-        if self._control_group is not None:
-            dist.barrier(group=self._control_group)
+        if self._replicas.control_group is not None:
+            dist.barrier(group=self._replicas.control_group)
         elif lightning_internals.distributed_is_initialized():
             dist.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         # Callbacks' broadcasts (ModelCheckpoint paths, times) are control messages: all ranks.
-        if self._control_group is not None:
-            return groups.broadcast_object(obj, src=src, group=self._control_group)
+        if self._replicas.control_group is not None:
+            return groups.broadcast_object(obj, src=src, group=self._replicas.control_group)
         if not lightning_internals.distributed_is_initialized():
             return obj
         return groups.broadcast_object(obj, src=src, group=None)
@@ -896,143 +857,29 @@ class PipeTransformerStrategy(ParallelStrategy):
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         # Control flow (should_stop, checkpoint decisions) must agree on every rank: over all of them.
-        if self.world_size == 1 or self._control_group is None:
+        if self._replicas.control_group is None:
             return super().reduce_boolean_decision(decision, all=all)
         votes = torch.tensor(int(decision))
-        dist.all_reduce(votes, op=dist.ReduceOp.SUM, group=self._control_group)
+        dist.all_reduce(votes, op=dist.ReduceOp.SUM, group=self._replicas.control_group)
         return bool(votes == self.world_size) if all else bool(votes)
 
     # ------------------------------------------------------------------ repartitioning
 
     def on_autofreeze(self, num_frozen: int, callback: Any) -> None:
-        """Called by AutoFreeze after it froze more blocks (every rank, at an epoch start)."""
+        """Called by AutoFreeze after it froze more blocks: one process re-plans now; several wait
+        for the transition at the next train-epoch start, on every rank (:mod:`lightning_pipetransformer.dp.replicas`)."""
         if self.planner is None:  # before setup (AutoFreeze re-applying a restored prefix)
             return
-        if self.world_size > 1:
-            # Several processes: only some ranks get here (a shadow rank's rule may see no
-            # gradients), so the transition runs from TransitionCallback on every rank instead.
-            return
-        self._apply_plan(self.planner.plan(num_frozen), announce=True)
+        self._replicas.on_freeze(num_frozen)
 
     def _transition(self, trainer: pl.Trainer) -> None:
-        """One AutoDP transition, on every rank at a train-epoch start, right after AutoFreeze.
-
-        AutoFreeze decided F -> rank 0 broadcasts (F, K, M, active ranks) -> partitions rebuilt ->
-        groups + DDP rebuilt, state sent to new ranks -> sampler re-split -> next epoch.
-        """
-        if self.world_size == 1 or self.planner is None or self._plan is None:
-            return
-        autofreeze = _autofreeze_of(trainer)
-        old = self._plan
-        clock = transition.PhaseClock()
-        # 1-2. AutoFreeze has decided F on every rank; rank 0's F and plan are the ones applied.
-        num_frozen = autofreeze.num_frozen if autofreeze is not None else 0
-        plan = self._agree(trainer, self.planner.plan(num_frozen) if self.global_rank == 0 else None)
-        clock.lap("plan_broadcast")
-        if plan.num_frozen == old.num_frozen and plan.active_ranks == old.active_ranks and plan.partition == old.partition:
-            return
-        # 3. Partitions rebuilt: this rank's pipeline for the new plan (none on a shadow rank). DDP
-        # is dropped first: its reducer holds the old group and frozen set, and blocks must not
-        # move under it.
-        self._drop_ddp()
-        self._apply_plan(plan, announce=True)
-        clock.lap("partition")
-        # 4. Groups + DDP rebuilt; ranks that were idle receive the replicas' state.
-        old_group = self._active_group
-        if plan.active_ranks != old.active_ranks:
-            idle_hooks.restart_metric_order(trainer)
-            self._active_group = groups.active_group(plan.active_ranks, self._get_process_group_backend(), self._timeout)
-            clock.lap("new_group")
-            if self.is_active:
-                self._send_state(trainer, joining=[r for r in plan.active_ranks if r not in old.active_ranks], clock=clock)
-        if self.is_active:
-            groups.point_metrics_at(self.lightning_module, self._active_group)
-        self._ddp_init_sync = False
-        self.configure_ddp()  # DDP over the active group; frozen parameters leave its buckets
-        if old_group is not self._active_group and self.global_rank in old.active_ranks:
-            groups.destroy_group(old_group)  # its communicators would otherwise live as long as the process
-        clock.lap("ddp_rebuild")
-        # 5. Sampler re-split over the new replicas (batch size too under batch_policy='global').
-        if plan.num_replicas != old.num_replicas:
-            lightning_internals.rebuild_train_loader(trainer)
-            clock.lap("loader_rebuild")
-        #: Seconds per phase of the last transition on this rank (for logs and benchmarks).
-        self.last_transition = clock.laps
-
-    def _agree(self, trainer: pl.Trainer, plan: Plan | None) -> Plan:
-        """Rank 0's plan (and AutoFreeze state) on every rank, over the control group; checks lock-step."""
-        autofreeze = _autofreeze_of(trainer)
-        assert self.planner is not None
-        message = None
-        if self.global_rank == 0:
-            assert plan is not None
-            message = {
-                "plan": plan.to_dict(),
-                "planner": self.planner.state_dict(),
-                "autofreeze": autofreeze.state_dict() if autofreeze is not None else None,
-                "step": (trainer.current_epoch, trainer.global_step),
-            }
-        message = groups.broadcast_object(message, src=0, group=self._control_group)
-        if self.global_rank != 0:
-            here = (trainer.current_epoch, trainer.global_step)
-            if tuple(message["step"]) != here:
-                raise RuntimeError(
-                    f"Rank {self.global_rank} is at (epoch, global_step) {here} but rank 0 at {tuple(message['step'])}: "
-                    "idle ranks fell out of lock-step with the replicas. This is a bug in strategy='pipetransformer'; "
-                    "please report it with your Trainer arguments."
-                )
-            self.planner.load_state_dict(message["planner"])
-            if autofreeze is not None and message["autofreeze"] is not None:
-                # A shadow rank's own rule saw no gradients: take rank 0's decision (and state).
-                autofreeze.load_state_dict(message["autofreeze"])
-        return Plan.from_dict(message["plan"])
-
-    def _send_state(self, trainer: pl.Trainer, joining: list[int], clock: transition.PhaseClock) -> None:
-        """Global rank 0's model, optimizer and LR-scheduler state to the ranks that join the replicas.
-
-        Runs on every active rank. Only ``joining`` (the ranks that were idle) receive parameters and
-        optimizer state: replicas that were already active hold the same (DDP kept them equal);
-        buffers go to all replicas. The optimizer state of parameters AutoFreeze has frozen is not
-        sent: they never thaw, so it is never read again (global rank 0, which writes
-        checkpoints, keeps it). Loop counters need no transfer (shadow ranks kept them in
-        lock-step, checked by _agree) and AutoFreeze state came with the plan.
-        """
-        group = self._active_group
-        state_transfer.broadcast_module_state(self.lightning_module, src=0, group=group, receivers=joining, via=self.root_device)
-        clock.lap("model_state")
-        state = self._replica_state(trainer) if self.global_rank == 0 else None
-        state = state_transfer.broadcast_state(state, src=0, group=group, receivers=joining, via=self.root_device)
-        if self.global_rank in joining:
-            self._load_sent_state(trainer, state)
-        clock.lap("optimizer_state")
-
-    def _replica_state(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """What a joining replica needs besides the weights: optimizer, LR-scheduler and loss-scaler state."""
-        frozen = state_transfer.frozen_for_good(_autofreeze_of(trainer))
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        return {
-            "optimizers": [state_transfer.without_state_of(o.state_dict(), o, frozen) for o in self.optimizers],
-            "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
-            # 16-mixed: replicas must unscale by the same factor, or they diverge silently.
-            "scaler": scaler.state_dict() if scaler is not None else None,
-        }
-
-    def _load_sent_state(self, trainer: pl.Trainer, state: dict[str, Any]) -> None:
-        for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):
-            optimizer.load_state_dict(optimizer_state)
-        _optimizer_state_to_param_devices(self.optimizers)
-        for config, scheduler_state in zip(trainer.lr_scheduler_configs, state["schedulers"]):
-            config.scheduler.load_state_dict(scheduler_state)
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is not None and state.get("scaler") is not None:
-            scaler.load_state_dict(state["scaler"])
+        """The AutoDP transition at a train-epoch start (called by TransitionCallback on every rank)."""
+        self._replicas.transition(trainer, _autofreeze_of(trainer))
 
     def _apply_plan(self, plan: Plan, announce: bool) -> None:
         """Build this process's pipeline for ``plan`` and route the stack through it."""
         assert self.stack is not None
-        if self.world_size == 1:
-            # One process cannot add data-parallel replicas: keep its single pipeline.
-            plan = dataclasses.replace(plan, devices=plan.devices[:1], active_ranks=(self.global_rank,))
+        plan = self._replicas.localize(plan)
         tune = self.chunks == "auto" and plan.pipe_len not in self._auto_chunks
         if self.chunks == "auto" and not tune:
             plan = dataclasses.replace(plan, chunks=self._auto_chunks[plan.pipe_len])
@@ -1049,7 +896,7 @@ class PipeTransformerStrategy(ParallelStrategy):
         # Blocks may have moved between devices (K 4 -> 2 moves the tail from device 3 to 1): their
         # optimizer state follows, and the devices left keep no cached blocks for the replica that
         # takes them over.
-        _optimizer_state_to_param_devices(self.optimizers)
+        dev.optimizer_state_to_param_devices(self.optimizers)
         if self.root_device.type == "cuda":
             torch.cuda.empty_cache()
         if announce:
@@ -1060,13 +907,7 @@ class PipeTransformerStrategy(ParallelStrategy):
         cache, stack = self._autocache, self.stack
         assert cache is not None and stack is not None
         if not cache.serves(plan.num_frozen):
-            if self.world_size == 1:  # one process: open the store and advance the previous entries now
-                cache.move_boundary(stack, plan.num_frozen, self._cache_include_pre, devices[0], shard=(0, 1))
-            else:
-                # Several: a new replica gets its weights after this (the store's name is their
-                # fingerprint), so the store opens in BoundarySync, where all ranks advance the
-                # previous boundary's entries together (see docs/cache.md).
-                cache.defer_boundary(stack, plan.num_frozen, self._cache_include_pre, devices[0])
+            self._replicas.open_boundary(cache, stack, plan.num_frozen, self._cache_include_pre, devices[0])
         if not cache.serves(plan.num_frozen):
             return False
         # chunks="auto": the M measured for the active blocks' pipe length (no tuning under a cache).
@@ -1106,7 +947,7 @@ class PipeTransformerStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(state)
-        _optimizer_state_to_param_devices(self.optimizers)
+        dev.optimizer_state_to_param_devices(self.optimizers)
 
 
     # ------------------------------------------------------------------ checkpoints
@@ -1150,9 +991,10 @@ class PipeTransformerStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        gone = faults.dead_peers(self._peers) if self._peers else []
+        peers = self._replicas.peers
+        gone = faults.dead_peers(peers) if peers else []
         if gone and exception.args and isinstance(exception.args[0], str):
-            named = ", ".join(f"rank {r} (pid {self._peers[r][1]})" for r in gone)
+            named = ", ".join(f"rank {r} (pid {peers[r][1]})" for r in gone)
             exception.args = (
                 f"{exception.args[0]}\n[pipetransformer] {named} on this host is gone (it died or was killed): "
                 f"rank {self.global_rank}'s collective failed because of it. Look at that rank's log for the cause.",
@@ -1176,24 +1018,6 @@ class PipeTransformerStrategy(ParallelStrategy):
             cls,
             description="PipeTransformer: pipeline the block stack, repartition as AutoFreeze freezes blocks",
         )
-
-
-def _optimizer_state_to_param_devices(optimizers: list[torch.optim.Optimizer]) -> None:
-    """Each optimizer-state tensor to its parameter's device (after a checkpoint load, a state
-    transfer, or a plan that moved blocks between devices)."""
-    for optimizer in optimizers:
-        on_device_step = {
-            id(p) for group in optimizer.param_groups if group.get("capturable") or group.get("fused") for p in group["params"]
-        }
-        for param, state in optimizer.state.items():
-            for key, value in state.items():
-                if not isinstance(value, torch.Tensor):
-                    continue
-                # 'step' stays on the CPU unless the optimizer runs it on the device (capturable, fused).
-                if key == "step" and id(param) not in on_device_step:
-                    continue
-                if value.device != param.device or dev.virtual_mode():
-                    state[key] = dev.move_state(value, param)
 
 
 def _autofreeze_of(trainer: pl.Trainer) -> Any:

@@ -18,7 +18,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check as check  # noqa: E402
-
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 

@@ -21,8 +21,8 @@ import time
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
-from lightning_pipetransformer.stack.discovery import find_block_stack
 from lightning_pipetransformer.freeze.apply import apply_freeze
+from lightning_pipetransformer.stack.discovery import find_block_stack
 
 
 def build(seed: int = 0) -> BertForSequenceClassification:

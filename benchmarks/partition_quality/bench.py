@@ -290,7 +290,7 @@ Summary: {sublayers_summary}
 ## Reading the numbers
 
 - The exact split is never worse, by construction (and checked against brute force in
-  `tests/test_partition.py`). "greedy / pinned" isolates the greedy's own loss (same
+  `tests/unit/pipe/test_partition.py`). "greedy / pinned" isolates the greedy's own loss (same
   constraint); "pinned / optimal" is what keeping every frozen block on stage 0 costs, which
   grows with F and K because the frozen prefix (at 1/6 each) becomes one indivisible item.
 - The greedy can leave devices idle: when the next item outweighs the mean share of what is

@@ -96,7 +96,7 @@ def estimate_seconds(
             prev = f
         stored = 1 - (1 - stored) * (1 - seen_frozen / steps) if cached else 0.0
         f = frozen[(e + 1) * steps - 1]
-        total += full_val * ((blocks_active(f) if cached and val_at else 1.0))
+        total += full_val * (blocks_active(f) if cached and val_at else 1.0)
         val_at = f if cached and f > 0 else 0
     return total
 

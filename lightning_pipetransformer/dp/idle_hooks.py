@@ -164,7 +164,7 @@ class ShareMetrics(Callback):
         self.every_train_batch = every_train_batch
 
     def _share(self, trainer: pl.Trainer) -> None:
-        share_callback_metrics(trainer, self.strategy.is_active, self.strategy._control_group)
+        share_callback_metrics(trainer, self.strategy.is_active, self.strategy.control_group)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:

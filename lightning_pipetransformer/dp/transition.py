@@ -1,6 +1,6 @@
 """When the transition runs: a callback at every train-epoch start, and a clock for its phases.
 
-The transition itself is :meth:`PipeTransformerStrategy._transition`; this module holds what
+The transition itself is :meth:`lightning_pipetransformer.dp.replicas.Elastic.transition`; this module holds what
 triggers and times it.
 """
 

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from lightning_pipetransformer import devices as dev
-from lightning_pipetransformer.devices import VirtualDeviceError, VirtualDevices
+from lightning_pipetransformer.devices import VirtualDeviceError, VirtualDevices, optimizer_state_to_param_devices
 from lightning_pipetransformer.dp import state_transfer
-from lightning_pipetransformer.strategy import PipeTransformerStrategy, _optimizer_state_to_param_devices
+from lightning_pipetransformer.strategy import PipeTransformerStrategy
 
 CPU0, CPU1, CPU2 = (torch.device("cpu", i) for i in range(3))
 
@@ -53,7 +53,7 @@ def test_optimizer_state_follows_its_parameter(options):
         dev.place_module(block, CPU1)  # K 4 -> 2: the block moves to another device
         with pytest.raises(VirtualDeviceError, match="Optimizer state .* is on cpu:2 but its parameter on cpu:1"):
             dev.check_optimizer(optimizer)
-        _optimizer_state_to_param_devices([optimizer])
+        optimizer_state_to_param_devices([optimizer])
         dev.check_optimizer(optimizer)
         step = optimizer.state[block.weight]["step"]
         # 'step' goes with the parameter only where the optimizer computes it there (fused, capturable).
@@ -87,6 +87,8 @@ def test_same_device_hop_returns_a_tensor_an_in_place_op_may_change():
 def test_joining_replicas_get_the_loss_scale():
     from lightning.pytorch.plugins.precision import MixedPrecision
 
+    from lightning_pipetransformer.dp.replicas import Elastic
+
     class Trainer:
         lr_scheduler_configs: list = []
         callbacks: list = []
@@ -99,7 +101,8 @@ def test_joining_replicas_get_the_loss_scale():
         return strategy
 
     rank0, joining = strategy_with_scale(1024.0), strategy_with_scale(65536.0)
-    joining._load_sent_state(Trainer(), rank0._replica_state(Trainer()))
+    sent = Elastic(rank0).replica_state(Trainer(), autofreeze=None)
+    Elastic(joining).load_sent_state(Trainer(), sent)
     assert joining.precision_plugin.scaler.get_scale() == 1024.0  # replicas unscale by the same factor
 
 

@@ -118,17 +118,19 @@ def signal_rank_zero_inside_the_transition(trainer: pl.Trainer, strategy: PipeTr
     replica its state: the others already wait for it inside collectives (the joining rank in its
     receives, the idle ones in the loader's barrier), where their own signal handlers cannot run.
     A preemption at the worst moment."""
-    send_state = strategy._send_state
+    from lightning_pipetransformer.dp.replicas import Elastic
 
-    def signal_then_send(*args, **kwargs):
+    send_state = Elastic.send_state  # this worker process only: its strategy's Elastic is made at setup
+
+    def signal_then_send(self, *args, **kwargs):
         if trainer.global_rank == 0 and trainer.current_epoch == epoch and not getattr(strategy, "_signalled", False):
             strategy._signalled = True
             time.sleep(2.0)  # let the other ranks reach their collectives first
             (Path(trainer.default_root_dir) / "signalled").write_text(str(time.time()))
             os.kill(os.getpid(), signal.SIGTERM)
-        return send_state(*args, **kwargs)
+        return send_state(self, *args, **kwargs)
 
-    strategy._send_state = signal_then_send
+    Elastic.send_state = signal_then_send
 
 
 def final_record(trainer: pl.Trainer, module: pl.LightningModule, record: Callback) -> dict:
