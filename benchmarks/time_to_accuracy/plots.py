@@ -40,12 +40,7 @@ def write_plot(records: list[RunRecord], variants: list[Variant], target: float 
     ax.set_xlabel("training wall-clock (s, validation excluded)")
     ax.set_ylabel("validation accuracy (%)")
     ax.set_title("MiniLM-L6 on Rotten Tomatoes: accuracy vs training time (mean ± sd over seeds)", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, ax, path)
 
 
 def _style(v: Variant) -> str:
@@ -88,6 +83,13 @@ def write_speedup_plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_xlabel("training speed-up over full fine-tuning (mean train time ratio, validation excluded)")
     ax.set_ylabel("final validation accuracy (%), mean ± sd over seeds")
     ax.set_title("MiniLM-L6 on Rotten Tomatoes: speed-up vs final accuracy", fontsize=10)
+    _save(fig, ax, path)
+
+
+def _save(fig: Any, ax: Any, path: Path) -> None:
+    """The finish both plots share: grid, legend outside the axes, PNG at 110 dpi."""
+    import matplotlib.pyplot as plt
+
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
