@@ -185,6 +185,7 @@ class PipeTransformerStrategy(ParallelStrategy):
         self._replicas: Replicas = OneProcess(self)
         self._ddp_init_sync = True
         self._average_by_hand = False  # replicas of several stages: gradients averaged after backward
+        #: Seconds per phase of the last AutoDP transition on this rank (for logs and benchmarks).
         self.last_transition: dict[str, float] = {}
         # Engagement reporting: the counts already reported, and at which step.
         self._engagement_seen = InterceptionStats()

@@ -72,6 +72,8 @@ from lightning_pipetransformer.pipe.microbatch import BlockArgs
 from lightning_pipetransformer.stack.discovery import BlockStack
 from lightning_pipetransformer.stack.interception import installed_pipeline
 
+__all__ = ["AutoCache", "active_balance", "probe_cache_dir", "verification_tolerance"]
+
 CacheMode = bool | Literal["auto"]
 
 

@@ -11,7 +11,8 @@ plan comes from, what a freeze point does, and how the cache opens a boundary.
   ranks that join receive the replicas' state, and the sampler is re-split over the replicas.
   Which collective runs on which group: :mod:`lightning_pipetransformer.dp.groups`.
 
-Neither imports Lightning: they work on the trainer and strategy objects they are given.
+Neither imports Lightning directly: they work on the trainer and strategy objects they are given,
+and reach Lightning's private parts only through :mod:`lightning_pipetransformer.lightning_internals`.
 """
 
 from __future__ import annotations
@@ -194,6 +195,7 @@ class Elastic:
         if plan.num_replicas != old.num_replicas:
             lightning_internals.rebuild_train_loader(trainer)
             clock.lap("loader_rebuild")
+        #: Seconds per phase of the last transition on this rank (for logs and benchmarks).
         strategy.last_transition = clock.laps
 
     def agree(self, trainer: Any, autofreeze: Any, plan: Plan | None) -> Plan:
