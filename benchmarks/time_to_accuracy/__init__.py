@@ -12,7 +12,7 @@ invocation, interleaved per seed (seed loop outer, variants inner) so they share
               every X in ``--intervals`` (default 0.25,0.5 of an epoch) and rule in ``--sub-rules`` (default
               paper,autofreeze), alphas ``--sub-alphas``, ``--percentile`` and ``--sub-min-active``;
 5. ``lora``   a peer: LoRA through ``peft`` (r=8, lora_alpha=16, dropout 0.1 on the attention query/value
-              projections, the classifier trained in full; ``--lora-*``), the same optimizer and schedule;
+              projections, the classifier trained in full; ``--lora-*``), the same optimizer and schedule shape, peak lr 5e-4 (``--lora-lr``; the LoRA paper's);
 6. ``bft``    a peer: Lightning's ``BaseFinetuning``, subclassed to freeze the embeddings and the lower
               ``--bft-blocks`` (3 of 6) blocks for the whole run (see :func:`.runner.lower_blocks_finetuning`).
 
