@@ -25,6 +25,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 
 __all__ = ["EpochRecord", "Timeline", "format_table"]
 
@@ -175,6 +176,10 @@ class Timeline(Callback):
 
     Throughput counts the samples this process trained on, times the number of data-parallel
     replicas (the plan's active ranks, else the world size): every replica trains equal shares.
+
+    List it before :class:`~lightning_pipetransformer.AutoFreeze`: callbacks run in list order, and
+    an epoch-level freeze (re-plan, cache advance over every stored sample) happens in AutoFreeze's
+    ``on_train_epoch_start``; listed after it, that work falls outside the epoch's time (it warns).
     """
 
     def __init__(
@@ -197,6 +202,16 @@ class Timeline(Callback):
         self._samples = 0
 
     # -------------------------------------------------------------- hooks, in loop order
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        callbacks = list(trainer.callbacks)  # type: ignore[attr-defined]
+        mine = next(i for i, cb in enumerate(callbacks) if cb is self)
+        before = [type(cb).__name__ for cb in callbacks[:mine] if hasattr(cb, "num_frozen") and hasattr(cb, "num_blocks")]
+        if before:
+            rank_zero_warn(
+                f"Timeline is listed after {before[0]}: the freeze work at epoch starts (re-plan, cache advance) "
+                "runs before Timeline starts the epoch's clock and is left out of its train time. List Timeline first."
+            )
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._epoch_start = time.perf_counter()

@@ -305,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if any(r.error for r in records) else 0
 
 #: The arguments that define the setting: a resumed record must come from a run with the same ones.
-SETTING_ARGS = ("train_size", "val_size", "epochs", "padding", "max_length", "batch_size", "val_batch_size", "lr", "accelerator")
+SETTING_ARGS = ("train_size", "val_size", "epochs", "padding", "max_length", "batch_size", "val_batch_size", "lr", "accelerator", "threads")
 #: Arguments that change only some rows: when they differ, those rows are rerun and the others kept.
 ROW_ARGS = {
     "lora": ("lora_r", "lora_alpha", "lora_dropout", "lora_lr"),

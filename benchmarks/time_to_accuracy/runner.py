@@ -121,6 +121,8 @@ def build_model(variant: Variant, args: argparse.Namespace, model_dir: str) -> p
 
 def build_trainer(variant: Variant, args: argparse.Namespace, cache_dir: str) -> pl.Trainer:
     """The Trainer of one run: the same settings for every variant except callbacks and strategy."""
+    # The clocks first: callbacks run in list order, and AutoFreeze's epoch-start freeze (re-plan, cache
+    # advance over every stored sample) must fall inside the epoch they time.
     callbacks: list[pl.Callback] = [Timeline(print_table=False), StepClock()]
     strategy: Any = "auto"
     if variant.autofreeze:
@@ -128,12 +130,12 @@ def build_trainer(variant: Variant, args: argparse.Namespace, cache_dir: str) ->
         extra: dict[str, Any] = {}
         if variant.sub_epoch:
             extra = {"freeze_interval": variant.interval, "percentile": args.percentile, "min_active": variant.min_active}
-        callbacks.insert(0, AutoFreeze(alpha=variant.alpha, rule=variant.rule or args.rule, **extra))  # type: ignore[arg-type]
+        callbacks.append(AutoFreeze(alpha=variant.alpha, rule=variant.rule or args.rule, **extra))  # type: ignore[arg-type]
         # The same strategy for freeze and freeze+cache: the cache is the only difference (module docstring).
         cache = variant.kind == "cache"
         strategy = PipeTransformerStrategy(pipe_len=1, cache=cache, cache_dir=cache_dir if cache else None)  # type: ignore[call-arg]
     elif variant.kind == "bft":
-        callbacks.insert(0, lower_blocks_finetuning(args.bft_blocks))
+        callbacks.append(lower_blocks_finetuning(args.bft_blocks))
     return pl.Trainer(
         accelerator=args.accelerator, devices=1, strategy=strategy, precision="32-true", max_epochs=args.epochs,
         callbacks=callbacks, num_sanity_val_steps=0, enable_checkpointing=False, logger=False,

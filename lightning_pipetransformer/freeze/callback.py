@@ -24,6 +24,7 @@ callback state, and the decision for the next epoch is taken after loading it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -143,7 +144,7 @@ class AutoFreeze(Callback):
         self.step_history: list[tuple[int, int]] = []
         self._decided_epoch = 0  # the last epoch whose start already took its freeze decision
         self._norm_sum: torch.Tensor | None = None  # per block, summed over optimizer steps
-        self._norm_steps = 0
+        self._norm_steps: int | torch.Tensor = 0  # finite optimizer steps summed (a device tensor while training)
         self._restored_norms: list[float] | None = None
         # freeze_interval: the global step of the next freeze point, and how many points have passed.
         self._next_point: int | None = None
@@ -304,9 +305,11 @@ class AutoFreeze(Callback):
             if self._restored_norms is not None:
                 self._norm_sum += torch.tensor(self._restored_norms, dtype=norms.dtype, device=norms.device)
                 self._restored_norms = None
-        # A step skipped by AMP's scaler has inf/nan gradients: it must not decide a freeze.
-        self._norm_sum += torch.nan_to_num(norms, nan=0.0, posinf=0.0, neginf=0.0)
-        self._norm_steps += 1
+        # A step skipped by AMP's scaler has inf/nan gradients: it must not decide a freeze, so it is
+        # left out of both the sums and the count (a tensor count: no host sync per step).
+        finite = torch.isfinite(norms).all()
+        self._norm_sum += torch.where(finite, norms, torch.zeros_like(norms))
+        self._norm_steps = self._norm_steps + finite.to(torch.int64)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         pl_module.log("autofreeze/num_frozen", float(self.num_frozen), on_step=False, on_epoch=True, sync_dist=True)
@@ -356,17 +359,35 @@ class AutoFreeze(Callback):
         return max(self.num_frozen, min(target, self.max_frozen))
 
     def _add_gradients(self) -> None:
-        """rule="autofreeze": add this step's gradients of the active blocks to the interval's sums."""
+        """rule="autofreeze": add this step's gradients of the active blocks to the interval's sums.
+
+        A step with a non-finite gradient (skipped by AMP's scaler) adds nothing, decided on the
+        device (no host sync). Sums restored from a checkpoint sit where the checkpoint was loaded
+        (callbacks load before the strategy moves the model): they follow their gradients here.
+        """
         assert self.stack is not None
         if self._grad_sums is None:
             self._grad_sums = [[torch.zeros_like(p) for p in block.parameters()] for block in self.stack.blocks]
+        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for index, block in enumerate(self.stack.blocks):
             if index < self.num_frozen:
                 continue
-            pairs = [(s, p.grad) for s, p in zip(self._grad_sums[index], block.parameters()) if p.grad is not None]
-            if pairs:
-                sums, grads = zip(*pairs)
-                torch._foreach_add_(list(sums), [torch.nan_to_num(g) for g in grads])
+            sums = self._grad_sums[index]
+            for position, p in enumerate(block.parameters()):
+                if p.grad is None:
+                    continue
+                if sums[position].device != p.grad.device:
+                    sums[position] = sums[position].to(p.grad.device)
+                by_device.setdefault(p.grad.device, []).append((sums[position], p.grad))
+        if not by_device:
+            return
+        # One flag for the whole step, as the optimizer skips a step as a whole (pipeline stages may
+        # sit on several devices: each checks its own gradients, the flags meet on one device).
+        flags = [torch.isfinite(torch.stack(torch._foreach_norm([g for _, g in pairs]))).all() for pairs in by_device.values()]
+        finite = torch.stack([f.to(flags[0].device) for f in flags]).all()
+        for device, pairs in by_device.items():
+            ok = finite.to(device)
+            torch._foreach_add_([s for s, _ in pairs], [torch.where(ok, g, 0.0) for _, g in pairs])
 
     def _autofreeze_rule(self) -> int:
         """Liu et al.'s decision: compare each block's summed-gradient L1 norm with the previous interval's."""
@@ -374,6 +395,9 @@ class AutoFreeze(Callback):
             return self.num_frozen
         l1 = [float(sum(float(s.abs().sum()) for s in sums)) for sums in self._grad_sums]
         self._grad_sums = None
+        if not all(math.isfinite(v) for v in l1):  # overflowed sums: no decision, and no baseline for the next
+            self._previous_l1 = None
+            return self.num_frozen
         previous, self._previous_l1 = self._previous_l1, l1
         if previous is None:
             return self.num_frozen
@@ -397,11 +421,12 @@ class AutoFreeze(Callback):
         return torch.stack(norms).float()
 
     def _mean_norms(self) -> list[float] | None:
-        if self._norm_steps == 0:
+        steps = int(self._norm_steps)  # the finite steps of the interval (a device tensor while training)
+        if steps == 0:
             return None
         if self._norm_sum is None:
-            return None if self._restored_norms is None else [v / self._norm_steps for v in self._restored_norms]
-        return (self._norm_sum / self._norm_steps).tolist()
+            return None if self._restored_norms is None else [v / steps for v in self._restored_norms]
+        return (self._norm_sum / steps).tolist()
 
     def _reset_norms(self) -> None:
         self._norm_sum, self._norm_steps, self._restored_norms = None, 0, None
@@ -452,7 +477,7 @@ class AutoFreeze(Callback):
             "history": [list(h) for h in self.history],
             "decided_epoch": self._decided_epoch,
             "norm_sum": norms,
-            "norm_steps": self._norm_steps,
+            "norm_steps": int(self._norm_steps),
             "step_history": [list(h) for h in self.step_history],
             "next_point": self._next_point,
             "points": self._points,

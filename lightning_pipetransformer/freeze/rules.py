@@ -86,18 +86,20 @@ def autofreeze_num_frozen(prev_frozen: int, previous_l1: Sequence[float], curren
     block (0 where ``prev`` or ``cur`` is 0, as for frozen blocks); the threshold is its
     ``percentile``-th percentile over the active blocks (``index >= prev_frozen``); the blocks
     before the first block whose change reaches the threshold freeze. Never returns less than
-    ``prev_frozen``.
+    ``prev_frozen``; a non-finite norm of an active block (an overflowed interval) decides nothing.
     """
     import numpy as np
 
     if len(previous_l1) != len(current_l1):
         raise ValueError(f"Got {len(previous_l1)} previous and {len(current_l1)} current norms.")
+    if not all(math.isfinite(v) for v in [*previous_l1[prev_frozen:], *current_l1[prev_frozen:]]):
+        return prev_frozen
     ratios = [abs(p - c) / p if p > 0 and c > 0 else 0.0 for p, c in zip(previous_l1, current_l1)]
     active = ratios[prev_frozen:]
     if not active:
         return prev_frozen
     threshold = float(np.percentile(active, percentile))
-    first = next(i for i, r in enumerate(ratios) if r >= threshold)
+    first = next((i for i, r in enumerate(ratios) if r >= threshold), prev_frozen)
     return max(prev_frozen, first)
 
 

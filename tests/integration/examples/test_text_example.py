@@ -7,6 +7,7 @@ import json
 import random
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -281,6 +282,27 @@ def test_timeline_speed_vs_epoch_0() -> None:
     assert resumed.rows[0].speed_vs_epoch0 is None and "  -  " in format_table(resumed.rows)
 
 
+def test_timeline_warns_when_listed_after_autofreeze() -> None:
+    """An epoch-level freeze (re-plan, cache advance) runs in AutoFreeze's on_train_epoch_start: a
+    Timeline listed after it starts the epoch's clock too late and says so; the shipped YAMLs list it first."""
+    from types import SimpleNamespace
+
+    from timeline import Timeline
+
+    from lightning_pipetransformer import AutoFreeze
+
+    timeline = Timeline(print_table=False)
+    with pytest.warns(UserWarning, match="Timeline is listed after AutoFreeze"):
+        timeline.on_fit_start(SimpleNamespace(callbacks=[AutoFreeze(), timeline]), None)  # type: ignore[arg-type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        timeline.on_fit_start(SimpleNamespace(callbacks=[timeline, AutoFreeze()]), None)  # type: ignore[arg-type]
+    for config in sorted((EXAMPLES / "configs").glob("*.yaml")):
+        paths = [cb["class_path"] for cb in yaml.safe_load(config.read_text())["trainer"].get("callbacks") or []]
+        if any(p.endswith("Timeline") for p in paths) and any(p.endswith("AutoFreeze") for p in paths):
+            assert paths.index("timeline.Timeline") < paths.index("lightning_pipetransformer.AutoFreeze"), config.name
+
+
 def test_datamodule_batches_and_module_logits(tiny_assets: tuple[Path, Path], tmp_path: Path) -> None:
     from text_classification import SentimentClassifier
 
@@ -338,6 +360,7 @@ def test_cli_fit_with_autofreeze_and_timeline(tiny_assets: tuple[Path, Path], tm
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Timeline is listed after" not in proc.stdout + proc.stderr  # the epoch-start freeze is timed
     assert "PipeTransformer timeline" in proc.stdout and "speed vs epoch 0" in proc.stdout
     rows = json.loads((tmp_path / "timeline.json").read_text())
     assert [r["epoch"] for r in rows] == [0, 1, 2]
