@@ -7,14 +7,17 @@ frozen prefix runs forward only and leaves DDP's gradient all-reduce), and under
 When things happen (every rank runs the same code on the same numbers, so decisions agree):
 
 * every optimizer step (``on_before_optimizer_step``: gradients are final, after DDP averaging
-  and gradient accumulation, and unscaled under AMP): add each active block's gradient norm to
-  an on-device running sum. No host sync per step; only the ``"paper"`` rule pays for this.
+  and gradient accumulation, and unscaled under AMP): the ``"paper"`` rule adds each active
+  block's gradient norm to an on-device running sum, the ``"autofreeze"`` rule the gradients
+  themselves to per-block sums; a step with non-finite gradients (AMP skipped it) adds nothing.
+  No host sync per step.
 * at each freeze point: decide the new frozen count ``F``, freeze, and tell the strategy (DDP's
   wrapper is rebuilt so frozen parameters leave the gradient buckets; the pipeline strategy
   repartitions). Freeze points are the start of every ``freeze_every_n_epochs``-th epoch, or,
   with ``freeze_interval``, every N optimizer steps (an int) or every fraction of an epoch (a
-  float, as ``val_check_interval`` takes it), checked at the start of a batch that begins an
-  accumulation window, so that a freeze never splits one.
+  float: that share of the first epoch's optimizer steps, counted across epochs), checked in
+  ``on_train_batch_start`` of a batch that begins an accumulation window, so that a freeze never
+  splits one.
 * at the end of every epoch: log ``autofreeze/num_frozen``.
 
 Deciding at epoch *start* (not end) makes resuming exact wherever the checkpoint was written
