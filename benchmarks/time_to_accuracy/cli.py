@@ -128,6 +128,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--resume", type=Path, default=None,
                    help="a --json of an earlier, interrupted run of the same setting: its (variant, seed) records are kept "
                         "and not rerun (a run of all seeds can span several sittings)")  # fmt: skip
+    p.add_argument("--note", default="", help="with --write: a sentence on how the run went (sittings, reruns), shown at the top of the report")
     p.add_argument("--write", action="store_true", help="write the report (--docs) and its PNGs next to it")
     p.add_argument("--dry-run", action="store_true", help="load the data, print the plan and the duration estimate, and stop")
     p.add_argument("--docs", type=Path, default=DEFAULT_DOCS,
