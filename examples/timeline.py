@@ -204,9 +204,15 @@ class Timeline(Callback):
     # -------------------------------------------------------------- hooks, in loop order
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_pipetransformer import AutoFreeze
+
         callbacks = list(trainer.callbacks)  # type: ignore[attr-defined]
         mine = next(i for i, cb in enumerate(callbacks) if cb is self)
-        before = [type(cb).__name__ for cb in callbacks[:mine] if hasattr(cb, "num_frozen") and hasattr(cb, "num_blocks")]
+        # Freeze work at epoch starts: epoch-level points, or sub-epoch points deferred there (AutoDP).
+        before = [
+            type(cb).__name__ for cb in callbacks[:mine]
+            if isinstance(cb, AutoFreeze) and (cb.freeze_interval is None or getattr(trainer, "world_size", 1) > 1)
+        ]  # fmt: skip
         if before:
             rank_zero_warn(
                 f"Timeline is listed after {before[0]}: the freeze work at epoch starts (re-plan, cache advance) "

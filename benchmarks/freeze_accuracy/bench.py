@@ -275,9 +275,6 @@ def summary(path: Path) -> str:
 
 def docs_page(table: str, records: Path) -> str:
     """The summary as a docs page: what ran, where, and what each variant means (findings are in docs/autofreeze.md)."""
-    import os
-    import platform
-
     seen = {json.loads(line)["variant"] for line in records.read_text().splitlines()}
     threads = sorted({json.loads(line).get("threads") for line in records.read_text().splitlines()} - {None})
     meanings = "\n".join(f"- `{name}`: {spec.help}" for name, spec in SPECS.items() if name in seen)
@@ -292,8 +289,8 @@ Setting: the time-to-accuracy benchmark's (MiniLM-L6, Rotten Tomatoes, 3,000 tra
 validation snippets, 5 epochs, batch 32, fused AdamW lr 5e-5 with 10% warm-up and linear decay, the
 same batches and head initialisation per seed), every variant under the plain single-device
 strategy without AutoCache (the cache is exact). Accuracy only, on the whole validation side after
-epoch 1 (the second) and the last; times are not reported (the runs shared a 2-core machine:
-{os.cpu_count()} CPUs visible, torch threads {threads}, Python {platform.python_version()}, torch {torch.__version__}).
+epoch 1 (the second) and the last; times are not reported (the runs shared a 2-core machine;
+torch threads per run: {threads}).
 One seed is one run: seed-to-seed spread of the baseline on this setting is about 0.2-0.3 points
 (docs/benchmarks.md), so single-seed differences below that are noise.
 

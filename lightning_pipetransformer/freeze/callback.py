@@ -386,7 +386,8 @@ class AutoFreeze(Callback):
             return
         # One flag for the whole step, as the optimizer skips a step as a whole (pipeline stages may
         # sit on several devices: each checks its own gradients, the flags meet on one device).
-        flags = [torch.isfinite(torch.stack(torch._foreach_norm([g for _, g in pairs]))).all() for pairs in by_device.values()]
+        # The largest magnitude (ord=inf) cannot overflow in half precision as an L2 norm can, and keeps nan and inf.
+        flags = [torch.isfinite(torch.stack(torch._foreach_norm([g for _, g in pairs], ord=math.inf))).all() for pairs in by_device.values()]
         finite = torch.stack([f.to(flags[0].device) for f in flags]).all()
         for device, pairs in by_device.items():
             ok = finite.to(device)
@@ -419,7 +420,7 @@ class AutoFreeze(Callback):
             if not grads:
                 norms.append(torch.zeros((), device=device))
                 continue
-            per_tensor = torch._foreach_norm(grads)
+            per_tensor = torch._foreach_norm(grads, dtype=torch.float32)  # a finite fp16 gradient's norm may not be
             norms.append(torch.linalg.vector_norm(torch.stack(per_tensor)).to(device, non_blocking=True))
         return torch.stack(norms).float()
 

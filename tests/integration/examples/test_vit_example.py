@@ -184,7 +184,7 @@ def test_timeline_records_the_cache_bytes_per_epoch(tmp_path: Path, cache: bool)
     strategy = PipeTransformerStrategy(pipe_len=1, cache=cache, cache_dir=str(tmp_path / "cache"), cache_memory=150_000)
     timeline, probe = Timeline(print_table=False), StatsAtEpochEnd()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_epochs=3, callbacks=[AutoFreeze(schedule={1: 1}), timeline, probe],
+        accelerator="cpu", devices=1, strategy=strategy, max_epochs=3, callbacks=[timeline, AutoFreeze(schedule={1: 1}), probe],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0,
     )  # fmt: skip
