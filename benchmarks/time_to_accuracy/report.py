@@ -155,7 +155,58 @@ def goal_text(rows: list[dict[str, Any]], records: list[RunRecord]) -> str:
     lines.append(bound_of(closest, base))
     if closest is not (fast[0] if fast else None) and fast:
         lines.append(f"- For {fast[0]['variant']}: the accuracy is what bounds it, {fast[0]['delta']:+.2f} points against the -{GOAL_DROP:g} allowed.")
+    share = trained_share_text(records, {r["variant"] for r in others if r["ours"]})
+    if share:
+        lines.append(share)
     return "\n".join(lines)
+
+
+#: MiniLM-L6's blocks: what the share of trained block-steps is a share of.
+NUM_BLOCKS = 6
+
+
+def trained_share(freezes: list[list[int]], total_steps: int, num_blocks: int = NUM_BLOCKS) -> float:
+    """The share of (block, optimizer step) pairs in which the block trained: block ``b`` trains until
+    the first freeze event that covers it. 1.0 for a run that never freezes."""
+    frozen_at = [total_steps] * num_blocks
+    for step, count in freezes:
+        for block in range(min(count, num_blocks)):
+            frozen_at[block] = min(frozen_at[block], step)
+    return sum(frozen_at) / (num_blocks * total_steps)
+
+
+def trained_share_text(records: list[RunRecord], autofreeze_variants: set[str]) -> str:
+    """Across the AutoFreeze runs (``autofreeze_variants``), how the accuracy cost follows the share of
+    block-steps trained, and what a 3x run's share does to accuracy (paired with the same seed's baseline)."""
+    base = {r.seed: r for r in records if r.variant == "full fine-tuning" and not r.error and r.final_acc is not None}
+    points = []  # (share, points vs the same seed's baseline, speed-up vs it)
+    for r in records:
+        if r.variant not in autofreeze_variants or r.error or not r.frozen_steps or r.seed not in base or r.final_acc is None:
+            continue
+        total = int(sum(r.frozen_steps.values()))
+        points.append((trained_share(r.freezes, total), 100 * (r.final_acc - base[r.seed].final_acc), base[r.seed].train_s / r.train_s))
+    if len(points) < 3:
+        return ""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
+    corr = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else float("nan")
+    kept = [p for p in points if p[1] >= -GOAL_DROP]
+    fast = [p for p in points if p[2] >= GOAL_SPEEDUP]
+    text = (
+        f"- What bounds the accuracy, measured over the {len(points)} AutoFreeze runs: the share of block-steps "
+        f"(block x optimizer step) in which a block still trained. Each run's points against the same seed's baseline "
+        f"follow it (correlation {corr:.2f})."
+    )
+    if kept:
+        text += f" Runs within {GOAL_DROP:g} points of their baseline trained at least {min(p[0] for p in kept):.2f} of the block-steps"
+        text += f" and were at most {max(p[2] for p in kept):.2f}x faster."
+    if fast:
+        text += (
+            f" Runs at {GOAL_SPEEDUP:g}x or more trained at most {max(p[0] for p in fast):.2f} of the block-steps and lost "
+            f"{-max(p[1] for p in fast):.2f} to {-min(p[1] for p in fast):.2f} points."
+        )
+    return text
 
 
 def bound_of(row: dict[str, Any], base: dict[str, Any]) -> str:
