@@ -420,7 +420,7 @@ class AutoFreeze(Callback):
             if not grads:
                 norms.append(torch.zeros((), device=device))
                 continue
-            per_tensor = torch._foreach_norm(grads, dtype=torch.float32)  # a finite fp16 gradient's norm may not be
+            per_tensor = torch._foreach_norm(grads, dtype=torch.float32)  # in fp16 a finite gradient's L2 norm can overflow
             norms.append(torch.linalg.vector_norm(torch.stack(per_tensor)).to(device, non_blocking=True))
         return torch.stack(norms).float()
 
