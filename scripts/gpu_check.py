@@ -139,17 +139,20 @@ def compare(module: Classifier, reference: Classifier, precision: str) -> tuple[
     return ok, worst
 
 
+#: The test files with CUDA-only tests (skipped on CPU), run in part one.
+CUDA_TESTS = ("tests/unit/pipe/test_pipeline_cuda.py", "tests/unit/test_virtual_devices.py", "tests/unit/freeze/test_non_finite_steps.py")
+
+
 def part_one() -> list[Row]:
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit/pipe/test_pipeline_cuda.py", "tests/unit/test_virtual_devices.py",
-         "tests/unit/freeze/test_non_finite_steps.py"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *CUDA_TESTS],
         cwd=ROOT, capture_output=True, text=True,
     )
     last = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
     skipped = "skipped" in last and "passed" not in last
     print(proc.stdout[-3000:], proc.stderr[-2000:], sep="\n")
-    return [Row("1 CUDA tests", "tests/unit/pipe/test_pipeline_cuda.py, tests/unit/test_virtual_devices.py, tests/unit/freeze/test_non_finite_steps.py", proc.returncode == 0 and not skipped, last, time.perf_counter() - start)]
+    return [Row("1 CUDA tests", ", ".join(CUDA_TESTS), proc.returncode == 0 and not skipped, last, time.perf_counter() - start)]
 
 
 def part_two(accelerator: str) -> list[Row]:

@@ -7,6 +7,7 @@ import datetime
 import math
 import os
 import platform
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -187,10 +188,10 @@ def trained_share_text(records: list[RunRecord], autofreeze_variants: set[str]) 
         points.append((trained_share(r.freezes, total), 100 * (r.final_acc - base[r.seed].final_acc), base[r.seed].train_s / r.train_s))
     if len(points) < 3:
         return ""
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
-    corr = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else float("nan")
+    try:
+        corr = statistics.correlation([p[0] for p in points], [p[1] for p in points])
+    except statistics.StatisticsError:  # every run trained the same share, or lost the same points
+        corr = float("nan")
     kept = [p for p in points if p[1] >= -GOAL_DROP]
     fast = [p for p in points if p[2] >= GOAL_SPEEDUP]
     text = (
