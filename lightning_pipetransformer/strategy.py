@@ -445,6 +445,7 @@ class PipeTransformerStrategy(ParallelStrategy):
         # Entries computed at another precision must never be returned; index keys are only
         # unique within this set-up (this run, these loaders; several processes take rank 0's).
         self._autocache.fingerprint_extra = f"precision={trainer.precision}"
+        self._autocache.parameter_names = {id(p): name for name, p in self.lightning_module.named_parameters()}
         self._autocache.namespace = uuid.uuid4().hex[:12] + "-"
         # Entries advanced at a boundary move must equal what a forward computes (bf16-mixed: autocast).
         self._autocache.forward_context = self.precision_plugin.forward_context

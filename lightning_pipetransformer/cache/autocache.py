@@ -79,6 +79,7 @@ CacheMode = bool | Literal["auto"]
 #: Below this share of hits in an epoch after the boundary's entries were stored, content keys are
 #: naming other tensors than the stored ones (fixed inputs hit every time): worth a warning.
 _LOW_HIT_RATE = 0.8
+_INPUT_TRAINS = "the input of the frozen blocks requires grad and its gradient trains something"
 
 
 #: Per block-stack container: the modes in which its embeddings' output was seen to reach the stack
@@ -148,6 +149,8 @@ class AutoCache:
         # period_hit_rate: the store, its (hits, misses) and periods counted at the last report.
         self._period: tuple[ActivationStore, int, int, int] | None = None
         self._low_hits_warned = False
+        #: ``id(parameter) -> name``, to name what the frozen blocks' input trains (set by the strategy).
+        self.parameter_names: dict[int, str] = {}
         #: ``key="index"``: the indices each loader (``f"{stage}{dataloader_idx}"``) gave since its pass began.
         self._seen_indices: dict[str, set[int]] = {}
         # Several processes: the boundary to open once the weights are final (see defer_boundary),
@@ -181,13 +184,19 @@ class AutoCache:
             self._skipped.add(reason)
             _warn(f"AutoCache is not used for these batches: {reason}. Results are exact; only the speed-up is lost.")
 
+    def describe_input_gradient(self, leaf: Any) -> str:
+        """What the frozen blocks' input trains, in words (``leaf``: :func:`~..stack.input_grad.gradient_leaf`)."""
+        name = self.parameter_names.get(id(leaf)) if isinstance(leaf, Tensor) else None
+        return _INPUT_TRAINS + (f" (it reaches {name})" if name else "")
+
     def cannot_serve(self, trainable: str) -> None:
         """The frozen blocks read ``trainable``, which requires grad: refuse (``cache=True``) or stay off."""
-        if trainable == "the input of the frozen blocks":
+        if trainable.startswith(_INPUT_TRAINS):
             # Trainable embeddings (freeze_embeddings=False): expected, and exact without the cache.
             self.skip_once(
-                "the input of the frozen blocks requires grad and its gradient reaches a trainable parameter before "
-                "the stack (trainable embeddings, e.g. AutoFreeze(freeze_embeddings=False))"
+                f"{trainable}: a trainable parameter before the stack (trainable embeddings, e.g. "
+                "AutoFreeze(freeze_embeddings=False); or a module that runs before the stack but is registered after "
+                "it, such as BART's layernorm_embedding: name it in AutoFreeze(pre=[...]))"
             )
             return
         reason = (

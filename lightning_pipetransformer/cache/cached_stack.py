@@ -25,7 +25,7 @@ from lightning_pipetransformer.pipe.microbatch import (
     per_sample_view,
     tensors_in,
 )
-from lightning_pipetransformer.stack.input_grad import as_marked_input, needs_no_gradient
+from lightning_pipetransformer.stack.input_grad import as_marked_input, gradient_leaf, needs_no_gradient
 from lightning_pipetransformer.stack.interception import (
     StackCall,
     call_block,
@@ -140,7 +140,10 @@ class CachedStack:
 
         store = cache.current_store(frozen)
         if torch.is_grad_enabled() and frozen:
-            trainable = "the input of the frozen blocks" if hidden.requires_grad and not grad_free else first_trainable(prefix_calls)
+            trainable = (
+                cache.describe_input_gradient(gradient_leaf(hidden)) if hidden.requires_grad and not grad_free
+                else first_trainable(prefix_calls)
+            )
             if trainable is not None:
                 # Something the frozen blocks read still trains: the gradient must flow through them,
                 # and their output changes with it, so there is nothing to cache.

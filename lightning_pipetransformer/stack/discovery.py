@@ -127,9 +127,13 @@ def _get_submodule(root: nn.Module, path: str) -> nn.Module:
     try:
         module = root.get_submodule(path)
     except AttributeError as err:
+        found = find_candidates(root)
+        hint = (
+            "Stacks of repeated blocks in it: " + "; ".join(c.describe() for c in found[:3]) + "."
+            if found else "Give the attribute path of the block container, e.g. layers='model.bert.encoder.layer'."
+        )
         raise BlockStackError(
-            f"layers='{path}' does not name a submodule of {type(root).__name__}: {err}. "
-            "Give the attribute path of the block container, e.g. layers='model.bert.encoder.layer'."
+            f"'{path}' does not name a submodule of {type(root).__name__} (paths are relative to it): {err}. {hint}"
         ) from None
     return module
 

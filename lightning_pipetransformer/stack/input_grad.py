@@ -24,7 +24,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["FrozenOutputs", "as_marked_input", "needs_no_gradient"]
+__all__ = ["FrozenOutputs", "as_marked_input", "gradient_leaf", "needs_no_gradient"]
 
 _TAG = "_pipetransformer_grad_free"
 #: A walk that long is not an embeddings' graph: give up (the gradient is then assumed to be needed).
@@ -66,10 +66,19 @@ def needs_no_gradient(hidden: Tensor) -> bool:
     False when it does not require grad (nothing to decide), or when its graph reaches a parameter
     or any other leaf (a user's ``inputs_embeds``), or is longer than an embeddings' graph.
     """
+    return hidden.requires_grad and gradient_leaf(hidden) is None
+
+
+def gradient_leaf(hidden: Tensor) -> Tensor | bool | None:
+    """A leaf that ``hidden``'s gradient would reach and someone may read (a parameter, a user's tensor).
+
+    ``None``: none (only tagged outputs, or ``hidden`` needs no gradient); ``True``: the graph is too
+    long to tell (assumed needed).
+    """
     if not hidden.requires_grad:
-        return False
+        return None
     if hidden.grad_fn is None:  # a leaf: tagged, or the user's own tensor
-        return bool(getattr(hidden, _TAG, False))
+        return None if getattr(hidden, _TAG, False) else hidden
     # Only leaves decide: a module's tagged output may still depend on a tensor it read by other means.
     todo, seen = [hidden.grad_fn], set()
     while todo:
@@ -78,14 +87,14 @@ def needs_no_gradient(hidden: Tensor) -> bool:
             continue
         seen.add(id(node))
         if len(seen) > _MAX_NODES:
-            return False
+            return True
         variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf that requires grad
         if variable is not None:
             if not getattr(variable, _TAG, False):
-                return False
+                return variable
             continue
         todo.extend(next_node for next_node, _ in node.next_functions)
-    return True
+    return None
 
 
 def as_marked_input(hidden: Tensor) -> Tensor:

@@ -32,10 +32,10 @@ LORA_TARGETS = {"llama": ["q_proj", "v_proj"], "bert": ["query", "value"], "gpt2
 
 
 def trainer(strategy, callbacks=(), epochs=EPOCHS, **kwargs):
+    kwargs.setdefault("enable_checkpointing", False)
     return pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_epochs=epochs, callbacks=list(callbacks), logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        **kwargs,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs,
     )
 
 
@@ -51,7 +51,8 @@ class BlockRuns(Callback):
         self.backward: list[list[int]] = []
 
     def on_fit_start(self, trainer, pl_module):
-        self.blocks = list(find_block_stack(pl_module, getattr(trainer.strategy, "layers", None)).blocks)
+        stack = getattr(trainer.strategy, "stack", None) or find_block_stack(pl_module)  # the strategy's, once set up
+        self.blocks = list(stack.blocks)
         for index, block in enumerate(self.blocks):
             block.register_forward_pre_hook(lambda *_, i=index: self._count(self.forward, i))
             block.register_full_backward_pre_hook(lambda *_, i=index: self._count(self.backward, i))
@@ -433,3 +434,113 @@ def test_content_keys_that_hit_do_not_warn():
         trainer(strategy, [AutoFreeze(schedule={1: 3})], epochs=4).fit(module, family_data("bert"))
     assert not [w for w in caught if "lookups hit" in str(w.message)]
     assert strategy.cache_stats["autocache/hit_rate"] == 2 / 3  # epoch 1 stores, epochs 2-3 hit
+
+
+# ---------------------------------------------------------------------------------- encoder-decoder models
+
+BART_PRE = ["model.model.shared", "model.model.encoder.embed_tokens", "model.model.encoder.embed_positions",
+            "model.model.encoder.layernorm_embedding"]
+
+
+class Seq2Seq(pl.LightningModule):
+    """A tiny BART or T5 trained to reproduce its input (4 encoder and 4 decoder blocks, dropout 0)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        import transformers as T
+
+        torch.manual_seed(0)
+        if kind == "bart":
+            self.model = T.BartForConditionalGeneration(T.BartConfig(
+                vocab_size=40, d_model=32, encoder_layers=4, decoder_layers=4, encoder_attention_heads=2,
+                decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+                dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+            ))
+        else:
+            self.model = T.T5ForConditionalGeneration(T.T5Config(
+                vocab_size=40, d_model=32, d_kv=16, d_ff=64, num_layers=4, num_decoder_layers=4, num_heads=2,
+                dropout_rate=0.0, decoder_start_token_id=0,
+            ))
+
+    def training_step(self, batch, batch_idx):
+        x, mask, _ = batch
+        return self.model(input_ids=x, attention_mask=mask, labels=x).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def test_an_encoder_decoder_model_has_two_stacks_and_asks_which():
+    with pytest.raises(BlockStackError, match="model.model.decoder.layers.*model.model.encoder.layers"):
+        trainer(PipeTransformerStrategy(pipe_len=2), [AutoFreeze()]).fit(Seq2Seq("bart"), family_data("bert"))
+
+
+def test_bart_encoder_pipelined_and_cached():
+    """BART's layernorm_embedding runs before the encoder's blocks but is registered after them: named in ``pre``."""
+    def freeze():
+        return AutoFreeze(schedule={1: 3}, layers="model.model.encoder.layers", pre=BART_PRE)
+
+    plain = Seq2Seq("bart")
+    trainer("auto", [freeze()]).fit(plain, family_data("bert"))
+    module = Seq2Seq("bart")
+    runs = BlockRuns()
+    strategy = PipeTransformerStrategy(pipe_len=2, chunks=2, cache=True, cache_memory=10**8)
+    with pytest.warns(UserWarning, match="tied to a module after the stack"):  # shared embeddings: the head freezes too
+        trainer(strategy, [freeze(), runs]).fit(module, family_data("bert"))
+    assert_same_weights(module, plain)
+    assert strategy.stack.path == "model.model.encoder.layers"
+    assert_served(runs, strategy, frozen=3, chunks=2)
+
+
+def test_bart_decoder_pipelined():
+    plain = Seq2Seq("bart")
+    trainer("auto").fit(plain, family_data("bert"))
+    module = Seq2Seq("bart")
+    strategy = PipeTransformerStrategy(pipe_len=2, chunks=2, layers="model.model.decoder.layers")
+    trainer(strategy).fit(module, family_data("bert"))
+    assert_same_weights(module, plain)
+    assert strategy.plan.pipe_len == 2
+
+
+def test_t5_blocks_pass_the_position_bias_on_and_are_refused():
+    """T5's first block computes the relative position bias and the loop hands it to the next ones."""
+    from lightning_pipetransformer.stack.interception import InterceptionError
+
+    with pytest.raises(InterceptionError, match="got an earlier block's output as an extra argument"):
+        trainer(PipeTransformerStrategy(pipe_len=2, layers="model.encoder.block")).fit(Seq2Seq("t5"), family_data("bert"))
+
+
+# ---------------------------------------------------------------------------------- combined with the loop's recipes
+
+
+def test_lora_with_checkpointing_cached_under_bf16_and_accumulation():
+    recipe = dict(checkpointing="reentrant", lora="all")
+    loop = dict(precision="bf16-mixed", accumulate_grad_batches=2)
+    plain = build("llama", **recipe)
+    trainer("auto", [AutoFreeze(schedule={1: 3})], **loop).fit(plain, family_data("llama"))
+    module = build("llama", **recipe)
+    runs = BlockRuns()
+    strategy = PipeTransformerStrategy(cache=True, cache_memory=10**8)
+    trainer(strategy, [AutoFreeze(schedule={1: 3}), runs], **loop).fit(module, family_data("llama"))
+    assert_same_weights(module, plain, rtol=1e-3, atol=1e-4)
+    assert_served(runs, strategy, frozen=3)
+
+
+def test_lora_on_the_upper_layers_resumes_exactly(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(epochs, ckpt=None, checkpoint=False):
+        module = build("llama", lora="upper")
+        callbacks = [AutoFreeze(schedule={2: 3})]
+        if checkpoint:
+            callbacks.append(ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0))
+        strategy = PipeTransformerStrategy(pipe_len=2, chunks=2, cache=True, cache_memory=10**8, cache_dir=str(tmp_path / "cache"))
+        fit = trainer(strategy, callbacks, epochs=epochs, enable_checkpointing=checkpoint)
+        fit.fit(module, family_data("llama"), ckpt_path=ckpt)
+        return module, strategy
+
+    whole, _ = run(4)
+    run(2, checkpoint=True)
+    resumed, strategy = run(4, ckpt=str(tmp_path / "last.ckpt"))
+    assert_same_weights(resumed, whole)
+    assert strategy.plan.num_frozen == 3 and strategy.cache_stats["autocache/hits"] > 0
