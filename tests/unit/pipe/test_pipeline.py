@@ -1,6 +1,5 @@
 """The pipeline executor equals the plain loop over the blocks (pipe.pipeline), on CPU."""
 
-import contextlib
 import copy
 
 import pytest
@@ -16,6 +15,7 @@ from lightning_pipetransformer.pipe.pipeline import (
     pipelined,
     remove_pipeline,
 )
+from tests.unit.pipe.stand_in_streams import Timeline
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -285,11 +285,12 @@ def test_one_stage_one_chunk_is_the_plain_loop():
 
 
 def test_schedule_is_clock_cycle_order():
+    # Last stage first within a cycle (why: clock_cycles' docstring; the timing: test_makespan.py).
     assert list(clock_cycles(3, 3)) == [
         [(0, 0)],
-        [(1, 0), (0, 1)],
-        [(2, 0), (1, 1), (0, 2)],
-        [(2, 1), (1, 2)],
+        [(0, 1), (1, 0)],
+        [(0, 2), (1, 1), (2, 0)],
+        [(1, 2), (2, 1)],
         [(2, 2)],
     ]
     for chunks, stages in [(1, 4), (4, 1), (2, 5), (8, 3)]:
@@ -496,65 +497,39 @@ def test_install_details():
 # -- the stream protocol, checked on CPU with stand-in streams -----------------------------
 
 
-class FakeStream:
-    def __init__(self, name):
-        self.name = name
-
-    def __repr__(self):
-        return self.name
-
-
-def test_stream_protocol_with_stand_in_streams(monkeypatch):
+def test_stream_protocol_with_stand_in_streams():
     """What the CUDA path does, step by step, observed through stand-in streams.
 
-    Every handover waits on the producer's stream and records the tensor on the consumer's;
-    blocks compute on their stage's stream; gradients wait the other way round.
+    Every handover waits on the producer's stream and records the tensor on both; blocks compute
+    on their stage's stream; gradients wait the other way round.
     """
-    caller = FakeStream("caller")
-    state = {"current": caller, "made": []}
-    log = []
-
-    def new_stream(device):
-        state["made"].append(FakeStream(f"s{len(state['made'])}"))
-        return state["made"][-1]
-
-    @contextlib.contextmanager
-    def use_stream(stream):
-        before = state["current"]
-        state["current"] = stream if stream is not None else before
-        try:
-            yield
-        finally:
-            state["current"] = before
-
-    monkeypatch.setattr(dev, "new_stream", new_stream)
-    monkeypatch.setattr(dev, "current_stream", lambda device: state["current"])
-    monkeypatch.setattr(dev, "use_stream", use_stream)
-    monkeypatch.setattr(dev, "wait", lambda waiter, producer: waiter is not producer and log.append(("wait", waiter, producer)))
-    monkeypatch.setattr(dev, "record", lambda t, *streams: log.append(("record", *streams)))
-
+    timeline = Timeline()
+    log = timeline.log
+    cpu = torch.device("cpu")
     blocks = make_blocks(depth=3)
     for index, block in enumerate(blocks):
-        block.register_forward_pre_hook(lambda m, a, i=index: log.append(("compute", i, state["current"])))
+        block.register_forward_pre_hook(lambda m, a, i=index: log.append(("compute", i, timeline.current_stream(cpu))))
     hidden, mask, _ = inputs()
-    pipe = Pipeline(blocks, (1, 1, 1), ["cpu"] * 3, 2)
-    out = pipe(hidden.requires_grad_(True), mask)
-    s0, s1, s2 = streams = state["made"]
-    assert pipe._streams == streams
+    with dev.stand_in_streams(timeline):
+        caller = timeline.current_stream(cpu)
+        pipe = Pipeline(blocks, (1, 1, 1), ["cpu"] * 3, 2)
+        out = pipe(hidden.requires_grad_(True), mask)
+        s0, s1, s2 = streams = timeline.made
+        assert pipe._streams == streams
 
-    expected = [("wait", s, caller) for s in streams]  # stages see the caller's earlier work
-    for cycle in clock_cycles(2, 3):
-        for _, j in cycle:
-            src = caller if j == 0 else streams[j - 1]
-            expected += [("wait", streams[j], src), ("record", src, streams[j])]  # the hidden state
-            expected += [("wait", streams[j], caller), ("record", caller, streams[j])]  # its mask chunk
-            expected += [("compute", j, streams[j])]
-    expected += [("wait", caller, s2), ("record", s2, caller)] * 2  # outputs back to the caller
-    assert log == expected
+        expected = [("wait", s, caller) for s in streams]  # stages see the caller's earlier work
+        for cycle in clock_cycles(2, 3):
+            for _, j in cycle:
+                src = caller if j == 0 else streams[j - 1]
+                expected += [("wait", streams[j], src), ("record", src), ("record", streams[j])]  # the hidden state
+                expected += [("wait", streams[j], caller), ("record", caller), ("record", streams[j])]  # its mask chunk
+                expected += [("compute", j, streams[j])]
+        expected += [("wait", caller, s2), ("record", s2), ("record", caller)] * 2  # outputs back to the caller
+        assert log == expected
 
-    log.clear()
-    out.sum().backward()
+        log.clear()
+        out.sum().backward()
     waits = sorted((str(e[1]), str(e[2])) for e in log if e[0] == "wait")
     # Each handover's gradient goes back: consumer's stream -> producer's stream, per micro-batch.
-    assert waits == sorted([("s2", "caller"), ("s1", "s2"), ("s0", "s1"), ("caller", "s0")] * 2)
+    assert waits == sorted([("s2", "caller:cpu"), ("s1", "s2"), ("s0", "s1"), ("caller:cpu", "s0")] * 2)
     assert hidden.grad is not None
