@@ -58,10 +58,12 @@ from lightning_pipetransformer.dp import (
     state_transfer,
 )
 from lightning_pipetransformer.dp.replicas import Elastic, OneProcess, Replicas
+from lightning_pipetransformer.freeze.apply import untrainable_prefix
 from lightning_pipetransformer.pipe.costs import parameter_costs, parameter_count
 from lightning_pipetransformer.pipe.planner import AutoPipe, Plan
 from lightning_pipetransformer.stack.declared import block_stack_of
 from lightning_pipetransformer.stack.discovery import BlockStack, BlockStackError
+from lightning_pipetransformer.stack.input_grad import FrozenOutputs
 from lightning_pipetransformer.stack.interception import (
     InterceptionStats,
     install_pipeline,
@@ -193,6 +195,7 @@ class PipeTransformerStrategy(ParallelStrategy):
         self._warned_disengaged = False
         self._runner_installed = False
         self._kv_cache_configs: list[Any] = []  # configs whose use_cache this fit turned off
+        self._frozen_outputs: FrozenOutputs | None = None
 
     # ------------------------------------------------------------------ one process, or several
     #
@@ -256,6 +259,15 @@ class PipeTransformerStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        # Lightning calls this when the Trainer is built, once the devices are known: refuse a pipe length
+        # that cannot tile them now, not in every process after they started.
+        if self.num_processes > 1 and self.num_processes % self.pipe_len:
+            divisors = [k for k in range(1, self.num_processes + 1) if self.num_processes % k == 0]
+            raise ValueError(
+                f"pipe_len={self.pipe_len} must divide the {self.num_processes} devices per node (each pipeline replica "
+                f"spans pipe_len of them, and the freed ones become replicas): use pipe_len in {divisors}, or "
+                f"Trainer(devices=...) a multiple of {self.pipe_len}."
+            )
         self._launcher = (
             lightning_internals.SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
             if self.is_distributed
@@ -352,13 +364,16 @@ class PipeTransformerStrategy(ParallelStrategy):
             self.planner, self._plan = None, None
             self._setup_model_and_optimizers(trainer, None)
             return
+        # Which inputs of the stack require grad only because a hook marked them (gradient checkpointing, PEFT).
+        self._frozen_outputs = FrozenOutputs(m for _, m in self.stack.pre)
         self.planner = self._make_planner()
         self._check_layer_outputs(module)
         if trainer.state.fn == TrainerFn.FITTING:
             self._turn_off_kv_cache(module)
         if self._restored is not None:
             self._auto_chunks = {int(k): int(m) for k, m in self._restored.get("auto_chunks", {}).items()}
-        num_frozen = autofreeze.num_frozen if autofreeze is not None else 0
+        # Blocks without a trainable parameter (frozen before fit, adapters on upper layers only) count as frozen.
+        num_frozen = max(autofreeze.num_frozen if autofreeze is not None else 0, untrainable_prefix(self.stack))
         if self.cache:
             self._setup_cache(trainer, autofreeze)
         self._ddp_init_sync = True
@@ -368,8 +383,12 @@ class PipeTransformerStrategy(ParallelStrategy):
     def _find_stack(self, module: pl.LightningModule, autofreeze: Any) -> BlockStack | None:
         """The block stack to plan over; ``None`` (with a warning) when the model has none and
         nothing asks for one, so that any LightningModule trains as under the plain strategy."""
-        if self.layers is None and autofreeze is not None and autofreeze.stack is not None:
-            return autofreeze.stack
+        if self.layers is None and autofreeze is not None:
+            if module.trainer.state.fn == TrainerFn.FITTING:
+                # AutoFreeze's stack; a model built in setup() / configure_model() exists only now.
+                return autofreeze.find_stack(module, module.trainer)
+            if autofreeze.stack is not None:
+                return autofreeze.stack
         try:
             return block_stack_of(module, self.layers)
         except BlockStackError as err:
@@ -976,6 +995,9 @@ class PipeTransformerStrategy(ParallelStrategy):
             idle_hooks.restore_module_hooks(self.lightning_module)
         if self.stack is not None:
             remove_pipeline(self.stack.container)
+        if self._frozen_outputs is not None:
+            self._frozen_outputs.remove()
+            self._frozen_outputs = None
         if self._autocache is not None:
             self._autocache.detach()
         for config in self._kv_cache_configs:

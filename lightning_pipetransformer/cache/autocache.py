@@ -178,7 +178,10 @@ class AutoCache:
         """The frozen blocks read ``trainable``, which requires grad: refuse (``cache=True``) or stay off."""
         if trainable == "the input of the frozen blocks":
             # Trainable embeddings (freeze_embeddings=False): expected, and exact without the cache.
-            self.skip_once("the input of the frozen blocks requires grad (trainable embeddings)")
+            self.skip_once(
+                "the input of the frozen blocks requires grad and its gradient reaches a trainable parameter before "
+                "the stack (trainable embeddings, e.g. AutoFreeze(freeze_embeddings=False))"
+            )
             return
         reason = (
             f"the frozen blocks read {trainable}, which requires grad (it comes from trainable parameters, e.g. "

@@ -25,6 +25,7 @@ from lightning_pipetransformer.pipe.microbatch import (
     per_sample_view,
     tensors_in,
 )
+from lightning_pipetransformer.stack.input_grad import as_marked_input, needs_no_gradient
 from lightning_pipetransformer.stack.interception import (
     StackCall,
     call_block,
@@ -123,22 +124,28 @@ class CachedStack:
         # ``hidden`` is a placeholder when the embeddings were skipped: ``rows`` runs them for
         # the rows that need real values (misses, verified hits), ``full`` for all rows.
         skipped, pending = cache.arrived(hidden)
-        rows: Callable[[Tensor], Tensor] = skipped.rows if skipped is not None else (lambda m: hidden[m.to(hidden.device)])
+        # The input requires grad only because a hook marked it (enable_input_require_grads under gradient
+        # checkpointing or PEFT), with no parameter behind it: the frozen prefix needs no graph and can be
+        # served; the boundary is marked again for the active blocks (stack/input_grad.py).
+        grad_free = torch.is_grad_enabled() and hidden.requires_grad and (skipped is not None or needs_no_gradient(hidden))
+        source = hidden.detach() if grad_free and skipped is None else hidden
+        rows: Callable[[Tensor], Tensor] = skipped.rows if skipped is not None else (lambda m: source[m.to(source.device)])
 
         def full() -> Tensor:
-            return skipped.rows() if skipped is not None else hidden
+            # Never the placeholder: where the cache stands aside, the real embeddings run.
+            return skipped.rows() if skipped is not None else source
 
         def active(boundary: Tensor) -> Any:
-            return self.active(call.part(frozen, hidden=boundary))
+            return self.active(call.part(frozen, hidden=as_marked_input(boundary) if grad_free else boundary))
 
         store = cache.current_store(frozen)
         if torch.is_grad_enabled() and frozen:
-            trainable = "the input of the frozen blocks" if hidden.requires_grad else first_trainable(prefix_calls)
+            trainable = "the input of the frozen blocks" if hidden.requires_grad and not grad_free else first_trainable(prefix_calls)
             if trainable is not None:
                 # Something the frozen blocks read still trains: the gradient must flow through them,
                 # and their output changes with it, so there is nothing to cache.
                 cache.cannot_serve(trainable)
-                return active(self._prefix(hidden, prefix_calls))
+                return active(self._prefix(full(), prefix_calls))
         if store is None or not cache.enabled:
             return active(self._prefix_plain(full(), prefix_calls))
         batch = hidden.shape[0]

@@ -24,9 +24,10 @@ It skips only when all of these hold, otherwise the module runs normally:
   first call of the embeddings in that forward (later ones, if any, run for real);
 - no parameter of the module requires grad, no tensor argument requires grad (a trainable
   soft prompt in ``inputs_embeds``), and an earlier real call with inputs of the same shapes,
-  in the same grad and autocast mode, showed the output's shape and that it did *not* require
-  grad (a hook such as ``enable_input_require_grads`` makes it require grad: then the real
-  output must flow, and the stack runs the blocks in the graph instead of the cache). The
+  in the same grad and autocast mode, showed the output's shape and that its gradient reaches
+  no parameter (it does not require grad, or only because a hook such as
+  ``enable_input_require_grads`` marked it: the placeholder is marked the same way, and the
+  cached stack marks the active blocks' input again, :mod:`~lightning_pipetransformer.stack.input_grad`). The
   shape map is per input signature, so length buckets cost one real call each.
 
 And it fails loudly: a placeholder that does not reach the stack as the same tensor, that was
@@ -42,6 +43,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from lightning_pipetransformer.stack.input_grad import needs_no_gradient
+from lightning_pipetransformer.stack.placeholders import make_placeholder
 
 __all__ = ["EmbeddingSkipper", "SkipError", "Skipped", "input_versions", "version_of"]
 
@@ -100,8 +104,9 @@ class EmbeddingSkipper:
         self.may_skip = may_skip
         self._depth = 0
         self._calls = 0  # calls of the module in the current forward of ``scope``
-        # Input signature -> output (shape, dtype, device), for outputs that did not require grad.
-        self._shapes: dict[Any, tuple[torch.Size, torch.dtype, torch.device]] = {}
+        # Input signature -> output (shape, dtype, device, requires_grad) of outputs whose gradient reaches no
+        # parameter (requires_grad: a hook such as enable_input_require_grads marked them).
+        self._shapes: dict[Any, tuple[torch.Size, torch.dtype, torch.device, bool]] = {}
         self._skipped: Skipped | None = None
         self._own_forward = module.__dict__.get("forward")
         self._real = module.forward
@@ -183,19 +188,21 @@ class EmbeddingSkipper:
         signature = self._signature(args, kwargs) if self._depth > 0 else None
         known = self._shapes.get(signature) if signature is not None else None
         if known is not None and first and self._frozen() and self.may_skip():
-            shape, dtype, device = known
+            shape, dtype, device, marked = known
             batch = signature[0]
-            # A normal tensor even under inference_mode, so that its version counter tracks in-place changes.
-            with torch.inference_mode(False):
-                placeholder = torch.full((batch, *shape), float("nan"), dtype=dtype, device=device)
+            # Marked: every path that runs a block refuses it (stack/placeholders.py).
+            placeholder = make_placeholder((batch, *shape), dtype, device)
+            if marked:  # what the real output would be: the active blocks' input is marked again from it
+                placeholder.requires_grad_(True)
             self._skipped = Skipped(args, kwargs, placeholder, self._real, placeholder._version, input_versions(args, kwargs))
             return placeholder
         output = self._real(*args, **kwargs)
         if (
             signature is not None and isinstance(output, Tensor) and output.is_floating_point()
-            and output.dim() > 0 and output.shape[0] == signature[0] and not output.requires_grad
+            and output.dim() > 0 and output.shape[0] == signature[0]
+            and (not output.requires_grad or needs_no_gradient(output))
         ):
-            self._shapes[signature] = (output.shape[1:], output.dtype, output.device)
+            self._shapes[signature] = (output.shape[1:], output.dtype, output.device, output.requires_grad)
         return output
 
     def _frozen(self) -> bool:

@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_pipetransformer.stack.discovery import BlockStack
 
-__all__ = ["frozen_modules", "frozen_parameters", "apply_freeze", "ensure_frozen_eval"]
+__all__ = ["apply_freeze", "ensure_frozen_eval", "frozen_modules", "frozen_parameters", "tied_outside", "untrainable_prefix"]
 
 
 def frozen_modules(stack: BlockStack, num_frozen: int, include_pre: bool) -> list[nn.Module]:
@@ -56,3 +56,35 @@ def ensure_frozen_eval(stack: BlockStack, num_frozen: int, include_pre: bool) ->
     for module in frozen_modules(stack, num_frozen, include_pre):
         if module.training:
             module.eval()
+
+
+def untrainable_prefix(stack: BlockStack) -> int:
+    """How many leading blocks have no parameter that requires grad (frozen before fit, or no adapter).
+
+    They train no more than frozen blocks do, so the plan counts them as frozen from the start: the
+    pipeline packs the rest and AutoCache may serve them (PEFT adapters on the upper layers only).
+    """
+    count = 0
+    for block in stack.blocks:
+        if any(p.requires_grad for p in block.parameters()):
+            break
+        count += 1
+    return count
+
+
+def tied_outside(stack: BlockStack, root: nn.Module) -> list[tuple[str, str]]:
+    """``(pre parameter, other name)`` for parameters before the stack that a module after it also holds.
+
+    GPT-2 and many decoders tie the input embeddings to the output head: freezing the embeddings
+    then freezes the head too.
+    """
+    pre_names = {id(p): f"{path}.{name}" for path, module in stack.pre for name, p in module.named_parameters()}
+    pre_ids = {id(m) for _, module in stack.pre for m in module.modules()}
+    found: list[tuple[str, str]] = []
+    for path, module in root.named_modules():
+        if id(module) in pre_ids:
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in pre_names:
+                found.append((pre_names[id(param)], f"{path}.{name}" if path else name))
+    return found

@@ -35,7 +35,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -43,6 +44,8 @@ from lightning_pipetransformer.freeze.apply import (
     apply_freeze,
     ensure_frozen_eval,
     frozen_parameters,
+    tied_outside,
+    untrainable_prefix,
 )
 from lightning_pipetransformer.freeze.rules import (
     ExplicitSchedule,
@@ -54,7 +57,7 @@ from lightning_pipetransformer.freeze.rules import (
     validate_interval,
 )
 from lightning_pipetransformer.stack.declared import block_stack_of
-from lightning_pipetransformer.stack.discovery import BlockStack
+from lightning_pipetransformer.stack.discovery import BlockStack, BlockStackError
 
 __all__ = ["AutoFreeze"]
 
@@ -142,6 +145,9 @@ class AutoFreeze(Callback):
 
         self.stack: BlockStack | None = None
         self.num_frozen = 0
+        #: Whether the modules before the stack count as frozen (AutoFreeze froze them, or they were before fit).
+        self._pre_frozen = False
+        self._module: pl.LightningModule | None = None  # the module of the current fit (lazily built models)
         self.history: list[tuple[int, int]] = []  # (epoch, num_frozen) at each freeze event
         #: (global step, num_frozen) at each freeze event.
         self.step_history: list[tuple[int, int]] = []
@@ -178,23 +184,65 @@ class AutoFreeze(Callback):
                 "or freeze by hand in your training_step."
             )
         self._check_strategy(trainer)
-        self.stack = block_stack_of(pl_module, self.layers, self.pre)
-        if self.min_active > self.num_blocks:
+        self._module = pl_module
+        try:
+            self.find_stack(pl_module, trainer)
+        except BlockStackError:
+            # Lightning calls the callbacks' setup before the module's own setup() and configure_model(),
+            # where large models are built: look again once they ran (load_state_dict, the strategy's
+            # setup, on_fit_start), and fail then if it is still missing.
+            if not _builds_lazily(pl_module):
+                raise
+
+    def find_stack(self, pl_module: pl.LightningModule, trainer: pl.Trainer | None = None) -> BlockStack:
+        """The block stack this callback freezes, found (and checked) the first time it is asked for.
+
+        Called at ``setup`` and, for a model built in ``setup()`` / ``configure_model()``, again once
+        it exists (by the pipeline strategy's setup, :meth:`load_state_dict` or ``on_fit_start``).
+        Leading blocks without a trainable parameter (frozen before fit, or PEFT adapters on the upper
+        layers only) count as frozen from the start: AutoFreeze treats them as blocks it froze (eval
+        mode) and the strategy's plan packs and caches past them.
+        """
+        if self.stack is not None:
+            return self.stack
+        stack = block_stack_of(pl_module, self.layers, self.pre)
+        if self.min_active > len(stack):
             raise ValueError(
-                f"min_active={self.min_active} exceeds the {self.num_blocks} blocks of {self.stack.path}; "
-                f"use at most {self.num_blocks}."
+                f"min_active={self.min_active} exceeds the {len(stack)} blocks of {stack.path}; use at most {len(stack)}."
             )
+        self.stack = stack
         if self.min_active == 0 and not self._trains_outside_stack(pl_module):
+            self.stack = None
             raise ValueError(
                 "min_active=0 would leave nothing to train: every trainable parameter is in the block stack "
                 "(or before it). Use min_active >= 1."
             )
         if self.schedule is not None:
-            epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs > 0 else None
+            epochs = trainer.max_epochs if trainer is not None and trainer.max_epochs is not None and trainer.max_epochs > 0 else None
             self.schedule.validate(self.max_frozen, epochs)
-        rank_zero_info(f"AutoFreeze: block stack {self.stack.describe()}; {self._rule_text()}.")
-        if self.num_frozen:  # a second fit() with the same callback keeps its frozen prefix
-            apply_freeze(self.stack, self.num_frozen, self.freeze_embeddings)
+        rank_zero_info(f"AutoFreeze: block stack {stack.describe()}; {self._rule_text()}.")
+        untrainable = untrainable_prefix(stack)
+        if untrainable > self.num_frozen:
+            rank_zero_info(
+                f"AutoFreeze: blocks 0..{untrainable - 1} have no trainable parameter: counted as frozen from the start "
+                "(eval mode, as blocks AutoFreeze freezes)."
+            )
+            self.num_frozen = untrainable
+        if self.freeze_embeddings:
+            tied = tied_outside(stack, pl_module)
+            if tied:
+                listed = ", ".join(f"{a} is {b}" for a, b in tied[:3])
+                rank_zero_warn(
+                    f"AutoFreeze(freeze_embeddings=True) freezes the embeddings with the first block, but they are tied to "
+                    f"a module after the stack ({listed}): that output head stops training too. Pass "
+                    "freeze_embeddings=False to keep it training (AutoCache then keys on the hidden state), or untie "
+                    "the weights (tie_word_embeddings=False)."
+                )
+        if self.freeze_embeddings and self.num_frozen and not _pre_trainable(stack):
+            self._pre_frozen = True  # frozen before fit (PEFT): treated as AutoFreeze would
+        if self.num_frozen:  # a second fit() with the same callback, or blocks frozen before fit
+            apply_freeze(stack, self.num_frozen, self._pre_frozen)
+        return stack
 
     def _rule_text(self) -> str:
         if self.schedule is not None:
@@ -226,19 +274,51 @@ class AutoFreeze(Callback):
 
     # ------------------------------------------------------------------ the loop
 
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.stack is None:  # built in setup() / configure_model(), and no strategy asked yet
+            self.find_stack(pl_module, trainer)
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.freeze_interval is None:
+        if self.freeze_interval is not None:
+            self._interval_steps = interval_steps(self.freeze_interval, _steps_per_epoch(trainer))
+            if self._next_point is None:  # a fresh run; a resumed one restored its next point
+                self._next_point = trainer.global_step + self._interval_steps
+        self._warn_if_no_point_fits(trainer)
+
+    def _warn_if_no_point_fits(self, trainer: pl.Trainer) -> None:
+        """Once, before training: a run too short for any freeze decision freezes nothing, and says so."""
+        if self.schedule is not None or self.num_frozen >= self.max_frozen:
             return
-        self._interval_steps = interval_steps(self.freeze_interval, _steps_per_epoch(trainer))
-        if self._next_point is None:  # a fresh run; a resumed one restored its next point
-            self._next_point = trainer.global_step + self._interval_steps
+        needed = 2 if self.rule == "autofreeze" else 1  # the autofreeze rule compares two intervals
+        if self.freeze_interval is not None:
+            total = trainer.estimated_stepping_batches
+            assert self._next_point is not None and self._interval_steps is not None
+            if total == float("inf"):
+                return
+            fits = max(0, (int(total) - 1 - self._next_point) // self._interval_steps + 1) if self._next_point < total else 0
+            every = f"freeze_interval={self.freeze_interval!r} ({self._interval_steps} optimizer steps)"
+            length, fix = f"{int(total)} optimizer steps", "a shorter freeze_interval (a float is a fraction of an epoch)"
+        else:
+            epochs = trainer.max_epochs
+            if epochs is None or epochs < 0:
+                return
+            first = max(self.freeze_every_n_epochs, self._decided_epoch + self.freeze_every_n_epochs)
+            fits = len(range(first, epochs, self.freeze_every_n_epochs))
+            every = f"freeze_every_n_epochs={self.freeze_every_n_epochs}"
+            length, fix = f"max_epochs={epochs}", "more epochs, or freeze points inside epochs (freeze_interval=0.5)"
+        if fits < needed:
+            what = "freeze point falls inside it" if fits == 0 else "freeze point fits, and rule='autofreeze' needs two"
+            rank_zero_warn(
+                f"AutoFreeze: with {every} and a run of {length}, {'no' if fits == 0 else 'only one'} {what}: nothing "
+                f"will be frozen. Use {fix}."
+            )
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.freeze_interval is not None:
             if self._points_wait_for_epochs(trainer):
                 self._at_point(trainer, trainer.global_step)
             elif self.stack is not None:
-                ensure_frozen_eval(self.stack, self.num_frozen, self.freeze_embeddings)
+                ensure_frozen_eval(self.stack, self.num_frozen, self._pre_frozen)
             return
         if not getattr(trainer.strategy, "autofreeze_decides_here", True):
             # AutoDP: global rank 0 alone decides (an idle rank has no gradient norms, and stale
@@ -246,14 +326,14 @@ class AutoFreeze(Callback):
             # state reach this rank with the plan, right after this callback (the strategy's
             # transition), and load_state_dict freezes the same blocks here.
             if self.stack is not None:
-                ensure_frozen_eval(self.stack, self.num_frozen, self.freeze_embeddings)
+                ensure_frozen_eval(self.stack, self.num_frozen, self._pre_frozen)
             return
         epoch = trainer.current_epoch
         target = self._decide(epoch)
         if target > self.num_frozen:
             self._apply(trainer, target, announce=True, epoch=epoch)
         elif self.stack is not None:
-            ensure_frozen_eval(self.stack, self.num_frozen, self.freeze_embeddings)
+            ensure_frozen_eval(self.stack, self.num_frozen, self._pre_frozen)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if (
@@ -265,7 +345,7 @@ class AutoFreeze(Callback):
         # A user's `model.train()` (e.g. in on_validation_model_train) would re-enable dropout in
         # frozen blocks; one attribute read per frozen module puts that right.
         if self.stack is not None and self.num_frozen:
-            ensure_frozen_eval(self.stack, self.num_frozen, self.freeze_embeddings)
+            ensure_frozen_eval(self.stack, self.num_frozen, self._pre_frozen)
 
     def _points_wait_for_epochs(self, trainer: pl.Trainer) -> bool:
         """Several processes under the pipeline strategy: AutoDP changes replicas at epoch starts only."""
@@ -286,7 +366,7 @@ class AutoFreeze(Callback):
         self._next_point += ((step - self._next_point) // self._interval_steps + 1) * self._interval_steps
         if not getattr(trainer.strategy, "autofreeze_decides_here", True):
             if self.stack is not None:  # rank 0's decision arrives with the plan (load_state_dict)
-                ensure_frozen_eval(self.stack, self.num_frozen, self.freeze_embeddings)
+                ensure_frozen_eval(self.stack, self.num_frozen, self._pre_frozen)
             return
         target = self._decide_at_point()
         if target > self.num_frozen:
@@ -442,6 +522,7 @@ class AutoFreeze(Callback):
         before = self.num_frozen
         changed = apply_freeze(self.stack, target, self.freeze_embeddings)
         self.num_frozen = target
+        self._pre_frozen = self.freeze_embeddings
         if self._grad_sums is not None:  # rule="autofreeze": frozen blocks' sums are not needed any more
             for index in range(before, target):
                 self._grad_sums[index] = [torch.zeros_like(s) for s in self._grad_sums[index]]
@@ -455,16 +536,16 @@ class AutoFreeze(Callback):
                 f"AutoFreeze: {where}: froze blocks {before}..{target - 1} "
                 f"({target}/{self.num_blocks} frozen{', embeddings too' if self.freeze_embeddings else ''})."
             )
-        if changed:
-            self._notify_strategy(trainer, target)
+        self._notify_strategy(trainer, target, changed)
 
-    def _notify_strategy(self, trainer: pl.Trainer, target: int) -> None:
+    def _notify_strategy(self, trainer: pl.Trainer, target: int, changed: int) -> None:
         strategy = trainer.strategy
         hook = getattr(strategy, STRATEGY_HOOK, None)
         if callable(hook):
+            # Also when no parameter changed (blocks that had none trainable): the plan still moves.
             hook(target, self)
             return
-        if isinstance(strategy, DDPStrategy) and isinstance(strategy.model, DistributedDataParallel):
+        if changed and isinstance(strategy, DDPStrategy) and isinstance(strategy.model, DistributedDataParallel):
             # DDP's reducer fixed its gradient buckets when it was built; parameters frozen
             # afterwards would still be all-reduced (or raise "Expected to have finished
             # reduction"). Re-wrapping drops them (Lightning issue #20340).
@@ -486,6 +567,7 @@ class AutoFreeze(Callback):
             "next_point": self._next_point,
             "points": self._points,
             "previous_l1": self._previous_l1,
+            "pre_frozen": self._pre_frozen,
             # rule="autofreeze" mid-interval: the summed gradients (a copy of the active blocks' size).
             "grad_sums": [[t.detach().cpu() for t in block] for block in self._grad_sums] if self._grad_sums is not None else None,
         }
@@ -496,6 +578,9 @@ class AutoFreeze(Callback):
         return self._restored_norms
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.stack is None and self._module is not None:
+            # Restored after the module's setup() and configure_model(): a lazily built model exists now.
+            self.find_stack(self._module)
         if self.stack is not None and state_dict["num_blocks"] not in (0, self.num_blocks):
             raise ValueError(
                 f"The checkpoint's AutoFreeze state is for {state_dict['num_blocks']} blocks, this model's stack "
@@ -511,6 +596,7 @@ class AutoFreeze(Callback):
         self._next_point = state_dict.get("next_point")
         self._points = int(state_dict.get("points", 0))
         self._previous_l1 = state_dict.get("previous_l1")
+        self._pre_frozen = bool(state_dict.get("pre_frozen", self.freeze_embeddings and self.num_frozen > 0))
         sums = state_dict.get("grad_sums")
         if sums is not None and self.stack is not None:
             self._grad_sums = [
@@ -521,7 +607,7 @@ class AutoFreeze(Callback):
         if self.stack is not None and self.num_frozen:
             # Callbacks are restored before the strategy wraps the model: freeze now so DDP's
             # first wrapper already leaves the frozen prefix out.
-            apply_freeze(self.stack, self.num_frozen, self.freeze_embeddings)
+            apply_freeze(self.stack, self.num_frozen, self._pre_frozen)
 
 
 def _steps_per_epoch(trainer: pl.Trainer) -> int:
@@ -533,3 +619,13 @@ def _steps_per_epoch(trainer: pl.Trainer) -> int:
             "optimizer steps instead."
         )
     return max(1, -(-int(batches) // max(1, trainer.accumulate_grad_batches)))
+
+
+def _builds_lazily(pl_module: pl.LightningModule) -> bool:
+    """Whether the module builds (part of) its model after the callbacks' setup: in setup() or configure_model()."""
+    return any(is_overridden(hook, pl_module) for hook in ("setup", "configure_model", "configure_sharded_model"))
+
+
+def _pre_trainable(stack: BlockStack) -> bool:
+    """Whether a parameter before the stack (embeddings, a cls token) still requires grad."""
+    return any(p.requires_grad for _, m in stack.pre for p in m.parameters()) or any(p.requires_grad for _, p in stack.pre_params)

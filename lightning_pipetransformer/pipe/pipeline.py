@@ -27,6 +27,7 @@ a block modifies in place (it would be modified once per micro-batch: an error).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
@@ -51,6 +52,7 @@ from lightning_pipetransformer.pipe.microbatch import (
     tensors_in,
 )
 from lightning_pipetransformer.pipe.partition import boundaries
+from lightning_pipetransformer.stack.input_grad import as_marked_input, needs_no_gradient
 from lightning_pipetransformer.stack.interception import (
     InterceptionError,
     StackCall,
@@ -61,6 +63,7 @@ from lightning_pipetransformer.stack.interception import (
     pipelined,
     remove_pipeline,
 )
+from lightning_pipetransformer.stack.placeholders import refuse_placeholder
 
 __all__ = [
     "Pipeline",
@@ -216,10 +219,17 @@ class Pipeline:
         if len(call.calls) != len(self.blocks):
             raise ValueError(f"The pass has arguments for {len(call.calls)} blocks; this pipeline runs {len(self.blocks)}.")
         batch_size(call.hidden)  # a clear TypeError for a hidden state that is not a batched tensor
+        refuse_placeholder(call.hidden, "The pipeline's first block")
+        # A hook (Hugging Face's enable_input_require_grads, under gradient checkpointing or PEFT) may
+        # mark the input as requiring grad with no parameter behind it: the frozen blocks then need no
+        # graph, and the first active block gets its input marked again, as the hook meant.
+        mark = torch.is_grad_enabled() and needs_no_gradient(call.hidden)
+        if mark:
+            call = dataclasses.replace(call, hidden=call.hidden.detach())
         self.stats.passes += 1
         if len(self.balance) == 1 and self.chunks == 1:
             self.stats.micro_batches += 1
-            return self._run_plain(call)
+            return self._run_plain(call, mark)
         split = scatter(call.hidden, call.calls, self.chunks, self.batch_args)
         if split.stateful and len(split.sizes) > 1:
             self.stats.stateful_fallbacks += 1
@@ -236,21 +246,21 @@ class Pipeline:
             # and teaches which (see _join).
             split = scatter(call.hidden, call.calls, 1, self.batch_args)
         self.stats.micro_batches += len(split.sizes)
-        return self._run_pipelined(split, call)
+        return self._run_pipelined(split, call, mark)
 
     # -- one stage, one micro-batch: the plain loop ------------------------------------------
 
-    def _run_plain(self, call: StackCall) -> Any:
+    def _run_plain(self, call: StackCall, mark: bool) -> Any:
         device = self.devices[0]
         hidden, calls = call.hidden, call.calls
         if any(t.device != device for t in (hidden, *tensors_in(calls))):
             move = lambda v: v.to(device)  # noqa: E731
             hidden, calls = move(hidden), map_tensors(move, calls)
-        return self._run_stage(0, hidden, calls, call.observe)
+        return self._run_stage(0, hidden, calls, call.observe, mark)
 
     # -- the general case ----------------------------------------------------------------------
 
-    def _run_pipelined(self, split: Scatter, call: StackCall) -> Any:
+    def _run_pipelined(self, split: Scatter, call: StackCall, mark: bool) -> Any:
         stages, chunks, devices = len(self.balance), len(split.sizes), self.devices
         streams = self._stage_streams()
         for stream, device in zip(streams, devices):
@@ -281,7 +291,7 @@ class Pipeline:
                 stage_calls = map_tensors(lambda t: to_stage(t, j), split.calls[i][first:stop])
                 with dev.use_stream(streams[j]):
                     try:
-                        out = self._run_stage(j, x, stage_calls, call.observe if i == 0 else None)
+                        out = self._run_stage(j, x, stage_calls, call.observe if i == 0 else None, mark)
                     except InterceptionError:
                         raise
                     except Exception as err:
@@ -346,8 +356,13 @@ class Pipeline:
 
     def _run_stage(
         self, j: int, hidden: Tensor, calls: Sequence[BlockArgs], observe: Callable[[int, Any], None] | None,
+        mark: bool = False,
     ) -> Any:
-        """Stage ``j``'s blocks on one micro-batch, each with its own arguments; returns the last block's output."""
+        """Stage ``j``'s blocks on one micro-batch, each with its own arguments; returns the last block's output.
+
+        ``mark``: the pass's input required grad with no parameter behind it (see :meth:`run`): the
+        first active block's input is marked as requiring grad again.
+        """
         first, stop = self._edges[j], self._edges[j + 1]
         frozen_stop = min(stop, max(first, self.num_frozen))
         output: Any = hidden
@@ -362,6 +377,8 @@ class Pipeline:
                     if observe is not None:
                         observe(index, output)
                     hidden = self.hidden_of(output)
+        if mark and first <= self.num_frozen < stop:
+            hidden = as_marked_input(hidden)
         for index in range(frozen_stop, stop):
             args, kwargs = calls[index - first]
             output = call_block(self.blocks[index], hidden, *args, **kwargs)

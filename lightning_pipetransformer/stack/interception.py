@@ -53,6 +53,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pipetransformer.pipe.microbatch import is_stateful
+from lightning_pipetransformer.stack.placeholders import refuse_placeholder
 
 __all__ = [
     "Deferred",
@@ -251,6 +252,12 @@ def _intercepting_class(base: type) -> type:
                 return base.__call__(self, *args, **kwargs)
             return found[0].called(found[1], args, kwargs)
 
+        # torch.compile of the whole model (``model.compile()``, ``torch.compile(model)``) must not trace
+        # the interception: Dynamo would read the placeholders it returns (and fail on them) and turn
+        # the runner's dictionaries into guards. Each block call is a graph break instead: the compiled
+        # model runs the parts before and after the stack, the runner runs the blocks (compile those
+        # with ``block.compile()`` to compile them too).
+        __call__ = torch.compiler.disable(__call__, recursive=True)
         cls = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__, "__qualname__": base.__qualname__})
         cls._pipetransformer_base = base  # type: ignore[attr-defined]
         _INTERCEPTED[base] = cls
@@ -259,6 +266,7 @@ def _intercepting_class(base: type) -> type:
 
 def call_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """Run ``block`` for real, even while the stack is intercepted (what runners call)."""
+    refuse_placeholder(args[0] if args else kwargs.get("hidden_states"), f"{type(block).__name__}")
     base = getattr(type(block), "_pipetransformer_base", None)
     if base is None:
         return block(*args, **kwargs)
