@@ -316,6 +316,11 @@ class VirtualDevices:
             return found[1]
         return tensor.device  # never placed: where torch says it is
 
+    def live_bytes(self, device: torch.device) -> int:
+        """Bytes of the tensors tagged on ``device`` that are still alive (staging buffers, for a test's bound)."""
+        alive = [ref() for ref, where in list(self._where.values()) if where == device]
+        return sum(t.numel() * t.element_size() for t in alive if t is not None)
+
     def placed(self, module: torch.nn.Module, device: torch.device) -> None:
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
             seen = self.wrapped.get(id(tensor))
