@@ -829,6 +829,9 @@ class PipeTransformerStrategy(ParallelStrategy):
                     )
         if self._autocache is not None:
             metrics.update(self._autocache.stats())
+            rate = self._autocache.period_hit_rate()
+            if rate is not None:
+                metrics["autocache/period_hit_rate"] = rate
         if metrics and self.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)

@@ -76,6 +76,10 @@ __all__ = ["AutoCache", "active_balance", "probe_cache_dir", "verification_toler
 
 CacheMode = bool | Literal["auto"]
 
+#: Below this share of hits in an epoch after the boundary's entries were stored, content keys are
+#: naming other tensors than the stored ones (fixed inputs hit every time): worth a warning.
+_LOW_HIT_RATE = 0.8
+
 
 #: Per block-stack container: the modes in which its embeddings' output was seen to reach the stack
 #: unchanged (:attr:`AutoCache.verified_modes`). That is a property of the model's code, so it outlives
@@ -141,6 +145,9 @@ class AutoCache:
         self._hook: Any = None
         self._skipped: set[str] = set()
         self._store_warned: set[str] = set()
+        # period_hit_rate: the store, its (hits, misses) and periods counted at the last report.
+        self._period: tuple[ActivationStore, int, int, int] | None = None
+        self._low_hits_warned = False
         #: ``key="index"``: the indices each loader (``f"{stage}{dataloader_idx}"``) gave since its pass began.
         self._seen_indices: dict[str, set[int]] = {}
         # Several processes: the boundary to open once the weights are final (see defer_boundary),
@@ -560,6 +567,40 @@ class AutoCache:
                     f"AutoCache turned off at boundary {self.store.boundary if self.store else '?'}: a lookup takes "
                     f"{lookup_per_sample * 1e3:.2f} ms per sample, the frozen prefix {self.compute_time * 1e3:.2f} ms."
                 )
+
+    def period_hit_rate(self) -> float | None:
+        """The share of lookups that hit since the last call (once per epoch), when it says something.
+
+        ``None`` unless the same store served the whole period and one period before it (when its
+        entries were stored). Content keys that still miss then name other tensors than the stored
+        ones: warned once, with the usual cause (batches padded to their own longest sequence).
+        """
+        store = self.store
+        if store is None:
+            self._period = None
+            return None
+        stats = store.stats()
+        before = self._period
+        periods = before[3] + 1 if before is not None and before[0] is store else 0
+        self._period = (store, stats.hits, stats.misses, periods)
+        if before is None or periods < 2:
+            return None
+        lookups = stats.hits + stats.misses - before[1] - before[2]
+        if lookups == 0:
+            return None
+        rate = (stats.hits - before[1]) / lookups
+        if self.key == "content" and rate < _LOW_HIT_RATE and not self._low_hits_warned:
+            self._low_hits_warned = True
+            _warn(
+                f"AutoCache: only {rate:.0%} of {lookups} lookups hit in an epoch after the entries of boundary "
+                f"{store.boundary} were stored. Content keys name the exact tensor that enters the frozen blocks, so "
+                "a sample that arrives as another tensor misses: most often the batches are padded to their own "
+                "longest sequence (a sample's length then depends on its batch-mates). Pad to fixed lengths or to "
+                "length buckets (the example's data.bucket_tokens), or use cache_key='index'. (A random augmentation "
+                "or masking of the input misses by design.) Results are exact; only the speed-up is lost "
+                "(autocache/period_hit_rate)."
+            )
+        return rate
 
     def stats(self) -> dict[str, float]:
         """Hits, misses and bytes of the current store, for the logger."""

@@ -147,6 +147,7 @@ class AutoFreeze(Callback):
         self.num_frozen = 0
         #: Whether the modules before the stack count as frozen (AutoFreeze froze them, or they were before fit).
         self._pre_frozen = False
+        self._untrainable = 0  # leading blocks that had no trainable parameter when the stack was found
         self._module: pl.LightningModule | None = None  # the module of the current fit (lazily built models)
         self.history: list[tuple[int, int]] = []  # (epoch, num_frozen) at each freeze event
         #: (global step, num_frozen) at each freeze event.
@@ -221,7 +222,7 @@ class AutoFreeze(Callback):
             epochs = trainer.max_epochs if trainer is not None and trainer.max_epochs is not None and trainer.max_epochs > 0 else None
             self.schedule.validate(self.max_frozen, epochs)
         rank_zero_info(f"AutoFreeze: block stack {stack.describe()}; {self._rule_text()}.")
-        untrainable = untrainable_prefix(stack)
+        untrainable = self._untrainable = untrainable_prefix(stack)
         if untrainable > self.num_frozen:
             rank_zero_info(
                 f"AutoFreeze: blocks 0..{untrainable - 1} have no trainable parameter: counted as frozen from the start "
@@ -404,8 +405,9 @@ class AutoFreeze(Callback):
         if self.stack is None:
             return self.num_frozen
         if self.schedule is not None:
-            target = self.schedule(epoch)
-            if target < self.num_frozen or target > self.max_frozen:
+            # Blocks without a trainable parameter count as frozen from the start, whatever the plan says.
+            target = max(self.schedule(epoch), self._untrainable)
+            if target < self.num_frozen or target > max(self.max_frozen, self._untrainable):
                 raise ValueError(
                     f"schedule({epoch}) = {target}, but {self.num_frozen} blocks are already frozen and at most "
                     f"{self.max_frozen} may be: a schedule must not decrease or exceed the stack."

@@ -82,9 +82,9 @@ Schedule = list[tuple[int, int]]
 _warned: set[str] = set()
 
 
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
+def _warn_once(message: str, key: str | None = None) -> None:
+    if (key or message) not in _warned:
+        _warned.add(key or message)
         warnings.warn(message, stacklevel=3)
 
 
@@ -195,6 +195,7 @@ class Pipeline:
         # on the last micro-batch of two or more samples (see _join); None until then.
         self._leaves: frozenset[Path] | None = None
         self._broadcast: frozenset[Path] = frozenset()
+        self._largest_batch = 0  # the largest batch seen: a smaller one is an epoch's last
 
     def __repr__(self) -> str:
         devices = ", ".join(str(d) for d in self.devices)
@@ -230,6 +231,7 @@ class Pipeline:
         if len(self.balance) == 1 and self.chunks == 1:
             self.stats.micro_batches += 1
             return self._run_plain(call, mark)
+        self._check_chunks_fit(call.hidden.shape[0])
         split = scatter(call.hidden, call.calls, self.chunks, self.batch_args)
         if split.stateful and len(split.sizes) > 1:
             self.stats.stateful_fallbacks += 1
@@ -247,6 +249,16 @@ class Pipeline:
             split = scatter(call.hidden, call.calls, 1, self.batch_args)
         self.stats.micro_batches += len(split.sizes)
         return self._run_pipelined(split, call, mark)
+
+    def _check_chunks_fit(self, batch: int) -> None:
+        """Warn once when the loader's batches are smaller than ``chunks`` (an epoch's smaller last batch is expected)."""
+        largest, self._largest_batch = self._largest_batch, max(self._largest_batch, batch)
+        if batch < self.chunks and batch >= largest:
+            _warn_once(
+                f"chunks={self.chunks} but the batches have {batch} samples: they run as {batch} micro-batches of one "
+                f"sample each. Use chunks <= the batch size (or chunks='auto'), or a larger batch.",
+                key="chunks-capped",
+            )
 
     # -- one stage, one micro-batch: the plain loop ------------------------------------------
 

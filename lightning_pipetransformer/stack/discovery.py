@@ -9,7 +9,9 @@ blocks that stay active. Both need the same picture of the model::
 
 Discovery finds the largest ``nn.ModuleList`` / ``nn.Sequential`` whose children are two or more
 modules of one class (BERT-family ``encoder.layer``, ViT-family ``encoder.layer``, timm's
-``blocks``, ``nn.TransformerEncoder.layers``), or takes an explicit attribute path. What comes
+``blocks``, ``nn.TransformerEncoder.layers``), preferring containers whose blocks have trainable
+parameters (a frozen teacher next to its student is not the stack that trains), or takes an
+explicit attribute path. What comes
 *before* the stack is read from registration order along the path from the root to the stack:
 at each ancestor, children registered before the branch that leads to the stack are ``pre``
 (plus parameters held directly by an ancestor, such as timm's ``cls_token``), children
@@ -53,9 +55,12 @@ class Candidate:
     block_type: str
     num_blocks: int
     num_params: int
+    #: Parameters that require grad (a frozen teacher's stack has none).
+    num_trainable: int = 0
 
     def describe(self) -> str:
-        return f"'{self.path}' ({self.num_blocks} x {self.block_type}, {self.num_params:,} parameters)"
+        frozen = "" if self.num_trainable else ", none trainable"
+        return f"'{self.path}' ({self.num_blocks} x {self.block_type}, {self.num_params:,} parameters{frozen})"
 
 
 @dataclass(frozen=True)
@@ -112,7 +117,8 @@ def find_candidates(root: nn.Module) -> list[Candidate]:
         n = _num_params(module)
         if n == 0:
             continue
-        found.append(Candidate(path, module, type(children[0]).__name__, len(children), n))
+        trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        found.append(Candidate(path, module, type(children[0]).__name__, len(children), n, trainable))
     outer = [c for c in found if not any(c.path.startswith(o.path + ".") for o in found if o is not c)]
     return sorted(outer, key=lambda c: (-c.num_params, c.path))
 
@@ -233,6 +239,11 @@ def find_block_stack(root: nn.Module, layers: str | None = None, pre: Sequence[s
             "explicitly, e.g. AutoFreeze(layers='model.encoder.layer'), or define "
             "`configure_block_stack(self)` on your LightningModule returning that path."
         )
+    # A module holding several transformers (distillation: a frozen teacher and a student) trains the
+    # one whose blocks have trainable parameters: that is the stack to freeze and pipeline.
+    trainable = [c for c in candidates if c.num_trainable]
+    if trainable and len(trainable) < len(candidates):
+        candidates = trainable
     best = candidates[0]
     rivals = [c for c in candidates[1:] if c.num_params >= _AMBIGUITY_RATIO * best.num_params]
     if rivals:
