@@ -6,13 +6,18 @@ wait on an event recorded on the sending stream and tells the caching allocator
 (``record_stream``) that the tensor is now also read there, so its memory is not reused too
 early. On CPU a "stream" is ``None``: every helper here is then a no-op (and :func:`hop` a plain
 ``Tensor.to``), so the executor runs the same code in the same order without any of it.
+
+Streams come from a per-process pool (:func:`stage_streams`), not one set per pipeline. Two test
+modes stand in for what the CPU cannot show: :func:`stand_in_streams` replaces CUDA's streams and
+events by an object of the test's (timelines, counters), :class:`VirtualDevices` remembers which
+tensor is on which device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
-from typing import Any
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -36,15 +41,74 @@ def as_device(device: Device) -> torch.device:
     return device
 
 
+class StreamBackend(Protocol):
+    """What :func:`stand_in_streams` takes: CUDA's streams and events, for every device, CPU ones too."""
+
+    def new_stream(self, device: torch.device) -> Any: ...
+    def current_stream(self, device: torch.device) -> Any: ...
+    def use_stream(self, stream: Any) -> AbstractContextManager[Any]: ...
+    def new_event(self) -> Any: ...
+    def record_stream(self, tensor: Tensor, stream: Any) -> None: ...
+
+
+#: Test seam (see :func:`stand_in_streams`); ``None`` in production, where streams are CUDA's.
+_stand_in: StreamBackend | None = None
+
+#: The stream pool: ``(device, slot) -> stream``, made on first use (see :func:`stage_streams`).
+_pool: dict[tuple[torch.device, int], Stream] = {}
+
+
+@contextmanager
+def stand_in_streams(backend: StreamBackend) -> Iterator[StreamBackend]:
+    """Test mode: ``backend`` makes the streams and events of every device, with a pool of its own.
+
+    The executor then takes its CUDA path on CPU tensors, so a test can replay on a stand-in
+    timeline what the GPU would do (which stream waits for which, and when). Used by tests only.
+    """
+    global _stand_in, _pool
+    saved = _stand_in, _pool
+    _stand_in, _pool = backend, {}
+    try:
+        yield backend
+    finally:
+        _stand_in, _pool = saved
+
+
 def new_stream(device: torch.device) -> Stream:
-    """A fresh stream on ``device`` for one pipeline stage; ``None`` off CUDA."""
+    """A fresh stream on ``device``; ``None`` off CUDA. Pipelines take theirs from :func:`stage_streams`."""
+    if _stand_in is not None:
+        return _stand_in.new_stream(device)
     if device.type != "cuda":
         return None
     return torch.cuda.Stream(device=device)
 
 
+def stage_streams(devices: Sequence[torch.device]) -> list[Stream]:
+    """One stream per pipeline stage, from the per-process pool: the ``s``-th stage on ``device``
+    (in stage order) gets the pool's stream ``(device, s)``, whatever pipeline it belongs to.
+
+    Why a pool: ``chunks="auto"`` builds a pipeline per candidate M (K..6K of them) and every plan
+    builds another; fresh streams each time would leave dozens of streams per device, each with
+    its own caching-allocator pool (memory freed on one stream is reused only on that stream) and
+    its own cuBLAS workspace. Sharing a stream between pipelines costs no overlap (they run one
+    pass at a time) and is never a race (a stream is a queue: work on it is only ordered more).
+    Two stages of one pipeline on the same device get different slots, so they still overlap.
+    """
+    slots: dict[torch.device, int] = {}
+    streams: list[Stream] = []
+    for device in devices:
+        slot = slots.get(device, 0)
+        slots[device] = slot + 1
+        if (device, slot) not in _pool:
+            _pool[device, slot] = new_stream(device)
+        streams.append(_pool[device, slot])
+    return streams
+
+
 def current_stream(device: torch.device) -> Stream:
     """The caller's current stream on ``device``; ``None`` off CUDA."""
+    if _stand_in is not None:
+        return _stand_in.current_stream(device)
     if device.type != "cuda":
         return None
     return torch.cuda.current_stream(device)
@@ -54,6 +118,8 @@ def use_stream(stream: Stream) -> Any:
     """Context that makes ``stream`` current on its device; does nothing for ``None``."""
     if stream is None:
         return nullcontext()
+    if _stand_in is not None:
+        return _stand_in.use_stream(stream)
     return torch.cuda.stream(stream)
 
 
@@ -65,10 +131,10 @@ def use_streams(first: Stream, second: Stream) -> Iterator[None]:
 
 
 def wait(waiter: Stream, producer: Stream) -> None:
-    """Work queued on ``waiter`` from now on starts after everything queued on ``producer``."""
+    """Work queued on ``waiter`` from now on starts after everything queued on ``producer`` so far."""
     if waiter is None or producer is None or waiter == producer:
         return
-    event = torch.cuda.Event()
+    event = _stand_in.new_event() if _stand_in is not None else torch.cuda.Event()
     event.record(producer)
     waiter.wait_event(event)
 
@@ -80,6 +146,11 @@ def record(tensor: Tensor, *streams: Stream) -> None:
     new work on the stream that allocated it while another stream still reads it. Only
     streams of the tensor's own device are recorded: the allocator tracks uses per device.
     """
+    if _stand_in is not None:
+        for stream in streams:
+            if stream is not None:
+                _stand_in.record_stream(tensor, stream)
+        return
     if not tensor.is_cuda:
         return
     for stream in streams:
@@ -244,6 +315,11 @@ class VirtualDevices:
         if found is not None and found[0]() is tensor:
             return found[1]
         return tensor.device  # never placed: where torch says it is
+
+    def live_bytes(self, device: torch.device) -> int:
+        """Bytes of the tensors tagged on ``device`` that are still alive (staging buffers, for a test's bound)."""
+        alive = [ref() for ref, where in list(self._where.values()) if where == device]
+        return sum(t.numel() * t.element_size() for t in alive if t is not None)
 
     def placed(self, module: torch.nn.Module, device: torch.device) -> None:
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:

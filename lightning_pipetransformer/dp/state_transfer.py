@@ -6,6 +6,7 @@ scheduler and AutoFreeze state from global rank 0, in pieces of bounded size alo
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -74,21 +75,53 @@ def send_tensors(
     if rank not in tree or len(tree) == 1:
         return
     parent, children = tree[rank]
-    pieces = list(_pieces(tensors, chunk_bytes, via))
-    for _, _, source in pieces:
-        dev.check_collective(source, "state transfer to a joining replica")
-    # Post every receive first, so a sender never waits for this rank to ask for the next piece.
-    receiving = [dist.irecv(piece, src=parent, group=group) for piece, _, _ in pieces] if parent is not None else None
-    sending = []
-    for index, (piece, targets, _) in enumerate(pieces):
-        if receiving is not None:
-            receiving[index].wait()
-            _unpack(piece, targets)
-        if parent is None and targets:
-            _pack(piece, targets)
-        sending.extend(dist.isend(piece, dst=child, group=group) for child in children)
-    for work in sending:
-        work.wait()
+    _relay(_pieces(tensors, chunk_bytes, via), parent, children, group)
+
+
+#: Pieces a rank holds at once (receives posted ahead, and pieces still being sent on): with
+#: staging, at most this many staging buffers of ``chunk_bytes`` live on the process's device.
+IN_FLIGHT = 4
+
+
+def _relay(
+    pieces: Iterator[tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]], parent: int | None, children: list[int],
+    group: Any, in_flight: int = IN_FLIGHT,
+) -> None:
+    """Receive each piece from ``parent`` (none at the root), then send it to ``children``, in order.
+
+    A window of ``in_flight`` pieces: the next pieces' receives are posted while the current one
+    is unpacked and sent on, so the tree stays pipelined, but the pieces (whose staging buffers
+    sit on the root GPU next to stage 0's activations) are made only as the window moves, and a
+    piece is dropped once its sends are done.
+    """
+    receiving: deque[tuple[torch.Tensor, list[torch.Tensor], Any]] = deque()  # posted, oldest first
+    sending: deque[tuple[torch.Tensor, list[Any]]] = deque()  # sent on, not yet delivered
+    pending = True
+    while True:
+        while pending and len(receiving) + len(sending) < in_flight:
+            piece = next(pieces, None)
+            if piece is None:
+                pending = False
+                break
+            message, targets, source = piece
+            dev.check_collective(source, "state transfer to a joining replica")
+            work = dist.irecv(message, src=parent, group=group) if parent is not None else None
+            receiving.append((message, targets, work))
+        if not receiving:
+            break
+        message, targets, work = receiving.popleft()
+        if work is not None:
+            work.wait()
+            _unpack(message, targets)
+        elif targets:
+            _pack(message, targets)
+        sending.append((message, [dist.isend(message, dst=child, group=group) for child in children]))
+        while sending and len(receiving) + len(sending) >= in_flight:
+            for done in sending.popleft()[1]:  # a full window: the oldest piece must be delivered first
+                done.wait()
+    for _, works in sending:
+        for done in works:
+            done.wait()
 
 
 def _pieces(
@@ -117,15 +150,12 @@ def _pieces(
             continue
         direct = via is None or dev.device_of(t) == via
         nbytes = t.numel() * t.element_size()
-        if nbytes >= COALESCE_BYTES and t.is_contiguous():
+        if nbytes >= COALESCE_BYTES or nbytes > chunk_bytes:
             yield from staged()
-            flat = t.view(-1)
-            step = max(1, chunk_bytes // t.element_size())
-            for offset in range(0, flat.numel(), step):
-                piece = flat[offset : offset + step]
-                if direct:
+            for piece in _blocks(t, max(1, chunk_bytes // t.element_size())):
+                if direct and piece.is_contiguous():
                     yield piece, [], t
-                else:
+                else:  # on another device, or not contiguous: through a buffer of one piece
                     buffer = buffer_for(piece.numel(), t.dtype, t)
                     yield buffer, [piece], buffer
             continue
@@ -137,6 +167,26 @@ def _pieces(
             yield from staged()
         small.append(t)
     yield from staged()
+
+
+def _blocks(t: torch.Tensor, numel: int) -> Iterator[torch.Tensor]:
+    """Views covering ``t`` in order, of at most ``numel`` elements each (one element at least):
+    runs of rows, or the rows' own blocks where one row is larger.
+
+    The cut depends on the shape alone, so sender and receiver cut alike whatever their strides;
+    the views of a contiguous tensor are contiguous (and can be sent from its own memory).
+    """
+    if t.numel() <= numel or t.dim() == 0:
+        yield t
+        return
+    row = t[0].numel()
+    if row <= numel:
+        rows = numel // row
+        for start in range(0, t.shape[0], rows):
+            yield t[start : start + rows]
+        return
+    for index in range(t.shape[0]):
+        yield from _blocks(t[index], numel)
 
 
 def _pack(buffer: torch.Tensor, targets: list[torch.Tensor]) -> None:

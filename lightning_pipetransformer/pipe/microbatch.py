@@ -38,6 +38,8 @@ Kwargs = dict[str, Any]
 BlockArgs = tuple[Args, Kwargs]
 #: Which arguments are batch-shaped: positions (0 is the hidden state) and keyword names.
 BatchArgs = Collection[int | str]
+#: Where a tensor sits in a block's output: the indices and keys that lead to it.
+Path = tuple[Any, ...]
 
 #: Keyword arguments whose first dimension is ``batch * k``, batch-major (sample ``b`` owns rows
 #: ``b*k .. b*k+k-1``): BLOOM's (and Falcon's) ALiBi bias, built by ``alibi.reshape(B * heads, 1, S)``.
@@ -57,6 +59,8 @@ class Scatter(NamedTuple):
     whole: tuple[tuple[str, Tensor], ...]
     #: Names of mutable objects passed to the blocks (a key-value cache): the caller must not split the pass.
     stateful: tuple[str, ...]
+    #: ``(name, tensor, pieces)`` of the tensors cut into micro-batches, the hidden state first.
+    cut: tuple[tuple[str, Tensor, tuple[Tensor, ...]], ...] = ()
 
 
 def batch_size(hidden: Any) -> int:
@@ -102,6 +106,7 @@ def scatter(
     hidden_pieces = _pieces(hidden, n)
     sizes = tuple(int(p.shape[0]) for p in hidden_pieces)
     cut: dict[int, tuple[Any, ...] | None] = {}  # id(tensor) -> its pieces (None: passed whole)
+    cut_from: list[tuple[str, Tensor, tuple[Tensor, ...]]] = [("the hidden state", hidden, hidden_pieces)]
     whole: dict[int, tuple[str, Tensor]] = {}
     stateful: list[str] = []
 
@@ -114,9 +119,11 @@ def scatter(
                 )
             if (named is None and _is_batch_tensor(value, batch)) or named is True:
                 cut[id(value)] = _pieces(value, n)
+                cut_from.append((name, value, cut[id(value)]))  # type: ignore[arg-type]
             elif named is None and _folded(key, value, batch):
                 k = value.shape[0] // batch
                 cut[id(value)] = (value,) if n == 1 else _copies(torch.split(value, [s * k for s in sizes]), n)
+                cut_from.append((name, value, cut[id(value)]))  # type: ignore[arg-type]
             else:
                 cut[id(value)] = None
                 whole[id(value)] = (name, value)
@@ -149,6 +156,7 @@ def scatter(
             per_block[m].append((tuple(p[m] for p in arg_parts), {k: p[m] for k, p in kw_parts.items()}))
     return Scatter(
         hidden_pieces, tuple(tuple(b) for b in per_block), sizes, tuple(whole.values()), tuple(dict.fromkeys(stateful)),
+        tuple(cut_from),
     )
 
 
@@ -194,26 +202,43 @@ def tensors_in(obj: Any) -> list[Tensor]:
     return found
 
 
-def gather(outputs: Sequence[Any], sizes: Sequence[int]) -> Any:
+def gather(outputs: Sequence[Any], sizes: Sequence[int], broadcast: Collection[Path] = (), path: Path = ()) -> Any:
     """Join the per-micro-batch outputs into one output of the same structure.
 
     Tensors whose first dimension is their micro-batch's size are concatenated along it;
     tuples, lists and mappings (e.g. a ``ModelOutput``) are joined field by field; anything
-    else (``None``, scalars, non-batch tensors) is taken from the first micro-batch.
+    else (``None``, scalars, non-batch tensors) is taken from the first micro-batch. So are the
+    tensors at the ``broadcast`` paths (see :func:`tensor_paths`): with micro-batches of one
+    sample, a broadcastable ``(1, ...)`` output cannot be told from a per-sample one by its
+    shape, and the executor names them from an output it saw on more samples.
     """
     first = outputs[0]
     if len(outputs) == 1:
         return first
     if isinstance(first, Tensor):
-        if all(_is_batch_tensor(o, n) for o, n in zip(outputs, sizes)):
+        if path not in broadcast and all(_is_batch_tensor(o, n) for o, n in zip(outputs, sizes)):
             return torch.cat(list(outputs))
         return first
     if isinstance(first, (tuple, list)):
-        items = [gather([o[i] for o in outputs], sizes) for i in range(len(first))]
+        items = [gather([o[i] for o in outputs], sizes, broadcast, (*path, i)) for i in range(len(first))]
         return _rebuild(first, items)
     if isinstance(first, Mapping):
-        return _rebuild_mapping(first, {k: gather([o[k] for o in outputs], sizes) for k in first})
+        return _rebuild_mapping(first, {k: gather([o[k] for o in outputs], sizes, broadcast, (*path, k)) for k in first})
     return first
+
+
+def tensor_paths(output: Any, path: Path = ()) -> dict[Path, Tensor]:
+    """Every tensor in ``output`` by its path, the indices and keys that lead to it (as :func:`gather` walks)."""
+    if isinstance(output, Tensor):
+        return {path: output}
+    found: dict[Path, Tensor] = {}
+    if isinstance(output, (tuple, list)):
+        for i, value in enumerate(output):
+            found.update(tensor_paths(value, (*path, i)))
+    elif isinstance(output, Mapping):
+        for key, value in output.items():
+            found.update(tensor_paths(value, (*path, key)))
+    return found
 
 
 def _rebuild(like: tuple | list, items: list[Any]) -> Any:

@@ -42,11 +42,13 @@ from lightning_pipetransformer.devices import Device, Stream
 from lightning_pipetransformer.pipe.microbatch import (
     BatchArgs,
     BlockArgs,
+    Path,
     Scatter,
     batch_size,
     gather,
     map_tensors,
     scatter,
+    tensor_paths,
     tensors_in,
 )
 from lightning_pipetransformer.pipe.partition import boundaries
@@ -87,21 +89,26 @@ def _warn_once(message: str, key: str | None = None) -> None:
 
 
 def clock_cycles(chunks: int, stages: int) -> Iterator[Schedule]:
-    """The GPipe fill-drain schedule: ``(micro-batch, stage)`` pairs runnable per clock cycle.
+    """The GPipe fill-drain schedule: the ``(micro-batch, stage)`` pairs of each clock cycle, in launch order.
 
     Micro-batch ``i`` runs on stage ``j`` at cycle ``i + j``, e.g. 3 micro-batches, 3 stages::
 
-        cycle | stage 0 | stage 1 | stage 2
-          0   | (0, 0)  |         |
-          1   | (1, 0)  | (0, 1)  |
-          2   | (2, 0)  | (1, 1)  | (0, 2)
-          3   |         | (2, 1)  | (1, 2)
-          4   |         |         | (2, 2)
+        cycle | stage 2 | stage 1 | stage 0
+          0   |         |         | (0, 0)
+          1   |         | (0, 1)  | (1, 0)
+          2   | (0, 2)  | (1, 1)  | (2, 0)
+          3   | (1, 2)  | (2, 1)  |
+          4   | (2, 2)  |         |
 
-    Pairs within a cycle are independent; on CUDA they run at the same time.
+    Pairs within a cycle are independent; on CUDA they run at the same time. They are launched
+    last stage first: when stage ``j`` takes micro-batch ``i`` from stage ``j - 1``, the event it
+    waits on is recorded on stage ``j - 1``'s stream at that moment, and a copy to another device
+    is queued on that stream too (torch runs it on the source device's current stream). Stage
+    ``j - 1`` must not have been given micro-batch ``i + 1`` yet, or stage ``j`` would wait for
+    that as well: the forward would take ``M + 2(K - 1)`` stage-times instead of ``M + K - 1``.
     """
     for k in range(chunks + stages - 1):
-        yield [(k - j, j) for j in range(max(0, k - chunks + 1), min(k + 1, stages))]
+        yield [(k - j, j) for j in reversed(range(max(0, k - chunks + 1), min(k + 1, stages)))]
 
 
 @dataclass
@@ -122,8 +129,10 @@ class Pipeline:
     Args:
         blocks: the stack, in order; stage ``j`` holds the next ``balance[j]`` of them.
         balance: blocks per stage, e.g. ``(4, 4, 4)``.
-        devices: one device per stage (stages may share a device; on CUDA each still gets its
-            own stream). The blocks must already be there: see :meth:`place`.
+        devices: one device per stage (stages may share a device; on CUDA each still gets a
+            stream of its own, from a pool shared with other pipelines: see
+            :func:`~lightning_pipetransformer.devices.stage_streams`). The blocks must already be
+            there: see :meth:`place`.
         chunks: the number of micro-batches ``M`` (fewer for a batch of fewer samples).
         num_frozen: the leading blocks that are frozen (their parameters must not require
             grad). They run under ``torch.no_grad()`` unless something upstream needs gradients
@@ -181,7 +190,11 @@ class Pipeline:
         self.stats = PipelineStats()
         #: Per stage: the first block's index in the stack.
         self._edges = boundaries(balance)
-        self._streams: list[Stream] | None = None  # made on the first pipelined call
+        self._streams: list[Stream] | None = None  # taken from the pool on the first pipelined call
+        # Paths of the last block's output tensors, and of those broadcast over the batch, as seen
+        # on the last micro-batch of two or more samples (see _join); None until then.
+        self._leaves: frozenset[Path] | None = None
+        self._broadcast: frozenset[Path] = frozenset()
         self._largest_batch = 0  # the largest batch seen: a smaller one is an epoch's last
 
     def __repr__(self) -> str:
@@ -229,6 +242,11 @@ class Pipeline:
                 "Pass use_cache=False while training to keep the micro-batches."
             )
             split = scatter(call.hidden, call.calls, 1, self.batch_args)
+        if self._leaves is None and len(split.sizes) > 1 and max(split.sizes) == 1:
+            # Micro-batches of one sample (a batch no larger than chunks), and no output seen on
+            # more: a (1, ...) output could be per-sample or broadcast. One micro-batch is exact,
+            # and teaches which (see _join).
+            split = scatter(call.hidden, call.calls, 1, self.batch_args)
         self.stats.micro_batches += len(split.sizes)
         return self._run_pipelined(split, call, mark)
 
@@ -271,6 +289,7 @@ class Pipeline:
             return hopped[key]
 
         versions = [(name, t, t._version) for name, t in split.whole if chunks > 1 and not t.is_inference()]
+        leaves = _leaf_versions(split) if torch.is_grad_enabled() else []
         # hiddens[i]: micro-batch i's hidden state, and the stream it was produced on.
         hiddens: list[tuple[Tensor, Stream] | None] = [(h, dev.current_stream(h.device)) for h in split.hidden]
         outputs: list[Any] = [None] * chunks
@@ -300,17 +319,51 @@ class Pipeline:
                     f"A block modified {name} in place, a tensor passed whole to each of {chunks} micro-batches: it was "
                     f"modified {chunks} times where the model's own loop modifies it once. Use chunks=1, or pass a copy."
                 )
+        for name, pieces, before in leaves:
+            if [p._version for p in pieces] != before:
+                # The plain loop's in-place op raises this itself; a stage's input here is a copy
+                # (several micro-batches) or a detached alias (a stream hand-over), which let it through.
+                raise RuntimeError(
+                    f"a leaf Variable that requires grad is being used in an in-place operation: a block modified "
+                    f"{name} in place, which the model's own loop refuses as well. Pass a non-leaf (e.g. x * 1) or "
+                    "use an out-of-place op."
+                )
 
         last, last_stream = devices[-1], streams[-1]
         caller_stream = dev.current_stream(last)
         if last_stream is not None or caller_stream is not None:
             # Back to the caller's stream before joining: it is where the result is used.
             outputs = [map_tensors(lambda t: dev.hop(t, last_stream, caller_stream, last), o) for o in outputs]
-        return gather(outputs, split.sizes)
+        return self._join(outputs, split.sizes)
+
+    def _join(self, outputs: list[Any], sizes: tuple[int, ...]) -> Any:
+        """The micro-batches' outputs joined as the plain loop would have returned them.
+
+        A tensor whose first dimension is its micro-batch's size is joined, except where every
+        micro-batch is one sample: a broadcastable ``(1, ...)`` tensor looks per-sample then. An
+        output on two or more samples tells them apart (a ``(1, ...)`` tensor there is not
+        per-sample), so each such pass records where the broadcast tensors are.
+        """
+        largest = max(range(len(sizes)), key=sizes.__getitem__)
+        if sizes[largest] >= 2:
+            seen = tensor_paths(outputs[largest])
+            self._leaves = frozenset(seen)
+            self._broadcast = frozenset(p for p, t in seen.items() if t.dim() > 0 and t.shape[0] == 1)
+        elif len(sizes) > 1:
+            seen = tensor_paths(outputs[0])
+            unknown = [p for p, t in seen.items() if t.dim() > 0 and t.shape[0] == 1 and p not in (self._leaves or ())]
+            if unknown:
+                _warn_once(
+                    f"On micro-batches of one sample the last block returned a tensor at output path {unknown[0]} that it "
+                    "did not return on larger ones: it is joined as per-sample. If it is broadcast over the batch "
+                    "(first dimension 1), the plain loop returns it unjoined."
+                )
+        return gather(outputs, sizes, self._broadcast)
 
     def _stage_streams(self) -> list[Stream]:
         if self._streams is None:
-            self._streams = [dev.new_stream(d) for d in self.devices]
+            # From the per-process pool: the pipelines chunks="auto" times and every re-plan reuse them.
+            self._streams = dev.stage_streams(self.devices)
         return self._streams
 
     def _run_stage(
@@ -363,6 +416,16 @@ def _explain_failure(err: Exception, split: Scatter, i: int, j: int) -> None:
             f"the batch: {', '.join(suspects)}. If one holds the batch folded into another axis, it cannot be "
             "micro-batched: use chunks=1."
         ) from err
+
+
+def _leaf_versions(split: Scatter) -> list[tuple[str, tuple[Tensor, ...], list[int]]]:
+    """``(name, pieces, their versions)`` of every input that is a leaf requiring grad (cut or whole)."""
+    inputs = [*split.cut, *((name, t, (t,)) for name, t in split.whole)]
+    return [
+        (name, pieces, [p._version for p in pieces])
+        for name, tensor, pieces in inputs
+        if tensor.is_leaf and tensor.requires_grad and not tensor.is_inference()
+    ]
 
 
 def _hop_in(value: Tensor, stream: Stream, device: torch.device) -> Tensor:

@@ -41,6 +41,89 @@ def test_transfer_tree_is_a_binomial_tree_over_src_and_receivers():
     assert state_transfer.transfer_tree(2, [0, 2, 1])[2] == (None, [0, 1])  # src is the root, listed once
 
 
+# ------------------------------------------------------------- staging memory, in one process
+
+
+class _FakeDist:
+    """``torch.distributed`` for one rank of a tree: sends are kept, receives replay a parent's sends.
+
+    Every call samples the staging bytes alive on the process's device (``VirtualDevices``), so
+    the test sees the peak however the transfer orders its allocations.
+    """
+
+    def __init__(self, rank, virtual, via, inbox=()):
+        self.rank, self.virtual, self.via = rank, virtual, via
+        self.inbox = list(inbox)  # what the parent sent this rank, in order
+        self.sent: dict[int, list[torch.Tensor]] = {}
+        self.peak = 0
+
+    def _sample(self):
+        self.peak = max(self.peak, self.virtual.live_bytes(self.via))
+
+    def get_rank(self):
+        return self.rank
+
+    def isend(self, message, dst, group):
+        self._sample()
+        self.sent.setdefault(dst, []).append(message.clone())
+        return _FakeWork(self)
+
+    def irecv(self, message, src, group):
+        self._sample()
+        return _FakeWork(self, message, self.inbox.pop(0))
+
+
+class _FakeWork:
+    """A request; a receive's data lands at ``wait``. No cycles: freed as soon as it is dropped."""
+
+    def __init__(self, fake, into=None, data=None):
+        self.fake, self.into, self.data = fake, into, data
+
+    def wait(self):
+        if self.into is not None:
+            self.into.copy_(self.data)
+        self.fake._sample()
+
+
+def test_staging_on_the_process_device_stays_within_a_window_of_pieces(monkeypatch):
+    from lightning_pipetransformer import devices as dev
+    from lightning_pipetransformer.devices import VirtualDevices
+
+    cpu0, cpu1 = torch.device("cpu", 0), torch.device("cpu", 1)
+    chunk = 64 << 10
+    # Rank 0 (children 1, 2) and rank 1 (parent 0, child 3) of a tree over 0..3, tensors of a stage on cpu:1.
+    with VirtualDevices() as virtual:
+        dev.bind_process_device(cpu0)
+        sender = _tensors(seed=0)
+        for t in sender:
+            dev.tag_as(t, cpu1)
+        total = sum(t.numel() * t.element_size() for t in sender)
+        root = _FakeDist(0, virtual, cpu0)
+        monkeypatch.setattr(state_transfer, "dist", root)
+        state_transfer.send_tensors(sender, src=0, receivers=[1, 2, 3], group=None, chunk_bytes=chunk, via=cpu0)
+
+        # Contiguous where the sender's (600, 700).t() is not, as broadcast_state's torch.empty: the
+        # pieces must still match (they once depended on the strides).
+        receiver = [torch.zeros(t.shape, dtype=t.dtype) for t in _tensors(seed=0)]
+        for t in receiver:
+            dev.tag_as(t, cpu1)
+        relay = _FakeDist(1, virtual, cpu0, inbox=root.sent[1])
+        monkeypatch.setattr(state_transfer, "dist", relay)
+        state_transfer.send_tensors(receiver, src=0, receivers=[1, 2, 3], group=None, chunk_bytes=chunk, via=cpu0)
+
+    pieces = len(root.sent[1])
+    assert pieces > 4 * state_transfer.IN_FLIGHT and total > 20 * state_transfer.IN_FLIGHT * chunk
+    assert [len(root.sent[2]), len(relay.sent[3])] == [pieces, pieces]
+    for got, want in zip(receiver, sender):
+        assert torch.equal(got, want)  # still bit-exact
+    for sent, forwarded in zip(root.sent[1], relay.sent[3]):
+        assert torch.equal(sent, forwarded)
+    # Everything was staged at once before (about 'total' on each side); now the window, and the
+    # one piece the piece generator still holds.
+    bound = (state_transfer.IN_FLIGHT + 1) * chunk
+    assert 0 < root.peak <= bound and 0 < relay.peak <= bound, (root.peak, relay.peak, bound, total)
+
+
 # ---------------------------------------------------------------------------------- multi-process
 
 TIMEOUT = timedelta(seconds=20)

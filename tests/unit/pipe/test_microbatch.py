@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_pipetransformer.pipe.microbatch import batch_size, gather, map_tensors, scatter
+from lightning_pipetransformer.pipe.microbatch import batch_size, gather, map_tensors, scatter, tensor_paths
 
 
 def one_block(*args, **kwargs):
@@ -140,6 +140,18 @@ def test_gather_keeps_structure():
     assert isinstance(mo, Output) and torch.equal(mo["pooled"], torch.cat([a, b])[:, 0])
     only = (a, None)
     assert gather([only], (2,)) is only  # one micro-batch: returned as is
+
+
+def test_gather_leaves_the_named_broadcast_tensors_unjoined():
+    sizes = (1, 1, 1)  # one sample each: a (1, n) tensor looks per-sample
+    rows = [torch.randn(1, 4) for _ in sizes]
+    bias = torch.randn(1, 4)
+    outputs = [(r, {"bias": bias, "per_sample": r[:, :2]}) for r in rows]
+    assert gather(outputs, sizes)[1]["bias"].shape == (3, 4)  # by shape alone
+    paths = tensor_paths(outputs[0])
+    assert list(paths) == [(0,), (1, "bias"), (1, "per_sample")] and paths[(1, "bias")] is bias
+    out = gather(outputs, sizes, broadcast={(1, "bias")})
+    assert out[1]["bias"] is bias and out[1]["per_sample"].shape == (3, 2) and torch.equal(out[0], torch.cat(rows))
 
 
 def test_map_tensors_reaches_nested_tensors_only():

@@ -16,6 +16,7 @@ from lightning_pipetransformer.pipe.pipeline import (
     pipelined,
     remove_pipeline,
 )
+from tests.unit.pipe.stand_in_streams import Timeline
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -234,6 +235,89 @@ def test_batch_args_override_for_a_square_non_batch_tensor():
     assert_same(ref, out)
 
 
+class BiasOut(nn.Module):
+    """Returns (hidden, a broadcastable (1, WIDTH) bias, a per-sample (batch,) statistic), like T5's position bias."""
+
+    def __init__(self, extra=False):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.bias = nn.Parameter(torch.randn(1, WIDTH))
+        self.extra = extra
+
+    def forward(self, x):
+        h = x + self.lin(x) + self.bias
+        out = (h, self.bias * 2, h.mean((1, 2)))
+        return (*out, self.bias[:, :2]) if self.extra else out
+
+
+def test_a_broadcast_output_on_one_sample_micro_batches_is_returned_as_the_plain_loop_does():
+    torch.manual_seed(0)
+    blocks = [BiasOut() for _ in range(4)]
+    hidden = torch.randn(4, SEQ, WIDTH)  # 4 samples in 4 micro-batches: one each
+    ref = plain(blocks, hidden)
+    assert ref[1].shape == (1, WIDTH) and ref[2].shape == (4,)
+    pipe = Pipeline(blocks, (2, 2), ["cpu"] * 2, 4)
+    first = pipe(hidden)  # nothing seen on more samples yet: one micro-batch, the plain loop's result
+    assert pipe.stats.micro_batches == 1
+    again = pipe(hidden)  # the first pass showed the bias is (1, ...) on 4 samples: not per-sample
+    assert pipe.stats.micro_batches == 1 + 4
+    for out in (first, again):
+        assert [t.shape for t in out] == [t.shape for t in ref]  # the bias was (4, WIDTH) before
+        assert_same(ref, out)
+    # A pipeline that saw micro-batches of two samples knows at once.
+    pipe = Pipeline(blocks, (2, 2), ["cpu"] * 2, 4)
+    pipe(torch.randn(8, SEQ, WIDTH))
+    out = pipe(hidden)
+    assert pipe.stats.micro_batches == 4 + 4 and out[1].shape == (1, WIDTH)
+    assert_same(ref, out)
+
+
+def test_an_output_never_seen_on_more_samples_is_joined_with_a_warning():
+    from lightning_pipetransformer.pipe import pipeline as pipeline_module
+
+    torch.manual_seed(0)
+    blocks = [BiasOut() for _ in range(2)]
+    pipe = Pipeline(blocks, (1, 1), ["cpu"] * 2, 4)
+    pipe(torch.randn(8, SEQ, WIDTH))
+    for block in blocks:
+        block.extra = True  # a fourth output, (1, 2), only on the next call
+    pipeline_module._warned.clear()
+    with pytest.warns(UserWarning, match=r"output path \(3,\).*joined as per-sample"):
+        out = pipe(torch.randn(4, SEQ, WIDTH))
+    assert out[1].shape == (1, WIDTH) and out[3].shape == (4, 2)
+
+
+class InPlaceFirst(Block):
+    """ReLU(inplace=True) on its input, as the first op of the first block."""
+
+    def forward(self, x, mask=None, bias=None, *, scale=1.0):
+        return super().forward(x.relu_(), mask, bias, scale=scale)
+
+
+@pytest.mark.parametrize("streams", [False, True], ids=["cpu", "stand-in-streams"])
+@pytest.mark.parametrize("stages,chunks", [(1, 1), (2, 1), (1, 2), (2, 3)])
+def test_in_place_ops_on_the_stack_input(stages, chunks, streams):
+    """Pinned (docs/executor.md, "In-place operations on the stack's input"): the caller's tensor
+    changes with one micro-batch only; a leaf that requires grad is refused at every K and M."""
+    torch.manual_seed(0)
+    blocks = [InPlaceFirst()] + make_blocks(depth=3)
+    with dev.stand_in_streams(Timeline()) if streams else contextlib.nullcontext():
+        pipe = Pipeline(blocks, BALANCES_4[stages], ["cpu"] * stages, chunks)
+        leaf = torch.randn(BATCH, SEQ, WIDTH, requires_grad=True)
+        hidden = leaf * 1  # not a leaf: the in-place op is allowed
+        before = hidden.detach().clone()
+        out = pipe(hidden)
+        ref = plain(blocks, before.clone())
+        assert_same(ref, out)  # the result is the plain loop's either way
+        assert torch.equal(hidden, before) == (chunks > 1)  # with M >= 2 block 0 modifies a copy
+        hidden.sum().backward()  # the caller can still use its tensor
+        with pytest.raises(RuntimeError, match="a leaf Variable that requires grad is being used in an in-place"):
+            pipe(leaf)
+        with torch.no_grad():  # ... which no_grad allows, as in the plain loop
+            pipe(leaf)
+        assert torch.equal(leaf, before.relu()) == (chunks == 1)
+
+
 def test_trainable_upstream_keeps_frozen_blocks_in_the_graph():
     blocks = make_blocks()
     for block in blocks[:5]:
@@ -285,11 +369,12 @@ def test_one_stage_one_chunk_is_the_plain_loop():
 
 
 def test_schedule_is_clock_cycle_order():
+    # Last stage first within a cycle (why: clock_cycles' docstring; the timing: test_makespan.py).
     assert list(clock_cycles(3, 3)) == [
         [(0, 0)],
-        [(1, 0), (0, 1)],
-        [(2, 0), (1, 1), (0, 2)],
-        [(2, 1), (1, 2)],
+        [(0, 1), (1, 0)],
+        [(0, 2), (1, 1), (2, 0)],
+        [(1, 2), (2, 1)],
         [(2, 2)],
     ]
     for chunks, stages in [(1, 4), (4, 1), (2, 5), (8, 3)]:
@@ -496,65 +581,39 @@ def test_install_details():
 # -- the stream protocol, checked on CPU with stand-in streams -----------------------------
 
 
-class FakeStream:
-    def __init__(self, name):
-        self.name = name
-
-    def __repr__(self):
-        return self.name
-
-
-def test_stream_protocol_with_stand_in_streams(monkeypatch):
+def test_stream_protocol_with_stand_in_streams():
     """What the CUDA path does, step by step, observed through stand-in streams.
 
-    Every handover waits on the producer's stream and records the tensor on the consumer's;
-    blocks compute on their stage's stream; gradients wait the other way round.
+    Every handover waits on the producer's stream and records the tensor on both; blocks compute
+    on their stage's stream; gradients wait the other way round.
     """
-    caller = FakeStream("caller")
-    state = {"current": caller, "made": []}
-    log = []
-
-    def new_stream(device):
-        state["made"].append(FakeStream(f"s{len(state['made'])}"))
-        return state["made"][-1]
-
-    @contextlib.contextmanager
-    def use_stream(stream):
-        before = state["current"]
-        state["current"] = stream if stream is not None else before
-        try:
-            yield
-        finally:
-            state["current"] = before
-
-    monkeypatch.setattr(dev, "new_stream", new_stream)
-    monkeypatch.setattr(dev, "current_stream", lambda device: state["current"])
-    monkeypatch.setattr(dev, "use_stream", use_stream)
-    monkeypatch.setattr(dev, "wait", lambda waiter, producer: waiter is not producer and log.append(("wait", waiter, producer)))
-    monkeypatch.setattr(dev, "record", lambda t, *streams: log.append(("record", *streams)))
-
+    timeline = Timeline()
+    log = timeline.log
+    cpu = torch.device("cpu")
     blocks = make_blocks(depth=3)
     for index, block in enumerate(blocks):
-        block.register_forward_pre_hook(lambda m, a, i=index: log.append(("compute", i, state["current"])))
+        block.register_forward_pre_hook(lambda m, a, i=index: log.append(("compute", i, timeline.current_stream(cpu))))
     hidden, mask, _ = inputs()
-    pipe = Pipeline(blocks, (1, 1, 1), ["cpu"] * 3, 2)
-    out = pipe(hidden.requires_grad_(True), mask)
-    s0, s1, s2 = streams = state["made"]
-    assert pipe._streams == streams
+    with dev.stand_in_streams(timeline):
+        caller = timeline.current_stream(cpu)
+        pipe = Pipeline(blocks, (1, 1, 1), ["cpu"] * 3, 2)
+        out = pipe(hidden.requires_grad_(True), mask)
+        s0, s1, s2 = streams = timeline.made
+        assert pipe._streams == streams
 
-    expected = [("wait", s, caller) for s in streams]  # stages see the caller's earlier work
-    for cycle in clock_cycles(2, 3):
-        for _, j in cycle:
-            src = caller if j == 0 else streams[j - 1]
-            expected += [("wait", streams[j], src), ("record", src, streams[j])]  # the hidden state
-            expected += [("wait", streams[j], caller), ("record", caller, streams[j])]  # its mask chunk
-            expected += [("compute", j, streams[j])]
-    expected += [("wait", caller, s2), ("record", s2, caller)] * 2  # outputs back to the caller
-    assert log == expected
+        expected = [("wait", s, caller) for s in streams]  # stages see the caller's earlier work
+        for cycle in clock_cycles(2, 3):
+            for _, j in cycle:
+                src = caller if j == 0 else streams[j - 1]
+                expected += [("wait", streams[j], src), ("record", src), ("record", streams[j])]  # the hidden state
+                expected += [("wait", streams[j], caller), ("record", caller), ("record", streams[j])]  # its mask chunk
+                expected += [("compute", j, streams[j])]
+        expected += [("wait", caller, s2), ("record", s2), ("record", caller)] * 2  # outputs back to the caller
+        assert log == expected
 
-    log.clear()
-    out.sum().backward()
+        log.clear()
+        out.sum().backward()
     waits = sorted((str(e[1]), str(e[2])) for e in log if e[0] == "wait")
     # Each handover's gradient goes back: consumer's stream -> producer's stream, per micro-batch.
-    assert waits == sorted([("s2", "caller"), ("s1", "s2"), ("s0", "s1"), ("caller", "s0")] * 2)
+    assert waits == sorted([("s2", "caller:cpu"), ("s1", "s2"), ("s0", "s1"), ("caller:cpu", "s0")] * 2)
     assert hidden.grad is not None
