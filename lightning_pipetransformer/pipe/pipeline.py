@@ -255,8 +255,8 @@ class Pipeline:
         largest, self._largest_batch = self._largest_batch, max(self._largest_batch, batch)
         if batch < self.chunks and batch >= largest:
             _warn_once(
-                f"chunks={self.chunks} but the batches have {batch} samples: they run as {batch} micro-batches of one "
-                f"sample each. Use chunks <= the batch size (or chunks='auto'), or a larger batch.",
+                f"chunks={self.chunks} but the batches have {batch} samples: they run as at most {batch} micro-batches "
+                f"(one sample each), not {self.chunks}. Use chunks <= the batch size (or chunks='auto'), or a larger batch.",
                 key="chunks-capped",
             )
 

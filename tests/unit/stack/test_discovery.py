@@ -225,3 +225,20 @@ def test_shared_blocks_are_refused_before_training(tmp_path, strategy):
     assert trainer.global_step == 0
     for key, value in module.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+def test_the_stack_whose_blocks_train_wins_over_a_larger_frozen_one():
+    """Distillation: a frozen teacher larger than the student."""
+    from torch import nn
+
+    class TwoModels(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.teacher = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+            self.student = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+            self.teacher.requires_grad_(False)
+
+    model = TwoModels()
+    assert find_block_stack(model).path == "student"
+    model.teacher.requires_grad_(True)
+    assert find_block_stack(model).path == "teacher"  # both train: the larger, as before
