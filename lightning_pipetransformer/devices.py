@@ -238,6 +238,43 @@ def place_module(module: torch.nn.Module, device: torch.device) -> None:
         _virtual.placed(module, device)
 
 
+def place_outside(root: torch.nn.Module, blocks: list[torch.nn.Module], device: torch.device) -> None:
+    """Move everything in ``root`` but ``blocks`` to ``device``, each module by its own ``_apply``.
+
+    A subtree without a block moves as ``Module.to`` moves it (overrides of ``_apply`` included:
+    torchmetrics' states, a module that caches its device); an ancestor of the blocks moves only
+    its own parameters and buffers (``_apply(recurse=False)``), so the blocks stay where they are.
+    """
+    inside = {id(m) for block in blocks for m in block.modules()}
+    above = {id(m) for m in root.modules() if id(m) not in inside and any(id(c) in inside for c in m.modules())}
+
+    def move(module: torch.nn.Module) -> None:
+        if id(module) in inside:
+            return
+        if id(module) not in above:
+            place_module(module, device)
+            return
+        _apply_own(module, lambda t: t.to(device))
+        if _virtual is not None:
+            for tensor in [*module._parameters.values(), *module._buffers.values()]:
+                if tensor is not None:
+                    _virtual.tag(tensor, device)
+        for child in module.children():
+            move(child)
+
+    move(root)
+
+
+def _apply_own(module: torch.nn.Module, fn: Any) -> None:
+    """``module._apply(fn, recurse=False)``; an override without ``recurse`` gets the base version."""
+    import inspect
+
+    if "recurse" in inspect.signature(module._apply).parameters:
+        module._apply(fn, recurse=False)
+    else:
+        torch.nn.Module._apply(module, fn, recurse=False)
+
+
 def move_state(value: Tensor, param: Tensor) -> Tensor:
     """An optimizer-state tensor moved to its parameter's device."""
     moved = value.to(param.device)

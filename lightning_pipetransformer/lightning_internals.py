@@ -18,7 +18,6 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
-from lightning.pytorch.overrides.distributed import _sync_module_states as sync_module_states
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher
 from lightning.pytorch.utilities.exceptions import _augment_message as augment_message
 
@@ -33,7 +32,6 @@ __all__ = [
     "set_callback_metrics",
     "SubprocessScriptLauncher",
     "sync_ddp_if_available",
-    "sync_module_states",
 ]
 
 

@@ -425,8 +425,11 @@ class PipeTransformerStrategy(ParallelStrategy):
             if self._average_by_hand:  # no DDP wrapper to sync the replicas' first weights
                 state_transfer.broadcast_module_state(self.lightning_module, src=0, group=self._replicas.active_group, via=self.root_device)
             self.setup_optimizers(trainer)
-        elif self.is_distributed:
-            lightning_internals.sync_module_states(self.lightning_module)  # every rank, as DDPStrategy does without a wrapper
+        elif self.is_distributed and self.is_active:
+            # As DDPStrategy does without a wrapper, but over the replicas and through buffers on each
+            # one's own device: a shadow rank holds its blocks on the CPU and a replica's blocks sit
+            # on several devices, which a broadcast over the world group (NCCL) would refuse.
+            state_transfer.broadcast_module_state(self.lightning_module, src=0, group=self._replicas.active_group, via=self.root_device)
         self.setup_precision_plugin()
         if fitting:
             # Each optimizer state tensor belongs with its parameter, which may sit on another
@@ -534,24 +537,16 @@ class PipeTransformerStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         """Everything outside the stack to the first stage's device; the blocks go straight to
         their own stage's device in _apply_plan (never all of them to this one first: a model
-        that does not fit one device must still start, and a shadow rank holds no block at all)."""
+        that does not fit one device must still start, and a shadow rank holds no block at all).
+
+        Through ``Module._apply``, as ``Module.to`` moves them: torchmetrics keeps its states as plain
+        attributes that only its own ``_apply`` moves, and a module may keep a device of its own there.
+        """
         assert self.model is not None
         if self.stack is None:
             dev.place_module(self.model, self.root_device)
             return
-        blocks = {id(m) for block in self.stack.blocks for m in block.modules()}
-        with torch.no_grad():
-            for module in self.model.modules():
-                if id(module) in blocks:
-                    continue
-                for param in module._parameters.values():
-                    if param is not None:
-                        param.data = param.data.to(self.root_device)
-                        dev.tag_as(param, self.root_device)
-                for name, buffer in module._buffers.items():
-                    if buffer is not None:
-                        module._buffers[name] = buffer.to(self.root_device)
-                        dev.tag_as(module._buffers[name], self.root_device)
+        dev.place_outside(self.model, self.stack.blocks, self.root_device)
 
     def _drop_ddp(self) -> None:
         if isinstance(self.model, DistributedDataParallel):
@@ -692,12 +687,34 @@ class PipeTransformerStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.is_active:
-            self._check_cache_budget()
-            return idle.idle_loss(self.root_device)
-        self._index_keys_from(args, kwargs, "train")
-        output = super().training_step(*args, **kwargs)
+        step = super().training_step
+        output = self._step_together("training_step", lambda: idle.idle_loss(self.root_device), step, "train", args, kwargs)
         self._check_cache_budget()
+        return output
+
+    def _step_together(self, where: str, idle_output: Any, step: Any, stage: str, args: Any, kwargs: Any) -> Any:
+        """A step on this rank (a shadow rank's stand-in); with the cache and several processes, ranks stop together.
+
+        AutoCache decides per rank (the first-hit check, a repeated index): a verdict one replica
+        alone reaches must end every rank within seconds, not leave them in DDP until the timeout.
+        """
+        def run() -> Any:
+            if not self.is_active:
+                return idle_output()
+            self._index_keys_from(args, kwargs, stage)
+            return step(*args, **kwargs)
+
+        group = self._replicas.control_group
+        if self._autocache is None or group is None:
+            return run()
+        self._autocache.defer_verdicts = True
+        error: BaseException | None = None
+        output = None
+        try:
+            output = run()
+        except Exception as err:  # noqa: BLE001 - raised below, on every rank together
+            error = err
+        faults.raise_together(error or self._autocache.take_verdict(), group, where)
         return output
 
     def _check_cache_budget(self) -> None:
@@ -745,24 +762,15 @@ class PipeTransformerStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.is_active:
-            return None
-        self._index_keys_from(args, kwargs, "val")
-        return super().validation_step(*args, **kwargs)
+        return self._step_together("validation_step", lambda: None, super().validation_step, "val", args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.is_active:
-            return None
-        self._index_keys_from(args, kwargs, "test")
-        return super().test_step(*args, **kwargs)
+        return self._step_together("test_step", lambda: None, super().test_step, "test", args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.is_active:
-            return None
-        self._index_keys_from(args, kwargs, "predict")
-        return super().predict_step(*args, **kwargs)
+        return self._step_together("predict_step", lambda: None, super().predict_step, "predict", args, kwargs)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -1009,6 +1017,7 @@ class PipeTransformerStrategy(ParallelStrategy):
         self._kv_cache_configs = []
         module = self.lightning_module
         if isinstance(self.model, DistributedDataParallel):
+            dev.after_unwrap()
             self.model = module  # unwrap, as DDPStrategy does
         if module is not None and module._trainer is not None and module._trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
             assert self.model is not None

@@ -142,13 +142,16 @@ class AutoCache:
         self.enabled = bool(mode)
         self.compute_time: float | None = None  # seconds per sample through the frozen prefix
         self._verified = False
-        self._recorder = _InputRecorder()
+        self._recorder = _InputRecorder(self._serving)
         self._hook: Any = None
         self._skipped: set[str] = set()
         self._store_warned: set[str] = set()
         # period_hit_rate: the store, its (hits, misses) and periods counted at the last report.
         self._period: tuple[ActivationStore, int, int, int] | None = None
         self._low_hits_warned = False
+        #: Several processes: refusals are kept for the step's end, where the ranks raise together (see _refuse).
+        self.defer_verdicts = False
+        self._verdict: Exception | None = None
         #: ``id(parameter) -> name``, to name what the frozen blocks' input trains (set by the strategy).
         self.parameter_names: dict[int, str] = {}
         #: ``key="index"``: the indices each loader (``f"{stage}{dataloader_idx}"``) gave since its pass began.
@@ -176,6 +179,23 @@ class AutoCache:
         if reason not in self._store_warned:
             self._store_warned.add(reason)
             _warn(message)
+
+    def _refuse(self, error: Exception) -> None:
+        """Raise ``error`` now, or (``defer_verdicts``) keep it for :meth:`take_verdict` and go on.
+
+        With several processes, a verdict one rank alone reaches must not skip the collectives the
+        others are in (DDP's buffer broadcast in the forward): the step finishes, computing without
+        the cache, and the strategy raises it on every rank together.
+        """
+        if not self.defer_verdicts:
+            raise error
+        if self._verdict is None:
+            self._verdict = error
+
+    def take_verdict(self) -> Exception | None:
+        """The refusal :meth:`_refuse` kept during this step, if any (and forget it)."""
+        verdict, self._verdict = self._verdict, None
+        return verdict
 
     def skip_once(self, reason: str) -> None:
         """Run without the cache for this batch; warn the first time for each reason."""
@@ -279,6 +299,13 @@ class AutoCache:
         """Raise :class:`~lightning_pipetransformer.cache.store.CacheConfigError` if a batch of ``batch_bytes`` cannot fit the budget."""
         check_batch_fits(self.memory_budget, batch_bytes)
 
+    def _serving(self) -> bool:
+        """A cached stack of this cache is installed: it will take what the recorder records."""
+        if self._container is None:
+            return False
+        runner = installed_pipeline(self._container)
+        return isinstance(runner, CachedStack) and runner.cache is self
+
     def _may_skip_pre(self) -> bool:
         """The embeddings may return a placeholder: a cached runner serves this forward's boundary."""
         if not (self.enabled and self._mode() in self.verified_modes and self._container is not None):
@@ -341,7 +368,8 @@ class AutoCache:
         keys = index_keys(batch["index"], f"{self.namespace}{namespace}")
         raw = batch["index"]
         self._check_unique(raw.reshape(-1).tolist() if isinstance(raw, Tensor) else list(raw), namespace, batch_idx)
-        self._index_keys = keys if (self.store is not None or self._pending is not None) and self.enabled else None
+        serving = (self.store is not None or self._pending is not None) and self.enabled and self._verdict is None
+        self._index_keys = keys if serving else None
 
     def _check_unique(self, indices: list[int], loader: str, batch_idx: int | None) -> None:
         """Refuse an index repeated in the batch, or already seen in this pass over ``loader``.
@@ -358,10 +386,11 @@ class AutoCache:
         unique = set(indices)
         if len(unique) != len(indices):
             repeated = sorted({i for i in indices if indices.count(i) > 1})
-            raise ValueError(
+            self._refuse(ValueError(
                 f"cache_key='index': batch {batch_idx} of the {loader} loader holds dataset index(es) "
                 f"{repeated[:5]} more than once. {fix}"
-            )
+            ))
+            return
         if batch_idx is None:
             return
         seen = self._seen_indices.setdefault(loader, set())
@@ -369,10 +398,11 @@ class AutoCache:
             seen.clear()
         again = seen & unique
         if again:
-            raise ValueError(
+            self._refuse(ValueError(
                 f"cache_key='index': batch {batch_idx} of the {loader} loader holds dataset index(es) "
                 f"{sorted(again)[:5]}, already seen earlier in this pass over the loader. {fix}"
-            )
+            ))
+            return
         seen |= unique
 
     def keys_for(self, hidden: Tensor, calls: Sequence[BlockArgs], pending: Pending | None) -> list[str] | None:
@@ -382,6 +412,8 @@ class AutoCache:
         ``pending``: the embeddings' recorded call when its inputs name ``hidden`` (:meth:`arrived`), else ``None``.
         """
         batch = hidden.shape[0]
+        if self._verdict is not None:
+            return None  # a refusal waits for the other ranks (defer_verdicts): compute, never guess
         if self.key == "index":
             keys, self._index_keys = self._index_keys, None
             if keys is None or len(keys) != batch:
@@ -560,14 +592,15 @@ class AutoCache:
             with torch.no_grad():
                 fresh = prefix(rows(hit_mask), select_rows(calls, hit_mask, batch))
             cached = boundary[hit_mask.to(boundary.device)]
-            rtol, atol = verification_tolerance(fresh.dtype, cached.dtype, _autocast_dtype(fresh.device))
+            rtol, atol = verification_tolerance(fresh.dtype, cached.dtype, _autocast_dtype(fresh.device), _fp32_math_dtype(fresh.device))
             # equal_nan: a NaN computed the same way both times is the same value (a NaN input feature).
             if not torch.allclose(fresh.float(), cached.float(), rtol=rtol, atol=atol, equal_nan=True):
-                raise StaleCacheError(
+                self._refuse(StaleCacheError(
                     "AutoCache returned an activation that differs from recomputing the frozen prefix: something "
                     "other than the embeddings' inputs and the blocks' arguments feeds the frozen blocks (a trainable "
                     "module before the stack, or randomness in the forward). Turn caching off (cache=False)."
-                )
+                ))
+                return
         if self.mode == "auto" and hit_mask.all() and self.compute_time is not None:
             lookup_per_sample = total / batch
             if lookup_per_sample >= self.compute_time:
@@ -631,14 +664,32 @@ def verification_tolerance(*dtypes: torch.dtype | None) -> tuple[float, float]:
     """``(rtol, atol)`` for comparing a cached activation with a recomputed one.
 
     The two were computed for batches of other sizes, and a GPU picks its kernels (and summation
-    order) by shape: in fp32 they agree to ~1e-4, under bf16/fp16 (autocast or ``*-true``) only to a
-    few units in the last place of the lowest precision in play. A cache fed by something other
+    order) by shape: in fp32 they agree to ~1e-4, under bf16/fp16 (autocast or ``*-true``) or TF32
+    matmuls only to a few units in the last place of the lowest precision in play. A cache fed by something other
     than its keys differs by far more.
     """
     eps = max((torch.finfo(d).eps for d in dtypes if d is not None and d.is_floating_point), default=0.0)
     if eps <= torch.finfo(torch.float32).eps:
         return 1e-3, 1e-4
     return 4 * eps, 4 * eps
+
+
+#: Stands for TF32 (a 10-bit mantissa, like float16's) in the tolerance: fp32 matmuls and convolutions in TF32.
+_TF32 = torch.float16
+
+
+def _fp32_math_dtype(device: torch.device) -> torch.dtype | None:
+    """The precision fp32 matmuls really run at: ``torch.set_float32_matmul_precision("high")`` (which
+    Lightning suggests on every Ampere/Hopper GPU) means TF32, ``"medium"`` bf16; cuDNN convolutions run
+    in TF32 by default on CUDA. ``None``: full fp32."""
+    precision = torch.get_float32_matmul_precision()
+    if precision == "medium":
+        return torch.bfloat16
+    if precision == "high":
+        return _TF32
+    if device.type == "cuda" and (torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32):
+        return _TF32
+    return None
 
 
 def _autocast_dtype(device: torch.device) -> torch.dtype | None:

@@ -95,10 +95,16 @@ class _InputRecorder:
     input, and the hidden state itself is hashed instead.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, active: Callable[[], bool] = lambda: True) -> None:
         self.pending: Pending | None = None
+        #: Whether a cached stack will take the record: otherwise nothing reads it, and keeping it would
+        #: hold the previous batch's embeddings output (on the GPU) until the next forward.
+        self.active = active
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if not self.active():
+            self.pending = None
+            return
         self.pending = (args, kwargs, output, version_of(output), input_versions(args, kwargs))
 
     def take(self) -> Pending | None:

@@ -1,4 +1,4 @@
-"""Faults around a transition: SIGTERM held while state moves, and naming a dead peer.
+"""Faults across ranks: SIGTERM held while state moves, naming a dead peer, and raising together.
 """
 
 from __future__ import annotations
@@ -11,7 +11,12 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
+
+
+class PeerFailedError(RuntimeError):
+    """Another rank failed at the point every rank was at: this one stops too, naming that rank's error."""
 
 
 @contextlib.contextmanager
@@ -78,3 +83,24 @@ def _is_zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except (OSError, IndexError):
         return False
+
+
+def raise_together(error: BaseException | None, group: Any, where: str) -> None:
+    """Every rank of ``group`` calls this at the same point; if any of them failed, all raise now.
+
+    A verdict that only one rank reaches (AutoCache's first-hit check, a repeated dataset index)
+    would otherwise leave the others waiting in the next collective (DDP's all-reduce, a barrier)
+    until its timeout, half an hour by default. One flag per step goes over ``group`` (gloo, on
+    the CPU); only when it is set, the errors' texts follow. The failed rank raises its own error,
+    the others a :class:`PeerFailedError` that quotes it.
+    """
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if int(flag) == 0:
+        return
+    reports: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, None if error is None else f"{type(error).__name__}: {error}", group=group)
+    if error is not None:
+        raise error
+    rank, report = next((r, m) for r, m in enumerate(reports) if m is not None)
+    raise PeerFailedError(f"Rank {rank} failed in {where}, so every rank stops here: {report}")

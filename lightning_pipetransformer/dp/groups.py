@@ -17,13 +17,17 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from lightning_pipetransformer import devices as dev
+
 
 def control_group(backend: str, timeout: timedelta) -> Any:
     """The static group over all ranks for control messages: WORLD when it is gloo, else a gloo copy.
 
-    Must be called by every rank (``new_group`` is collective).
+    Must be called by every rank (``new_group`` is collective). Under
+    :class:`~lightning_pipetransformer.devices.VirtualDevices` a gloo WORLD stands for NCCL's, so the
+    control group is a copy there too: a test can then tell control messages from data.
     """
-    if dist.get_backend() == "gloo":
+    if dist.get_backend() == "gloo" and not dev.virtual_mode():
         return dist.group.WORLD
     return dist.new_group(backend="gloo", timeout=timeout)
 

@@ -79,13 +79,16 @@ def is_alive(pid: int) -> bool:
         return False
 
 
-def fit_recording_errors(trainer, module, train, val, error_file: Path, **fit_kwargs) -> None:
-    """``trainer.fit`` in a launched rank; an exception is written to ``error_file`` (for the test to read) and re-raised."""
+def fit_recording_errors(trainer, module, train, val, error_file: Path, stage: str = "fit", **fit_kwargs) -> None:
+    """``trainer.fit`` (or ``validate``) in a launched rank; an exception is written to ``error_file`` (for the test to read) and re-raised."""
     import time
 
     start = time.monotonic()
     try:
-        trainer.fit(module, train, val, **fit_kwargs)
+        if stage == "validate":
+            trainer.validate(module, val, verbose=False)
+        else:
+            trainer.fit(module, train, val, **fit_kwargs)
     except BaseException as error:  # noqa: BLE001 - recorded for the test, then re-raised
         error_file.write_text(f"{time.monotonic() - start:.1f}s {type(error).__name__}: {error}")
         raise

@@ -333,3 +333,62 @@ def test_per_layer_outputs_are_refused_before_training():
     with pytest.raises(ValueError, match="output_hidden_states"):
         trainer_for(PipeTransformerStrategy(pipe_len=2), [Steps()]).fit(module, data_for("bert"))
     assert Steps.count == 0
+
+
+class _RecordsApply(torch.nn.Module):
+    """A module that keeps state only its own ``_apply`` moves (as torchmetrics does), and records the calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[torch.device] = []
+        self.state = torch.zeros(2)  # a plain attribute: neither parameter nor buffer
+
+    def _apply(self, fn, recurse=True):
+        self.state = fn(self.state)
+        self.calls.append(self.state.device)
+        return super()._apply(fn, recurse)
+
+
+def test_modules_outside_the_stack_move_through_their_own_apply():
+    """Metrics and other state outside the stack are moved by Module._apply (on CUDA torchmetrics' states
+    would otherwise stay on the CPU and the first update() fail)."""
+    import torchmetrics
+
+    module = Classifier("bert")
+    module.recorder = _RecordsApply()
+    module.metric = torchmetrics.classification.MulticlassAccuracy(num_classes=3)
+    applied = []
+    original = type(module.metric)._apply
+
+    def spy(self, fn, *args, **kwargs):
+        applied.append(type(self).__name__)
+        return original(self, fn, *args, **kwargs)
+
+    at_start = {}
+
+    class AtStart(Callback):  # before training: teardown moves everything to the CPU through _apply anyway
+        def on_train_start(self, trainer, pl_module):
+            at_start.update(recorder=len(pl_module.recorder.calls), metric=len(applied))
+
+    type(module.metric)._apply = spy
+    try:
+        trainer_for(PipeTransformerStrategy(pipe_len=2), [AtStart()], max_epochs=1).fit(module, data_for("bert"))
+    finally:
+        type(module.metric)._apply = original
+    assert at_start["recorder"] > 0 and at_start["metric"] > 0, at_start
+    # The blocks were not moved as part of their ancestors: only by their stage's placement.
+    assert all(p.device.type == "cpu" for p in module.parameters())
+
+
+def test_the_input_recorder_holds_nothing_while_the_cache_does_not_serve(tmp_path):
+    """Before the first freeze no cached stack reads the record: it must not keep the last batch's embeddings."""
+    seen = []
+
+    class Check(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append((trainer.current_epoch, trainer.strategy._autocache._recorder.pending is None))
+
+    strategy = PipeTransformerStrategy(cache=True, cache_dir=str(tmp_path))
+    trainer_for(strategy, [AutoFreeze(schedule={1: 2}), Check()], max_epochs=2).fit(Classifier("bert"), data_for("bert"))
+    assert seen and all(empty for _, empty in seen), seen
+    assert strategy.cache_stats["autocache/stored"] > 0  # the cache did serve in epoch 1 (and took each record)

@@ -120,3 +120,32 @@ def test_the_first_hit_check_allows_what_a_lower_precision_rounds():
     b = a + a.abs() * 2**-7  # one ulp off everywhere
     assert torch.allclose(a, b, rtol=bf16[0], atol=bf16[1]) and not torch.allclose(a, b, rtol=1e-3, atol=1e-4)
     assert not torch.allclose(a, a.flip(0), rtol=bf16[0], atol=bf16[1])
+
+
+def test_the_first_hit_check_allows_tf32_matmuls():
+    """Lightning suggests set_float32_matmul_precision("high") on Ampere/Hopper: fp32 matmuls then run in TF32."""
+    from lightning_pipetransformer.cache.autocache import _fp32_math_dtype, verification_tolerance
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert _fp32_math_dtype(torch.device("cpu")) is None
+        torch.set_float32_matmul_precision("high")
+        tf32 = verification_tolerance(torch.float32, torch.float32, None, _fp32_math_dtype(torch.device("cpu")))
+        torch.set_float32_matmul_precision("medium")
+        assert _fp32_math_dtype(torch.device("cpu")) is torch.bfloat16
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert tf32 == (4 * 2**-10, 4 * 2**-10)
+    # A matmul with TF32 inputs (10-bit mantissas) against the fp32 one: off by more than fp32's
+    # tolerance, within TF32's; a stale entry is still caught.
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 32, generator=g), torch.randn(32, 32, generator=g)
+
+    def to_tf32(t):
+        return (t.view(torch.int32) & ~0x1FFF).view(torch.float32)  # drop the 13 low mantissa bits
+
+    exact, rounded = x @ w, to_tf32(x) @ to_tf32(w)
+    assert not torch.allclose(exact, rounded, rtol=1e-3, atol=1e-4)
+    assert torch.allclose(exact, rounded, rtol=tf32[0], atol=tf32[1])
+    assert not torch.allclose(exact, exact.flip(0), rtol=tf32[0], atol=tf32[1])

@@ -121,6 +121,8 @@ def test_idle_ranks_join_as_pipeline_shrinks_and_match_reference(tmp_path, polic
     assert len({r["val_loss"] for r in ranks}) == 1
 
     assert_replicas_identical_and_match(ranks, reference(global_batch, arch=arch), arch=arch)
+    if extra == ("--virtual",):  # validate at K=4 after fit: the weights' sync passed NCCL's device rule, one loss
+        assert len({r["validate_k4"] for r in ranks}) == 1
 
 
 def test_checkpoint_with_idle_ranks_then_resume_equals_uninterrupted(tmp_path):

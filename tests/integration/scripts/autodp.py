@@ -110,7 +110,46 @@ def main() -> None:
         signal_rank_zero_inside_the_transition(trainer, strategy, epoch=1)
     with VirtualDevices() if args.virtual else contextlib.nullcontext():
         fit_recording_errors(trainer, module, train, val, out / f"error{rank}", ckpt_path=args.ckpt)
-    torch.save(final_record(trainer, module, record), out / f"rank{trainer.global_rank}.pt")
+        final = final_record(trainer, module, record)
+        if args.virtual:
+            final["validate_k4"] = validate_on_virtual_devices(module, val, devices, args.timeout, out / f"error_validate{rank}")
+    torch.save(final, out / f"rank{trainer.global_rank}.pt")
+
+
+def validate_on_virtual_devices(module, val, devices, timeout, error_file):
+    """``validate`` with a fresh strategy at K=4: one replica over cpu:0..3, three shadow ranks holding
+    their blocks on the CPU. The weights' sync must send through each rank's own device on the
+    replicas' group: every tensor of a broadcast outside the (gloo) control group is checked as
+    NCCL would check it."""
+    import torch.distributed as dist
+
+    from lightning_pipetransformer import devices as dev
+
+    strategy = PipeTransformerStrategy(pipe_len=4, process_group_backend="gloo", timeout=timeout, parallel_devices=devices)
+    # What may carry the weights: broadcasts (Lightning's own sync uses the coalesced one) and point-to-point.
+    names = ("broadcast", "_broadcast_coalesced", "send", "recv", "isend", "irecv")
+    originals = {name: getattr(dist, name) for name in names}
+
+    def checking(name):
+        def call(*args, **kwargs):
+            group = kwargs.get("group", next((a for a in args if isinstance(a, dist.ProcessGroup)), None))
+            if group is None or group is not strategy.control_group:
+                for tensor in [a for a in args if isinstance(a, torch.Tensor)] + [t for a in args if isinstance(a, list) for t in a]:
+                    dev.check_collective(tensor, f"dist.{name} before validate")
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in names:
+        setattr(dist, name, checking(name))
+    try:
+        trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False)
+        fit_recording_errors(trainer, module, None, val, error_file, stage="validate")
+    finally:
+        for name, function in originals.items():
+            setattr(dist, name, function)
+    return float(trainer.callback_metrics["val_loss"])
 
 
 def signal_rank_zero_inside_the_transition(trainer: pl.Trainer, strategy: PipeTransformerStrategy, epoch: int) -> None:
