@@ -308,6 +308,8 @@ class AutoFreeze(Callback):
         if self.schedule is not None or self.num_frozen >= self.max_frozen:
             return
         needed = 2 if self.rule == "autofreeze" else 1  # the autofreeze rule compares two intervals
+        lag = self._anneal_lags()  # anneal: a gradient rule's freeze comes one point after its decision
+        needed += lag
         if self.freeze_interval is not None:
             total = trainer.estimated_stepping_batches
             assert self._next_point is not None and self._interval_steps is not None
@@ -325,10 +327,11 @@ class AutoFreeze(Callback):
             every = f"freeze_every_n_epochs={self.freeze_every_n_epochs}"
             length, fix = f"max_epochs={epochs}", "more epochs, or freeze points inside epochs (freeze_interval=0.5)"
         if fits < needed:
-            what = "freeze point falls inside it" if fits == 0 else "freeze point fits, and rule='autofreeze' needs two"
+            rule = f"rule='{self.rule}'" + (" with anneal (each freeze one point after its decision)" if lag else "")
+            what = "freeze point falls inside it" if fits == 0 else f"freeze point{'s fit' if fits > 1 else ' fits'}, and {rule} needs {('two', 'three')[needed - 2]}"
             rank_zero_warn(
-                f"AutoFreeze: with {every} and a run of {length}, {'no' if fits == 0 else 'only one'} {what}: nothing "
-                f"will be frozen. Use {fix}."
+                f"AutoFreeze: with {every} and a run of {length}, {'no' if fits == 0 else 'only one' if fits == 1 else f'only {fits}'} {what}: "
+                f"nothing will be frozen. Use {fix}."
             )
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

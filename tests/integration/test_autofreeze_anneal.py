@@ -243,3 +243,11 @@ def test_several_processes_under_the_pipeline_strategy_turn_it_off_with_the_reas
 def test_bad_anneal_is_refused_at_construction(bad):
     with pytest.raises(ValueError, match="anneal"):
         AutoFreeze(anneal=bad)
+
+
+def test_a_run_with_room_for_one_decision_warns_that_its_lagged_freeze_will_not_come():
+    # 16 steps, a point every 10: the paper rule decides at step 10 and would freeze at step 20.
+    freeze = AutoFreeze(rule="paper", alpha=0.5, freeze_interval=10, anneal="cosine")
+    with pytest.warns(UserWarning, match="with anneal .each freeze one point after its decision. needs two"):
+        fit(freeze)
+    assert freeze.num_frozen == 0 and freeze._annealer.plan is not None
