@@ -42,7 +42,7 @@ if __package__:  # imported as examples.text_classification (the benchmarks)
 else:
     from rotten_tomatoes import Batch, RottenTomatoesDataModule  # noqa: E402
 
-__all__ = ["SentimentClassifier", "TextCLI", "main"]
+__all__ = ["SentimentClassifier", "TextCLI", "layerwise_lr_groups", "main"]
 
 NO_DECAY = ("bias", "LayerNorm.weight", "LayerNorm.bias")
 
@@ -58,6 +58,10 @@ class SentimentClassifier(pl.LightningModule):
         weight_decay: AdamW weight decay (not on biases and LayerNorm).
         warmup_ratio: share of the optimizer steps with a linear warm-up; then linear decay to 0.
         fused: use fused AdamW (``None``: where this torch build supports it).
+        llrd: layer-wise learning-rate decay (e.g. 0.8): the classifier, the pooler and the top block
+            train at ``lr``, each block below at ``llrd`` times the one above, the embeddings at
+            ``lr * llrd ** L`` (Zhang et al., 2021, "Revisiting few-sample BERT fine-tuning"). ``None``:
+            one learning rate. See :func:`layerwise_lr_groups`.
     """
 
     def __init__(
@@ -68,6 +72,7 @@ class SentimentClassifier(pl.LightningModule):
         weight_decay: float = 0.01,
         warmup_ratio: float = 0.1,
         fused: bool | None = None,
+        llrd: float | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -103,14 +108,22 @@ class SentimentClassifier(pl.LightningModule):
         self.log("val/loss", torch.nn.functional.cross_entropy(logits, batch["labels"]), batch_size=n, sync_dist=True)
         self.log("val/acc", self.val_acc, prog_bar=True, batch_size=n)
 
-    def configure_optimizers(self) -> Any:
+    def param_groups(self) -> list[dict[str, Any]]:
+        """AdamW's parameter groups over the trainable parameters: no weight decay on biases and
+        LayerNorm; with ``llrd``, one group per depth and decay setting, each with its own ``lr``
+        (LambdaLR scales every group's own lr by the same factor, so the ratios hold all run)."""
         hp = self.hparams
         named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
-        groups = [
+        if hp.get("llrd") is not None:
+            return layerwise_lr_groups(self.model, named, hp.lr, hp.llrd, hp.weight_decay)
+        return [
             {"params": [p for n, p in named if not n.endswith(NO_DECAY)], "weight_decay": hp.weight_decay},
             {"params": [p for n, p in named if n.endswith(NO_DECAY)], "weight_decay": 0.0},
         ]
-        optimizer = _adamw(groups, hp.lr, hp.fused)
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        optimizer = _adamw(self.param_groups(), hp.lr, hp.fused)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         warmup = int(hp.warmup_ratio * total)
 
@@ -120,6 +133,41 @@ class SentimentClassifier(pl.LightningModule):
             return max(0.0, (total - step) / max(total - warmup, 1))
 
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": LambdaLR(optimizer, linear), "interval": "step"}}
+
+
+def layerwise_lr_groups(
+    model: torch.nn.Module, named: list[tuple[str, torch.nn.Parameter]], lr: float, decay: float, weight_decay: float
+) -> list[dict[str, Any]]:
+    """Layer-wise learning-rate decay, as parameter groups for any model whose block stack the package finds.
+
+    The recipe (docs/autofreeze.md): with ``L`` blocks, block ``i`` (0 = the lowest) trains at
+    ``lr * decay ** (L - 1 - i)``, what runs before the stack (the embeddings) at ``lr * decay ** L``
+    and what runs after it (pooler, classifier) at ``lr``. It needs no package code beyond
+    :func:`lightning_pipetransformer.find_block_stack`: the groups are built once, every parameter
+    stays in the optimizer, and AutoFreeze freezes blocks inside their groups as usual (frozen
+    parameters get no gradient, so the optimizer skips them). Groups are keyed by (depth, decay or
+    not); only parameters in ``named`` (the trainable ones) are placed.
+    """
+    from lightning_pipetransformer import find_block_stack
+
+    if not 0.0 < decay <= 1.0:
+        raise ValueError(f"llrd must be in (0, 1] (1 is no decay), got {decay!r}.")
+    stack = find_block_stack(model)
+    depth_of: dict[int, int] = {}  # how many blocks above: 0 for the top block and everything after the stack
+    num_blocks = len(stack.blocks)
+    for i, block in enumerate(stack.blocks):
+        depth_of.update({id(p): num_blocks - 1 - i for p in block.parameters()})
+    for _, module in stack.pre:
+        depth_of.update({id(p): num_blocks for p in module.parameters()})
+    depth_of.update({id(p): num_blocks for _, p in stack.pre_params})
+    groups: dict[tuple[int, bool], dict[str, Any]] = {}
+    for name, p in named:
+        depth, decays = depth_of.get(id(p), 0), not name.endswith(NO_DECAY)
+        group = groups.setdefault((depth, decays), {
+            "params": [], "weight_decay": weight_decay if decays else 0.0, "lr": lr * decay**depth, "depth": depth,
+        })  # fmt: skip
+        group["params"].append(p)
+    return [groups[k] for k in sorted(groups, key=lambda k: (-k[0], not k[1]))]
 
 
 def _adamw(groups: list[dict[str, Any]], lr: float, fused: bool | None) -> torch.optim.Optimizer:

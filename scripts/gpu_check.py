@@ -140,7 +140,10 @@ def compare(module: Classifier, reference: Classifier, precision: str) -> tuple[
 
 
 #: The test files with CUDA-only tests (skipped on CPU), run in part one.
-CUDA_TESTS = ("tests/unit/pipe/test_pipeline_cuda.py", "tests/unit/test_virtual_devices.py", "tests/unit/freeze/test_non_finite_steps.py")
+CUDA_TESTS = (
+    "tests/unit/pipe/test_pipeline_cuda.py", "tests/unit/test_virtual_devices.py", "tests/unit/freeze/test_non_finite_steps.py",
+    "tests/unit/freeze/test_anneal.py",
+)
 
 
 def part_one() -> list[Row]:

@@ -1,4 +1,4 @@
-"""Time-to-accuracy on real data: full fine-tuning vs AutoFreeze (+ AutoCache) vs peers (issues 8 and 17).
+"""Time-to-accuracy on real data: full fine-tuning vs AutoFreeze (+ AutoCache, smooth freezing, LLRD) vs peers (issues 8, 17, 25).
 
 The pretrained MiniLM-L6 (a 6-block BERT) fine-tuned on Rotten Tomatoes sentiment snippets (split by
 movie), with the example's data module and LightningModule (``examples/``). Variants, all in ONE
@@ -11,6 +11,9 @@ invocation, interleaved per seed (seed loop outer, variants inner) so they share
 4. ``sub``    freeze+cache with freeze points inside epochs (issue 17): ``AutoFreeze(rule, freeze_interval=X)`` for
               every X in ``--intervals`` (default 0.25,0.5 of an epoch) and rule in ``--sub-rules`` (default
               paper,autofreeze), alphas ``--sub-alphas``, ``--percentile`` and ``--sub-min-active``;
+4b. ``smooth`` the ``--smooth`` rule@interval freeze+cache rows (default paper@0.25, autofreeze@0.5, autofreeze@0.25: the
+              ones that led in issue 17) with ``AutoFreeze(anneal=--anneal)`` (issue 25), each also with ``--llrd``;
+4c. ``llrd``  full fine-tuning with layer-wise learning-rate decay (``SentimentClassifier(llrd=--llrd)``), not the baseline;
 5. ``lora``   a peer: LoRA through ``peft`` (r=8, lora_alpha=16, dropout 0.1 on the attention query/value
               projections, the classifier trained in full; ``--lora-*``), the same optimizer and schedule shape, peak lr 5e-4 (``--lora-lr``; the LoRA paper's);
 6. ``bft``    a peer: Lightning's ``BaseFinetuning``, subclassed to freeze the embeddings and the lower
@@ -25,17 +28,22 @@ off and on train bit-for-bit the same model (AutoCache is exact), and their accu
 Every variant of a seed sees the same data, the same batches in the same order (a loader with its
 own seeded generator) and the same classifier-head initialisation. Reported per variant: total
 training time for the epoch budget (validation excluded), time per epoch, final validation accuracy,
-time-to-accuracy (training time until the baseline's mean final accuracy minus 0.3 points is first
-reached, from per-epoch validation) and the validation time itself. Mean and spread over the seeds::
+time-to-accuracy and the validation time itself. Validation (issue 25): a check every ``--val-every`` (0.25) of an
+epoch's optimizer steps, counted across epochs, on a fixed subset of ``--val-subset`` (1,000) validation snippets
+drawn with ``--val-subset-seed``, and once more at the end of training; the final accuracy on the whole validation
+set after ``fit`` (:class:`.runner.CheckClock`, :func:`.runner.evaluate`). Time to accuracy: the training time of the
+first check at or above the baseline's mean last-check accuracy minus 0.3 points (on the same subset), nothing
+interpolated. ``--val-every 1 --val-subset all`` is the older schedule (the whole set at every epoch end), the one
+of the records before issue 25. Mean and spread over the seeds::
 
     python -m benchmarks.time_to_accuracy --dry-run                            # the plan and its estimated duration
     python -m benchmarks.time_to_accuracy --smoke --docs outputs/smoke/benchmarks.md --write   # ~30 min on a busy 2-core machine
-    python -m benchmarks.time_to_accuracy --threads 2 --write                  # the benchmark (~3 h on an idle 2-core CPU)
+    python -m benchmarks.time_to_accuracy --threads 2 --write                  # the benchmark (~4 h on an idle 2-core CPU)
     python -m benchmarks.time_to_accuracy --variants full,cache --alphas 1/4,1/3,1/2 --write --docs docs/alpha_sweep.md
 
 ``--write`` writes ``docs/benchmarks.md``, ``docs/benchmarks_time_to_accuracy.png`` (accuracy against training
 time) and ``docs/benchmarks_speedup_vs_accuracy.png`` (every variant's mean speed-up against its mean final
-accuracy, with the issue-17 goal drawn: >= 3x at >= baseline - 0.3 points); ``--docs PATH`` writes the
+accuracy, with the goal drawn: issue 25's >= 2x at >= baseline - 0.3 points); ``--docs PATH`` writes the
 report elsewhere, its PNGs next to it (``<stem>_time_to_accuracy.png``, ``<stem>_speedup_vs_accuracy.png``),
 so a partial run does not overwrite the full benchmark's report. The report says whether the goal is met
 and, if not, which variant is closest and what bounds it (seconds spent before the first freeze and at

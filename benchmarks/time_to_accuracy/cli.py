@@ -33,14 +33,14 @@ from .report import (
     training_table,
     write_docs,
 )
-from .runner import cache_supported, interval_supported, peft_supported, quiet, run_one
+from .runner import anneal_supported, cache_supported, check_interval, interval_supported, peft_supported, quiet, run_one
 from .summary import summarize
-from .variants import KINDS, RunRecord, Variant, peer_variants, sub_epoch_variants
+from .variants import KINDS, RunRecord, Variant, llrd_variants, peer_variants, smooth_variants, sub_epoch_variants
 
 __all__ = ["main", "parse_args"]
 
 #: The first line of the package's docstring (``--help``).
-DESCRIPTION = "Time-to-accuracy on real data: full fine-tuning vs AutoFreeze (+ AutoCache) vs peers (issues 8 and 17)."
+DESCRIPTION = "Time-to-accuracy on real data: full fine-tuning vs AutoFreeze (+ AutoCache, smooth freezing, LLRD) vs peers (issues 8, 17, 25)."
 
 #: Settings of the benchmark and of ``--smoke`` (one thread: on a machine busy with other jobs,
 #: two OpenMP threads spinning against them made steps ~9x slower in our smoke runs).
@@ -80,6 +80,31 @@ def parse_intervals(text: str) -> list[tuple[float | int, str]]:
         out.append((value, item))
     return out
 
+def parse_smooth(text: str) -> list[tuple[str, float | int, str]]:
+    """``"paper@0.25,autofreeze@0.5"`` -> [("paper", 0.25, "0.25"), ("autofreeze", 0.5, "0.5")]: rule@interval rows."""
+    out: list[tuple[str, float | int, str]] = []
+    for item in (i.strip() for i in text.split(",") if i.strip()):
+        rule, _, interval = item.partition("@")
+        if rule not in ("paper", "autofreeze", "schedule") or not interval:
+            raise SystemExit(f"--smooth: {item!r} is not RULE@INTERVAL with RULE paper, autofreeze or schedule (e.g. paper@0.25).")
+        out += [(rule, value, itext) for value, itext in parse_intervals(interval)]
+    return out
+
+
+def parse_optional_float(text: str, flag: str) -> float | None:
+    """A number, or ``none`` / ``all`` / ``0`` for "off"."""
+    if text.strip().lower() in ("none", "all", "off", "0", ""):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise SystemExit(f"{flag}: {text!r} is not a number (or none).") from None
+
+
+#: The values the arguments added by issue 25 had before it, for records that lack them (``--resume``).
+LEGACY = {"val_every": 1.0, "val_subset": None, "val_subset_seed": 0}
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.time_to_accuracy", description=DESCRIPTION)
     p.add_argument("--smoke", action="store_true", help="tiny preset: 960/320 snippets, 3 epochs, seeds 0,1, 1 thread unless --threads (~5 min idle, ~10 loaded)")
@@ -90,9 +115,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seeds", default=None, help="comma-separated training seeds (default 0,1,2; smoke 0,1)")
     p.add_argument("--variants", default=",".join(KINDS),
                    help="any of full (the baseline), freeze and cache (AutoFreeze at epoch starts, without / with AutoCache), "
-                        "sub (freeze+cache with freeze points inside epochs: --intervals x --sub-rules), lora (peft LoRA), "
-                        "bft (Lightning's BaseFinetuning); default: all. Without full, ratios are freeze+cache vs freeze and "
-                        "--write needs a --docs path of its own")  # fmt: skip
+                        "sub (freeze+cache with freeze points inside epochs: --intervals x --sub-rules), smooth (the --smooth "
+                        "rows with AutoFreeze(anneal=--anneal), without and with --llrd), llrd (full fine-tuning with --llrd), "
+                        "lora (peft LoRA), bft (Lightning's BaseFinetuning); default: all. Without full, ratios are "
+                        "freeze+cache vs freeze and --write needs a --docs path of its own")  # fmt: skip
     p.add_argument("--alphas", default="1/3", help="AutoFreeze alphas for the epoch-level freeze/cache variants, e.g. 1/4,1/3,1/2")
     p.add_argument("--sweep-alphas", default="", help="extra epoch-level freeze+cache variants at these alphas (the accuracy cost of other settings), e.g. 1/4,1/2")
     p.add_argument("--sweep-seeds", type=int, default=None, help="run the sweep variants on the first N seeds only (default: all)")
@@ -105,6 +131,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--sub-alphas", default="1/3", help="sub-epoch rows: alphas of the paper and schedule rules (autofreeze takes none)")
     p.add_argument("--percentile", type=float, default=50.0, help="sub-epoch rows: the autofreeze rule's percentile (default 50)")
     p.add_argument("--sub-min-active", type=int, default=1, help="sub-epoch rows: AutoFreeze min_active (blocks never frozen; default 1)")
+    p.add_argument("--smooth", default="paper@0.25,autofreeze@0.5,autofreeze@0.25",
+                   help="smooth rows: RULE@INTERVAL freeze+cache rows run with AutoFreeze(anneal=--anneal) (default: the rows "
+                        "that led in issue 17's run: paper every 0.25 epoch, autofreeze p50 every 0.5 and 0.25 epoch); the "
+                        "paper rule uses the first --sub-alphas, autofreeze --percentile")  # fmt: skip
+    p.add_argument("--anneal", choices=("cosine", "linear"), default="cosine",
+                   help="smooth rows: the annealing curve of the blocks' learning rate before their freeze (FreezeOut's cosine by default)")
+    p.add_argument("--llrd", default="0.8",
+                   help="layer-wise learning-rate decay of the smooth rows' second copy and of the llrd row (full fine-tuning): "
+                        "block i of L trains at lr * llrd^(L-1-i), the embeddings at lr * llrd^L (default 0.8; none: no LLRD rows)")  # fmt: skip
+    p.add_argument("--val-every", type=float, default=0.25,
+                   help="validation checks every this fraction of an epoch's optimizer steps, counted across epochs, on "
+                        "--val-subset: the time-to-accuracy curve (default 0.25). The final accuracy is on the whole "
+                        "validation set after training. --val-every 1 --val-subset all is the schedule of the records "
+                        "before issue 25 (the whole set at every epoch end)")  # fmt: skip
+    p.add_argument("--val-subset", default="1000",
+                   help="snippets of the fixed validation subset the checks run on (default 1000; all: the whole set)")
+    p.add_argument("--val-subset-seed", type=int, default=0, help="seed of the validation subset's draw (default 0; the same for every run)")
     p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default 8)")
     p.add_argument("--lora-alpha", type=int, default=16, help="LoRA scaling alpha (default 16)")
     p.add_argument("--lora-dropout", type=float, default=0.1, help="LoRA dropout (default 0.1)")
@@ -153,6 +196,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if bad or not kinds:
         p.error(f"--variants takes any of {','.join(KINDS)}, got {args.variants!r}.")
     args.interval_list = parse_intervals(args.intervals) if "sub" in kinds else []
+    args.smooth_list = parse_smooth(args.smooth) if "smooth" in kinds else []
+    args.llrd = parse_optional_float(args.llrd, "--llrd")
+    if args.llrd is not None and not 0 < args.llrd <= 1:
+        p.error(f"--llrd must be in (0, 1] (1: no decay), got {args.llrd}.")
+    subset = parse_optional_float(args.val_subset, "--val-subset")
+    if subset is not None and (subset != int(subset) or subset < 1):
+        p.error(f"--val-subset takes a positive number of snippets or all, got {args.val_subset!r}.")
+    args.val_subset = int(subset) if subset is not None else None
+    if not 0 < args.val_every <= 1:
+        p.error(f"--val-every is a fraction of an epoch in (0, 1], got {args.val_every}.")
     args.sub_rule_list = [r.strip() for r in args.sub_rules.split(",") if r.strip()]
     if "sub" in kinds and (not args.sub_rule_list or any(r not in ("paper", "autofreeze", "schedule") for r in args.sub_rule_list)):
         p.error(f"--sub-rules takes paper, autofreeze and/or schedule, got {args.sub_rules!r}.")
@@ -181,22 +234,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_dir = str(fetch("minilm-l6"))
     has_cache = cache_supported()
     variants: list[Variant] = [Variant("full")] if "full" in args.kinds else []
+    variants += llrd_variants(args) if "llrd" in args.kinds else []
     for kind in ("freeze", "cache"):
         if kind in args.kinds:
             variants += [Variant(kind, a, t) for a, t in args.alpha_list]  # type: ignore[arg-type]
     sweep = [Variant("cache", a, t) for a, t in args.sweep_list]  # type: ignore[arg-type]
     variants += sweep
     sub = sub_epoch_variants(args) if "sub" in args.kinds else []
-    variants += sub + peer_variants(args)
+    smooth = smooth_variants(args) if "smooth" in args.kinds else []
+    variants += sub + smooth + peer_variants(args)
     sweep_seeds = args.seed_list[: args.sweep_seeds] if args.sweep_seeds is not None else args.seed_list
     requested = list(variants)
     cache_note = "" if has_cache else "**Skipped in this run: variant 3 needs AutoCache (not merged yet).**"
     if not has_cache and any(v.kind == "cache" for v in variants):
         print("time_to_accuracy: variant 3 needs AutoCache (not merged yet): PipeTransformerStrategy takes no cache= argument; skipping it.", flush=True)  # fmt: skip
         variants = [v for v in variants if v.kind != "cache"]
-    if sub and not interval_supported():
+    if (sub or smooth) and not interval_supported():
         print("time_to_accuracy: this AutoFreeze takes no freeze_interval / rule='autofreeze' (issue 17): skipping the sub-epoch rows.", flush=True)  # fmt: skip
         variants = [v for v in variants if not v.sub_epoch]
+    if smooth and not anneal_supported():
+        print("time_to_accuracy: this AutoFreeze takes no anneal= (issue 25): skipping the smooth rows.", flush=True)
+        variants = [v for v in variants if not v.anneal]
     if "lora" in args.kinds and not peft_supported():
         print('time_to_accuracy: the LoRA row needs peft: pip install -e ".[benchmarks]"; skipping it.', flush=True)
         variants = [v for v in variants if v.kind != "lora"]
@@ -204,32 +262,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     dm = BenchData(
         seed=args.seed_list[0], padding=args.padding, val_batch_size=args.val_batch_size, tokenizer=model_dir,
         train_size=args.train_size, val_size=args.val_size, max_length=args.max_length, batch_size=args.batch_size,
+        val_subset=args.val_subset, val_subset_seed=args.val_subset_seed,
     )  # fmt: skip
     dm.setup("fit")
     assert dm.train_set is not None and dm.val_set is not None
     n_train, n_val = len(dm.train_set), len(dm.val_set)
     tokens = {p: tokens_per_batch(dm, p) for p in ("max", "trim", "bucket")}  # type: ignore[arg-type]
     steps = len(dm.train_dataloader())
+    args.steps_per_epoch = steps  # the validation checks' interval (runner.check_interval)
+    every = check_interval(args, steps)
+    subset = dm.subset_indices()
+    n_check = len(subset) if subset is not None else n_val
     start = time.perf_counter()
     for _ in dm.train_dataloader():
         pass
     load_s = time.perf_counter() - start
-    val_tokens = sum(b["input_ids"].numel() for b in dm.val_dataloader())
+    val_tokens = sum(b["input_ids"].numel() for b in dm.full_val_dataloader())
+    check_tokens = sum(b["input_ids"].numel() for b in dm.val_dataloader())
     per_run = {
-        v.name: estimate_seconds(v, args.epochs, steps, tokens[args.padding], val_tokens, n_train, n_val, args) for v in requested
-    }
+        v.name: estimate_seconds(v, args.epochs, steps, tokens[args.padding], val_tokens, n_train, n_val, args,
+                                 check_every=every, check_tokens=check_tokens)
+        for v in requested
+    }  # fmt: skip
     est = sum(per_run[v.name] * (len(sweep_seeds) if v in sweep else len(args.seed_list)) for v in requested)
     skipped = " (skipped variants included)" if len(requested) > len(variants) else ""
     print(
         f"time_to_accuracy: {n_train} train / {n_val} val snippets, {args.epochs} epochs, seeds {args.seed_list}, "
         f"padding={args.padding} ({tokens[args.padding]:.0f} tokens per batch of {args.batch_size}; trim "
-        f"{tokens['trim']:.0f}, max {tokens['max']:.0f}), {steps} steps per epoch; variants: "
-        f"{', '.join(v.name for v in variants)}.\n"
+        f"{tokens['trim']:.0f}, max {tokens['max']:.0f}), {steps} steps per epoch; "
+        + (f"validation checks every {every} optimizer steps on a fixed subset of {n_check} snippets (seed {args.val_subset_seed}), "
+           f"the whole {n_val} once after training; " if every is not None else f"validation on all {n_val} snippets at every epoch end; ")
+        + f"variants: {', '.join(v.name for v in variants)}.\n"
         f"time_to_accuracy: estimated seconds per run (training + validation + set-up): "
         + "; ".join(f"{name} {sec:.0f}" for name, sec in per_run.items()) + ".\n"
         f"time_to_accuracy: estimated duration on an idle 2-core CPU with 2 threads{skipped}: {est / 60:.0f} min "
-        f"(+-30%: calibrated on the 2026-11-30 run of this benchmark; the sub-epoch rules' freezing and the peers' "
-        f"step costs are assumptions, see planned_frozen; a loaded machine takes longer).",
+        f"(+-30%: calibrated on the 2026-12-01 run of this benchmark; the sub-epoch rules' freezing is an "
+        f"assumption, see planned_frozen; a loaded machine takes longer). {len(requested)} rows x "
+        f"{len(args.seed_list)} seeds.",
         flush=True,
     )
     if args.dry_run:
@@ -279,8 +348,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"length depends on the batch-mates, so keys change between epochs and the cache mostly misses.\n"
             f"- Data loading: one epoch of training batches takes {1000 * load_s:.0f} ms to produce "
             f"(pre-tokenized tensors, sliced per batch), which is negligible.\n"
-            f"- Evaluation: validation over {n_val} snippets every epoch took {val_frac} of each run's wall time. "
-            f"Batches are sorted by length, {args.val_batch_size} per batch, with no gradients. It is kept out of "
+            + (
+                f"- Evaluation: the checks over {n_check} snippets every {every} optimizer steps took {val_frac} of each run's "
+                f"wall time (the final evaluation over all {n_val} after training, {_final_eval_text(records)}, is outside it). "
+                if every is not None else
+                f"- Evaluation: validation over {n_val} snippets every epoch took {val_frac} of each run's wall time. "
+            )
+            + f"Batches are sorted by length, {args.val_batch_size} per batch, with no gradients. It is kept out of "
             f"the training time, and evaluating less often would cut it.\n"
             f"- Optimizer: fused AdamW (the example's default) cost ~13 ms per step on this kind of CPU, against ~83 ms "
             f"for the default implementation (measured earlier on this kind of CPU; not timed in this run). Once the embeddings freeze, their 11.7 M parameters, "
@@ -291,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         where += bound_text(rows, args.epochs) + cache_text(rows) + exactness_text(records, variants)
         body = {
             "command": command, "table": table, "training": training_table(rows), "epochs": epoch_table(rows),
-            "where": where, "cache_note": cache_note, "goal": goal, "steps": str(steps),
+            "where": where, "cache_note": cache_note, "goal": goal, "steps": str(steps), "n_check": str(n_check),
             "peft_version": _version("peft"),
             "ran": ran_text(records, variants),
             "setting": (
@@ -302,6 +376,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 + (f"; alpha sweep (freeze+cache only) {args.sweep_alphas} on seeds {sweep_seeds}" if sweep else "")
                 + (f". Sub-epoch rows: intervals {args.intervals}, rules {args.sub_rules}, alphas {args.sub_alphas}, "
                    f"percentile {args.percentile:g}, min_active {args.sub_min_active}" if sub else "")
+                + (f". Smooth rows: {args.smooth}, anneal {args.anneal}" + (f", with and without LLRD {args.llrd:g}" if args.llrd else "")
+                   if smooth else "")
+                + (f". Validation: checks every {every} optimizer steps ({args.val_every:g} epoch) on a fixed subset of {n_check} "
+                   f"snippets (seed {args.val_subset_seed}) and at the end of training; the final accuracy on all {n_val}"
+                   if every is not None else ". Validation: all snippets at every epoch end")
                 + "."
             ),
         }  # fmt: skip
@@ -309,20 +388,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"time_to_accuracy: wrote {args.docs}, {plot}" + (f", {speed_plot}" if target is not None else "") + f" and {args.json}", flush=True)
     return 1 if any(r.error for r in records) else 0
 
-#: The arguments that define the setting: a resumed record must come from a run with the same ones.
-SETTING_ARGS = ("train_size", "val_size", "epochs", "padding", "max_length", "batch_size", "val_batch_size", "lr", "accelerator", "threads")
-#: Arguments that change only some rows: when they differ, those rows are rerun and the others kept.
+#: The arguments that define the setting: a resumed record must come from a run with the same ones. The
+#: validation schedule is among them: it changes what every row measures (and costs).
+SETTING_ARGS = (
+    "train_size", "val_size", "epochs", "padding", "max_length", "batch_size", "val_batch_size", "lr", "accelerator", "threads",
+    "val_every", "val_subset", "val_subset_seed",
+)  # fmt: skip
+#: Arguments that change only some rows: when they differ, those rows are rerun and the others kept. (The
+#: smooth rows' curve, rule, interval and LLRD are in their names: another value is another row.)
 ROW_ARGS = {
     "lora": ("lora_r", "lora_alpha", "lora_dropout", "lora_lr"),
     "bft": ("bft_blocks",),
     "sub": ("percentile", "sub_min_active"),
+    "smooth": ("percentile", "sub_min_active"),
     "epoch-level": ("rule",),
 }
 
 
 def _row_group(v: Variant) -> str:
-    if v.kind in ("lora", "bft"):
+    if v.kind in ("lora", "bft", "llrd"):
         return v.kind
+    if v.anneal:
+        return "smooth"
     return "sub" if v.sub_epoch else ("epoch-level" if v.autofreeze else "full")
 
 
@@ -333,12 +420,19 @@ def resumed_records(args: argparse.Namespace, variants: list[Variant]) -> dict[t
     row's own arguments differ (``--lora-lr``, ``--bft-blocks``, ...), that row is rerun.
     """
     saved = json.loads(args.resume.read_text())
-    theirs, ours = saved.get("args", {}), _jsonable(vars(args))
+    theirs, ours = {**LEGACY, **saved.get("args", {})}, _jsonable(vars(args))
     differ = [k for k in SETTING_ARGS if theirs.get(k) != ours.get(k)]
     if differ:
+        hint = (
+            " The validation schedule changed (issue 25: checks every --val-every epoch on --val-subset snippets): every "
+            "row measures differently, so this is a fresh run: give it a fresh --json (e.g. --json "
+            "outputs/benchmarks/time_to_accuracy_25.json) and no --resume; or pass --val-every 1 --val-subset all "
+            "to add rows to these records under their schedule."
+            if any(k in LEGACY for k in differ) else ""
+        )
         raise SystemExit(
             f"time_to_accuracy: --resume {args.resume} was run with another setting ({', '.join(f'{k}={theirs.get(k)!r} here {ours.get(k)!r}' for k in differ)}); "
-            "rerun with the same arguments or without --resume."
+            "rerun with the same arguments or without --resume." + hint
         )  # fmt: skip
     stale = {group for group, keys in ROW_ARGS.items() if any(theirs.get(k) != ours.get(k) for k in keys)}
     group_of = {v.name: _row_group(v) for v in variants}
@@ -360,6 +454,11 @@ def _version(package: str) -> str:
         return version(package)
     except Exception:
         return ""
+
+def _final_eval_text(records: list[RunRecord]) -> str:
+    times = [r.final_eval_s for r in records if r.error is None and r.final_eval_s]
+    return f"{min(times):.0f}-{max(times):.0f} s per run" if times else "not timed"
+
 
 def _val_share(rows: list[dict[str, Any]]) -> str:
     shares = [r["val"][0] / r["fit"][0] for r in rows if r.get("runs") and r["fit"][0] > 0]

@@ -84,14 +84,23 @@ class BenchData(RottenTomatoesDataModule):
         padding: ``"bucket"``, ``"trim"`` or ``"max"`` (see the module docstring).
         val_batch_size: samples per validation batch (validation batches are sorted by length).
         multiple: bucket granularity in tokens.
+        val_subset: the validation checks run on this many validation snippets, a fixed subset drawn with
+            ``val_subset_seed`` (the same for every variant and seed; ``None``: the whole set).
+            :meth:`full_val_dataloader` is the whole set, for the final accuracy.
         **kwargs: :class:`RottenTomatoesDataModule` arguments.
     """
 
-    def __init__(self, seed: int = 0, padding: Padding = "bucket", val_batch_size: int = 128, multiple: int = 8, **kwargs: Any) -> None:
+    def __init__(
+        self, seed: int = 0, padding: Padding = "bucket", val_batch_size: int = 128, multiple: int = 8,
+        val_subset: int | None = None, val_subset_seed: int = 0, **kwargs: Any,
+    ) -> None:  # fmt: skip
         if padding not in ("bucket", "trim", "max"):
             raise ValueError(f"padding must be 'bucket', 'trim' or 'max', got {padding!r}.")
+        if val_subset is not None and val_subset < 1:
+            raise ValueError(f"val_subset must be a positive number of snippets or None (the whole set), got {val_subset!r}.")
         super().__init__(trim_padding=padding != "max", **kwargs)
         self.seed, self.padding, self.val_batch_size, self.multiple = seed, padding, val_batch_size, multiple
+        self.val_subset, self.val_subset_seed = val_subset, val_subset_seed
 
     def _lengths(self, dataset: EncodedDataset) -> torch.Tensor:
         return dataset.attention_mask.sum(dim=1)
@@ -107,11 +116,31 @@ class BenchData(RottenTomatoesDataModule):
         collate = collate_trimmed if self.padding == "trim" else _identity
         return DataLoader(data, batch_size=bs, shuffle=True, generator=gen, collate_fn=collate)
 
-    def val_dataloader(self) -> DataLoader[Batch]:
+    def subset_indices(self) -> list[int] | None:
+        """The validation snippets the checks run on (sorted positions in the validation side); ``None``: all.
+        Drawn by its own seeded generator: independent of the training seed, identical for every run."""
         data = self._require(self.val_set)
+        if self.val_subset is None or self.val_subset >= len(data):
+            return None
+        gen = torch.Generator().manual_seed(self.val_subset_seed)
+        return sorted(torch.randperm(len(data), generator=gen)[: self.val_subset].tolist())
+
+    def val_dataloader(self) -> DataLoader[Batch]:
+        """What the validation checks during ``fit`` run on: the fixed subset (``val_subset``), or the whole set."""
+        return self._val_loader(self.subset_indices())
+
+    def full_val_dataloader(self) -> DataLoader[Batch]:
+        """The whole validation set: the final accuracy."""
+        return self._val_loader(None)
+
+    def _val_loader(self, indices: list[int] | None) -> DataLoader[Batch]:
+        data = self._require(self.val_set)
+        positions = torch.arange(len(data)) if indices is None else torch.tensor(indices, dtype=torch.long)
         if self.padding == "max":
-            return DataLoader(data, batch_size=self.val_batch_size, collate_fn=_identity)
-        order = torch.argsort(self._lengths(data), stable=True).tolist()  # fixed batches, little padding
+            batches = [positions[i : i + self.val_batch_size].tolist() for i in range(0, len(positions), self.val_batch_size)]
+            return DataLoader(data, batch_sampler=batches, collate_fn=_identity)
+        lengths = self._lengths(data)[positions]
+        order = positions[torch.argsort(lengths, stable=True)].tolist()  # fixed batches, little padding
         batches = [order[i : i + self.val_batch_size] for i in range(0, len(order), self.val_batch_size)]
         return DataLoader(data, batch_sampler=batches, collate_fn=collate_to_multiple(self.multiple))
 

@@ -8,19 +8,21 @@ from lightning_pipetransformer.freeze.rules import geometric_num_frozen
 
 from .variants import Variant
 
-#: The duration estimate's costs, calibrated on the 2026-11-30 run of this benchmark (docs/benchmarks.md then:
-#: an idle 2-core CPU, 2 torch threads, 3,000 / 5,134 snippets, length buckets): a full training step costs
-#: ~0.94 ms per token (85 s per epoch of 90,792 tokens), a validation forward ~0.27 ms per token (43 s for
-#: 161,664 tokens). Relative step cost with F of 6 blocks frozen, without the cache (the frozen prefix runs
-#: forward) and served from it (the per-epoch times of freeze and freeze+cache a=1/3 then):
-TRAIN_S_PER_TOKEN = 85.0 / 90792
-VAL_S_PER_TOKEN = 43.0 / 161664
+#: The duration estimate's costs. Per token, calibrated on the 2026-12-01 run of this benchmark (docs/benchmarks.md
+#: then: an idle 2-core CPU, 2 torch threads, 3,000 / 5,134 snippets, length buckets): full fine-tuning trained
+#: 57 s per epoch of 90,792 tokens (~0.63 ms per token) and validated 27 s per pass over 161,664 tokens
+#: (~0.17 ms per token); the 2026-11-30 run's 85 s and 43 s made the estimate ~1.5x too long. Relative step
+#: cost with F of 6 blocks frozen, without the cache (the frozen prefix runs forward) and served from it (the
+#: per-epoch times of freeze and freeze+cache a=1/3 on 2026-11-30):
+TRAIN_S_PER_TOKEN = 57.2 / 90792
+VAL_S_PER_TOKEN = 27.4 / 161664
 STEP_RATIO = {0: 1.0, 2: 0.74, 4: 0.54, 5: 0.40, 6: 0.33}
 STEP_RATIO_CACHED = {0: 1.0, 2: 0.62, 4: 0.29, 5: 0.14, 6: 0.06}
-#: Guesses for the peers (not measured on an idle machine yet): LoRA still back-propagates through every
-#: block (activation gradients) but computes no weight gradient of the frozen matrices; BaseFinetuning
-#: with the embeddings and 3 of 6 blocks frozen runs like 3 frozen blocks without a cache.
-LORA_STEP_RATIO = 0.75
+#: The peers' step cost relative to full fine-tuning, measured on 2026-12-01 (train time 254 and 211 s against
+#: 286 s): LoRA still back-propagates through every block (activation gradients) but computes no weight
+#: gradient of the frozen matrices; BaseFinetuning trains the upper 3 of 6 blocks (its lower half keeps dropout).
+LORA_STEP_RATIO = 0.89
+BFT_STEP_RATIO = 0.74
 ADVANCE_S_PER_BLOCK_PER_SAMPLE = 2.0 / 3000  # cache boundary advance, per block moved and stored snippet
 SETUP_S = 10.0  # model load + Trainer set-up per run
 
@@ -38,8 +40,11 @@ def planned_frozen(variant: Variant, epochs: int, steps: int, args: argparse.Nam
     Epoch-level rows follow the geometric schedule (the paper rule freezes no more). Sub-epoch rows
     decide every ``interval``: ``schedule`` the geometric count of the point, ``paper`` one block more per
     point from the geometric first step (its slowest: each point freezes at least one block, the geometric
-    step is its upper bound), ``autofreeze`` one block per point from its second point (it needs two
-    intervals to compare; how far it freezes depends on the gradients, this is a guess on the slow side).
+    step is its upper bound), ``autofreeze`` as it did on 2026-12-01 (its decisions follow the gradients: every
+    0.25 and 0.5 epoch it first froze 1.5-2.5 epochs in, then about one block per half epoch; taken here as 2
+    blocks at the first point from epoch 2 on, then one more per half epoch).
+    With ``anneal`` the gradient rules freeze one interval after their decision (the blocks anneal in between):
+    their plan is shifted by one interval; ``schedule`` freezes at the same points as without.
     """
     total = epochs * steps
     if variant.kind == "bft":
@@ -51,53 +56,68 @@ def planned_frozen(variant: Variant, epochs: int, steps: int, args: argparse.Nam
     if not variant.sub_epoch:
         return [min(limit, geometric_num_frozen(blocks, alpha, s // steps)) for s in range(total)]
     every = variant.interval if isinstance(variant.interval, int) else max(1, round(float(variant.interval or 1) * steps))
+    lag = 1 if variant.anneal and variant.rule in ("paper", "autofreeze") else 0
     out, frozen = [], 0
     for s in range(total):
-        if s and s % every == 0:
-            point = s // every
+        if s and s % every == 0 and s // every > lag:
+            point = s // every - lag
             if variant.rule == "schedule":
                 frozen = geometric_num_frozen(blocks, alpha, point)
             elif variant.rule == "paper":
                 frozen = geometric_num_frozen(blocks, alpha, 1) if frozen == 0 else frozen + 1
-            elif point >= 2:
-                frozen += 1
+            elif point * every >= 2 * steps:
+                frozen = max(frozen, 2 + (point * every - 2 * steps) // max(1, steps // 2))
             frozen = min(frozen, limit)
         out.append(frozen)
     return out
 
 
 def estimate_seconds(
-    variant: Variant, epochs: int, steps: int, tokens: float, val_tokens: float, n_train: int, n_val: int, args: argparse.Namespace
+    variant: Variant, epochs: int, steps: int, tokens: float, val_tokens: float, n_train: int, n_val: int, args: argparse.Namespace,
+    check_every: int | None = None, check_tokens: float | None = None,
 ) -> float:
-    """Rough seconds of one run (training, validation every epoch, set-up) on an idle 2-core CPU.
+    """Rough seconds of one run (training, validation, set-up) on an idle 2-core CPU.
 
     Step time is taken proportional to tokens per batch. With the cache, a step is served when its
     snippets were stored at an earlier epoch's step with blocks frozen (batches are reshuffled every
     epoch: the served share is the share of snippets stored before the epoch); moving the boundary
     advances the stored entries. Validation through a stored boundary runs the active blocks only.
+    Validation: ``check_every`` None is the whole set (``val_tokens``) at every epoch end; otherwise a check of
+    ``check_tokens`` every ``check_every`` optimizer steps across epochs, and after training the subset and the
+    whole set once more at full cost (a plain forward, no cache).
     """
     frozen = planned_frozen(variant, epochs, steps, args)
     full_step = TRAIN_S_PER_TOKEN * tokens
     full_val = VAL_S_PER_TOKEN * val_tokens
+    check = VAL_S_PER_TOKEN * (check_tokens if check_tokens is not None else val_tokens)
     total, stored, prev, val_at = SETUP_S, 0.0, 0, 0  # stored: share of training snippets in the cache
     cached = variant.kind == "cache"
+    val_stored = n_val if check_every is None or not val_tokens else n_val * check / full_val  # validation snippets in the cache
+    step = 0
     for e in range(epochs):
         seen_frozen = 0
         for f in frozen[e * steps : (e + 1) * steps]:
-            if variant.kind == "lora":
-                total += full_step * LORA_STEP_RATIO
+            step += 1
+            if check_every is not None and step % check_every == 0:  # a check after this step, on the subset
+                total += check * (blocks_active(f) if cached and val_at else 1.0)
+                val_at = f if cached and f > 0 else 0
+            if variant.kind in ("lora", "bft"):
+                total += full_step * (LORA_STEP_RATIO if variant.kind == "lora" else BFT_STEP_RATIO)
                 continue
             if cached and f > prev:
                 now = 1 - (1 - stored) * (1 - seen_frozen / steps)
-                total += (f - prev) * ADVANCE_S_PER_BLOCK_PER_SAMPLE * (now * n_train + (n_val if val_at else 0))
+                total += (f - prev) * ADVANCE_S_PER_BLOCK_PER_SAMPLE * (now * n_train + (val_stored if val_at else 0))
             hit = stored if cached and f > 0 else 0.0
             total += full_step * (hit * _interp(STEP_RATIO_CACHED, f) + (1 - hit) * _interp(STEP_RATIO, f))
             seen_frozen += f > 0
             prev = f
         stored = 1 - (1 - stored) * (1 - seen_frozen / steps) if cached else 0.0
-        f = frozen[(e + 1) * steps - 1]
-        total += full_val * (blocks_active(f) if cached and val_at else 1.0)
-        val_at = f if cached and f > 0 else 0
+        if check_every is None:
+            f = frozen[(e + 1) * steps - 1]
+            total += full_val * (blocks_active(f) if cached and val_at else 1.0)
+            val_at = f if cached and f > 0 else 0
+    if check_every is not None:
+        total += check + full_val  # the end of training: the subset and the whole set, plain forwards
     return total
 
 

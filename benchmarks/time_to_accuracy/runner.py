@@ -12,6 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 
 from examples.text_classification import SentimentClassifier
 from examples.timeline import Timeline
@@ -20,7 +21,10 @@ from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from .data import BenchData
 from .variants import RunRecord, Variant
 
-__all__ = ["StepClock", "build_model", "build_trainer", "lora_config", "lower_blocks_finetuning", "quiet", "run_one"]
+__all__ = [
+    "CheckClock", "StepClock", "build_model", "build_trainer", "check_interval", "evaluate", "lora_config",
+    "lower_blocks_finetuning", "quiet", "run_one",
+]
 
 def cache_supported() -> bool:
     """Whether this build's strategy takes AutoCache's arguments (``cache=``)."""
@@ -35,6 +39,15 @@ def interval_supported() -> bool:
     """Whether this build's AutoFreeze takes ``freeze_interval`` and ``rule="autofreeze"`` (issue 17)."""
     try:
         AutoFreeze(rule="autofreeze", freeze_interval=0.5)  # type: ignore[call-arg, arg-type]
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def anneal_supported() -> bool:
+    """Whether this build's AutoFreeze takes ``anneal=`` (smooth freezing, issue 25)."""
+    try:
+        AutoFreeze(anneal="cosine")  # type: ignore[call-arg]
     except (TypeError, ValueError):
         return False
     return True
@@ -71,6 +84,68 @@ class StepClock(pl.Callback):
         self.seconds[key] = self.seconds.get(key, 0.0) + (now - self._mark)
         self.steps[key] = self.steps.get(key, 0) + 1
         self._mark = now
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A check inside the epoch runs after a batch's end: the next batch's time starts after it.
+        self._mark = time.perf_counter()
+
+
+class CheckClock(pl.Callback):
+    """Every validation check of ``fit``: the global step, the training seconds up to it and the accuracy.
+
+    The training clock runs from each train-epoch start to its end and stops during validation, the
+    segments :class:`~examples.timeline.Timeline` counts as ``train_s`` (so the last check's seconds add
+    up to the run's training time). Listed before AutoFreeze: an epoch-start freeze counts as training.
+    """
+
+    def __init__(self, monitor: str = "val/acc") -> None:
+        self.monitor = monitor
+        self.checks: list[dict[str, Any]] = []
+        self.train_s = 0.0
+        self._mark: float | None = None
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._mark = time.perf_counter()
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._mark is not None and not trainer.sanity_checking:
+            self.train_s += time.perf_counter() - self._mark
+            self._mark = None
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        value = trainer.callback_metrics.get(self.monitor)
+        self.checks.append({"step": int(trainer.global_step), "train_s": self.train_s, "acc": None if value is None else float(value)})
+        self._mark = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._mark is not None:
+            self.train_s += time.perf_counter() - self._mark
+            self._mark = None
+
+
+def check_interval(args: argparse.Namespace, steps_per_epoch: int) -> int | None:
+    """Optimizer steps between validation checks (``--val-every`` of an epoch, rounded as AutoFreeze rounds
+    ``freeze_interval``, so the 0.25-epoch rows' freeze points fall on checks); ``None``: the older schedule,
+    the whole validation set at every epoch end."""
+    if args.val_every >= 1.0 and args.val_subset is None:
+        return None
+    return max(1, round(args.val_every * steps_per_epoch))
+
+
+@torch.inference_mode()
+def evaluate(model: pl.LightningModule, loader: Any) -> float:
+    """Accuracy of ``model`` over ``loader`` with a plain loop (after ``fit``: no strategy, no cache, eval mode)."""
+    was_training = model.training
+    model.eval()
+    right = total = 0
+    for batch in loader:
+        logits = model(batch["input_ids"], batch["attention_mask"])
+        right += int((logits.argmax(dim=-1) == batch["labels"]).sum())
+        total += int(batch["labels"].numel())
+    model.train(was_training)
+    return right / max(total, 1)
 
 
 def lower_blocks_finetuning(blocks: int) -> pl.Callback:
@@ -111,7 +186,7 @@ def build_model(variant: Variant, args: argparse.Namespace, model_dir: str) -> p
     """The example's LightningModule; for LoRA its ``model`` wrapped by ``peft.get_peft_model`` (after the
     classifier head is initialised, so the head starts the same as in every other variant of the seed)."""
     if variant.kind != "lora":
-        return SentimentClassifier(pretrained=model_dir, lr=args.lr)
+        return SentimentClassifier(pretrained=model_dir, lr=args.lr, llrd=variant.llrd)
     from peft import get_peft_model
 
     model = SentimentClassifier(pretrained=model_dir, lr=args.lora_lr if args.lora_lr is not None else args.lr)
@@ -123,23 +198,28 @@ def build_trainer(variant: Variant, args: argparse.Namespace, cache_dir: str) ->
     """The Trainer of one run: the same settings for every variant except callbacks and strategy."""
     # The clocks first: callbacks run in list order, and AutoFreeze's epoch-start freeze (re-plan, cache
     # advance over every stored sample) must fall inside the epoch they time.
-    callbacks: list[pl.Callback] = [Timeline(print_table=False), StepClock()]
+    callbacks: list[pl.Callback] = [Timeline(print_table=False), StepClock(), CheckClock()]
     strategy: Any = "auto"
     if variant.autofreeze:
         assert variant.alpha is not None
         extra: dict[str, Any] = {}
         if variant.sub_epoch:
             extra = {"freeze_interval": variant.interval, "percentile": args.percentile, "min_active": variant.min_active}
+        if variant.anneal:
+            extra["anneal"] = variant.anneal
         callbacks.append(AutoFreeze(alpha=variant.alpha, rule=variant.rule or args.rule, **extra))  # type: ignore[arg-type]
         # The same strategy for freeze and freeze+cache: the cache is the only difference (module docstring).
         cache = variant.kind == "cache"
         strategy = PipeTransformerStrategy(pipe_len=1, cache=cache, cache_dir=cache_dir if cache else None)  # type: ignore[call-arg]
     elif variant.kind == "bft":
         callbacks.append(lower_blocks_finetuning(args.bft_blocks))
+    every = check_interval(args, args.steps_per_epoch)
+    # Checks every `every` optimizer steps counted across epochs (no accumulation here: a batch is a step).
+    checks: dict[str, Any] = {} if every is None else {"val_check_interval": every, "check_val_every_n_epoch": None}
     return pl.Trainer(
         accelerator=args.accelerator, devices=1, strategy=strategy, precision="32-true", max_epochs=args.epochs,
         callbacks=callbacks, num_sanity_val_steps=0, enable_checkpointing=False, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False, **checks,
     )  # fmt: skip
 
 
@@ -159,6 +239,16 @@ def run_one(variant: Variant, seed: int, dm: BenchData, args: argparse.Namespace
         record.epochs = [asdict(r) for r in timeline.rows]
         clock = next(c for c in trainer.callbacks if isinstance(c, StepClock))  # type: ignore[attr-defined]
         record.frozen_s, record.frozen_steps = dict(clock.seconds), dict(clock.steps)
+        if check_interval(args, args.steps_per_epoch) is not None:
+            # The end of training: the subset (the last point of the curve, at the whole training time) and the
+            # whole validation set (the final accuracy), by a plain loop after fit, outside every clock above.
+            checks = next(c for c in trainer.callbacks if isinstance(c, CheckClock)).checks  # type: ignore[attr-defined]
+            start = time.perf_counter()
+            subset = evaluate(model, dm.val_dataloader())
+            record.final_full_acc = evaluate(model, dm.full_val_dataloader()) if dm.subset_indices() is not None else subset
+            record.final_eval_s = time.perf_counter() - start
+            end = {"step": int(trainer.global_step), "train_s": record.train_s, "acc": subset}
+            record.checks = [c for c in checks if c["step"] < end["step"]] + [end]
         af = next((c for c in trainer.callbacks if isinstance(c, AutoFreeze)), None)  # type: ignore[attr-defined]
         record.freezes = [[int(a), int(b)] for a, b in (af.step_history if af is not None else [])]
         record.trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)

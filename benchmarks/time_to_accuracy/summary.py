@@ -1,4 +1,4 @@
-"""Aggregates over seeds: per-variant means, speed-ups, time to accuracy and the issue-17 goal."""
+"""Aggregates over seeds: per-variant means, speed-ups, time to accuracy and the goal (issue 25)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 
 from .variants import RunRecord, Variant
 
-#: The goal of issue 17: at least this training speed-up over full fine-tuning ...
-GOAL_SPEEDUP = 3.0
+#: The goal of issue 25: at least this training speed-up over full fine-tuning (issues 8 and 17 asked 3x) ...
+GOAL_SPEEDUP = 2.0
 #: ... at a mean final accuracy no more than this many points below it (also the time-to-accuracy target).
 GOAL_DROP = 0.3
 
@@ -36,10 +36,19 @@ def reference_of(variant: Variant, variants: Sequence[Variant], has_baseline: bo
     return None
 
 def summarize(records: list[RunRecord], variants: list[Variant]) -> tuple[list[dict[str, Any]], float | None]:
-    """Per-variant aggregates and the time-to-accuracy target (baseline mean final acc - 0.3 pt)."""
+    """Per-variant aggregates and the time-to-accuracy target.
+
+    The target is the baseline's mean accuracy at its last check (the end of training) minus 0.3 points,
+    on what the checks measure (the fixed validation subset; the whole set in the older records), so that
+    every check is compared with the baseline on the same snippets: a subset's own sampling offset (about a
+    point for 1,000 snippets) would otherwise move the target. The goal compares final accuracies on the
+    whole validation set.
+    """
     ok = [r for r in records if r.error is None and r.epochs]
-    base = [r.final_acc for r in ok if r.variant == "full fine-tuning" and r.final_acc is not None]
-    target = statistics.fmean(base) - GOAL_DROP / 100 if base else None
+    baseline = [r for r in ok if r.variant == "full fine-tuning"]
+    base = [r.final_acc for r in baseline if r.final_acc is not None]
+    base_check = [r.final_check_acc for r in baseline if r.final_check_acc is not None]
+    target = statistics.fmean(base_check) - GOAL_DROP / 100 if base_check else None
     train_of = {v.name: [r.train_s for r in ok if r.variant == v.name] for v in variants}
     fit_of = {v.name: [r.fit_s for r in ok if r.variant == v.name] for v in variants}
     base_tta = None
@@ -81,6 +90,8 @@ def summarize(records: list[RunRecord], variants: list[Variant]) -> tuple[list[d
             "frozen_steps": {f: statistics.fmean(r.frozen_steps.get(str(f), 0) for r in runs) for f in levels},
             "cache_hits": [runs[0].epochs[e]["cache_hits"] for e in range(len(runs[0].epochs))],
             "per_epoch_acc": [statistics.fmean(100 * r.epochs[e]["metric"] for r in runs if len(r.epochs) > e) for e in range(n_epochs)],
+            "check_acc": _mean_sd([100 * r.final_check_acc for r in runs if r.final_check_acc is not None]),
+            "checks": min(len(r.points) for r in runs),
             # Cache footprint, MB, mean over seeds: the run's largest at an epoch end, and per epoch.
             "cache_peak_mb": (_mean_mb([r.cache_peak("cache_mem_bytes") for r in runs]),
                               _mean_mb([r.cache_peak("cache_disk_bytes") for r in runs])),

@@ -7,11 +7,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["KINDS", "Kind", "RunRecord", "Variant", "peer_variants", "sub_epoch_variants"]
+__all__ = ["KINDS", "Kind", "RunRecord", "Variant", "llrd_variants", "peer_variants", "smooth_variants", "sub_epoch_variants"]
 
-Kind = Literal["full", "freeze", "cache", "lora", "bft"]
-#: What --variants takes: the kinds, and ``sub`` for the sub-epoch freeze+cache rows.
-KINDS = ("full", "freeze", "cache", "sub", "lora", "bft")
+Kind = Literal["full", "freeze", "cache", "lora", "bft", "llrd"]
+#: What --variants takes: the kinds, ``sub`` for the sub-epoch freeze+cache rows, ``smooth`` for those rows
+#: with smooth freezing (``--anneal``, with and without ``--llrd``) and ``llrd`` for full fine-tuning with
+#: layer-wise learning-rate decay.
+KINDS = ("full", "freeze", "cache", "sub", "smooth", "llrd", "lora", "bft")
 
 
 @dataclass(frozen=True)
@@ -19,8 +21,11 @@ class Variant:
     """One line of the benchmark: what runs, under which name.
 
     ``kind``: ``full`` (the baseline), ``freeze`` / ``cache`` (AutoFreeze without / with AutoCache;
-    with ``interval`` set, freeze points inside epochs), ``lora`` (peft LoRA) or ``bft`` (Lightning's
-    ``BaseFinetuning`` freezing the embeddings and the lower blocks for the whole run).
+    with ``interval`` set, freeze points inside epochs; with ``anneal`` set, smooth freezing), ``llrd``
+    (full fine-tuning with layer-wise learning-rate decay), ``lora`` (peft LoRA) or ``bft`` (Lightning's
+    ``BaseFinetuning`` freezing the embeddings and the lower blocks for the whole run). ``llrd`` (a
+    decay factor) on a freeze row builds the module's optimizer with layer-wise decay. The names of
+    the rows without ``anneal`` and ``llrd`` are those of the earlier records (``--resume``).
     """
 
     kind: Kind
@@ -31,10 +36,21 @@ class Variant:
     interval_text: str = ""
     detail: str = ""  # the peers' settings, in their names
     min_active: int = 1  # AutoFreeze(min_active=...) of the sub-epoch rows
+    anneal: str | None = None  # AutoFreeze(anneal=...): smooth freezing
+    llrd: float | None = None  # SentimentClassifier(llrd=...): layer-wise learning-rate decay
 
     @property
     def name(self) -> str:
-        if self.kind == "full":
+        return self._base_name + (f", anneal {self.anneal}" if self.anneal else "") + (f", LLRD {self.llrd:g}" if self.llrd else "")
+
+    @property
+    def baseline(self) -> bool:
+        """Full fine-tuning as it is: what speed-ups and targets are measured against."""
+        return self.kind == "full"
+
+    @property
+    def _base_name(self) -> str:
+        if self.kind in ("full", "llrd"):
             return "full fine-tuning"
         if self.kind == "lora":
             return f"LoRA {self.detail}"
@@ -74,6 +90,14 @@ class RunRecord:
     frozen_s: dict[str, float] = field(default_factory=dict)
     frozen_steps: dict[str, int] = field(default_factory=dict)
     trainable_params: int = 0  # at the end of the run
+    #: Validation check points on the fixed subset (``--val-every``, ``--val-subset``): ``{"step", "train_s", "acc"}``,
+    #: ``train_s`` the training seconds up to the check (validation excluded); the last one is the end of training.
+    #: Empty in records from before issue 25 (validation on the whole set at epoch ends only).
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    #: Accuracy on the whole validation set at the end of training (``None`` in the older records: their last
+    #: epoch's validation was on the whole set), and the seconds that final evaluation took (outside ``fit_s``).
+    final_full_acc: float | None = None
+    final_eval_s: float = 0.0
 
     @property
     def train_s(self) -> float:
@@ -81,11 +105,34 @@ class RunRecord:
 
     @property
     def val_s(self) -> float:
+        """Validation seconds inside ``fit`` (the checks); the final evaluation after it is ``final_eval_s``."""
         return sum(e["epoch_s"] - e["train_s"] for e in self.epochs)
 
     @property
     def final_acc(self) -> float | None:
+        """The final accuracy on the whole validation set."""
+        if self.final_full_acc is not None:
+            return self.final_full_acc
         return self.epochs[-1]["metric"] if self.epochs else None
+
+    @property
+    def points(self) -> list[tuple[float, float]]:
+        """(training seconds, accuracy) of every validation check: the time-to-accuracy curve. The older
+        records' checks are their epoch ends (on the whole validation set)."""
+        if self.checks:
+            return [(c["train_s"], c["acc"]) for c in self.checks if c["acc"] is not None]
+        out, elapsed = [], 0.0
+        for e in self.epochs:
+            elapsed += e["train_s"]
+            if e["metric"] is not None:
+                out.append((elapsed, e["metric"]))
+        return out
+
+    @property
+    def final_check_acc(self) -> float | None:
+        """The accuracy at the last check (the end of training), on what the checks measure: the subset."""
+        points = self.points
+        return points[-1][1] if points else None
 
     def cache_peak(self, field_name: Literal["cache_mem_bytes", "cache_disk_bytes"]) -> int | None:
         """The largest cache footprint at an epoch end (``None``: no epoch reported one, e.g. no cache).
@@ -97,13 +144,9 @@ class RunRecord:
         return max(values) if values else None
 
     def time_to(self, target: float) -> float | None:
-        """Training seconds (validation excluded) until validation accuracy >= ``target``."""
-        elapsed = 0.0
-        for e in self.epochs:
-            elapsed += e["train_s"]
-            if e["metric"] is not None and e["metric"] >= target:
-                return elapsed
-        return None
+        """Training seconds (validation excluded) until the first check at or above ``target``; nothing is
+        interpolated between checks."""
+        return next((t for t, acc in self.points if acc >= target), None)
 
 
 def sub_epoch_variants(args: argparse.Namespace) -> list[Variant]:
@@ -117,6 +160,24 @@ def sub_epoch_variants(args: argparse.Namespace) -> list[Variant]:
             else:
                 out += [Variant("cache", a, t, rule=rule, interval=interval, interval_text=itext) for a, t in args.sub_alpha_list]
     return [dataclasses.replace(v, min_active=args.sub_min_active) for v in out]
+
+
+def smooth_variants(args: argparse.Namespace) -> list[Variant]:
+    """Smooth freezing (``AutoFreeze(anneal=...)``) on the rule@interval rows of ``--smooth``, freeze+cache,
+    each without and (with ``--llrd``) with layer-wise learning-rate decay."""
+    out = []
+    for rule, interval, itext in args.smooth_list:
+        for llrd in (None, args.llrd) if args.llrd else (None,):
+            a, t = args.sub_alpha_list[0]
+            detail = f"{args.percentile:g}" if rule == "autofreeze" else ""
+            out.append(Variant("cache", a, t, rule=rule, interval=interval, interval_text=itext, detail=detail,
+                               min_active=args.sub_min_active, anneal=args.anneal, llrd=llrd))  # fmt: skip
+    return out
+
+
+def llrd_variants(args: argparse.Namespace) -> list[Variant]:
+    """Full fine-tuning with layer-wise learning-rate decay: what LLRD alone does, beside the freeze rows that use it."""
+    return [Variant("llrd", llrd=args.llrd)] if args.llrd else []
 
 
 def peer_variants(args: argparse.Namespace) -> list[Variant]:

@@ -40,6 +40,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_pipetransformer.freeze.anneal import Annealer, AnnealPlan, AnnealSpec, anneal_curve
 from lightning_pipetransformer.freeze.apply import (
     apply_freeze,
     ensure_frozen_eval,
@@ -102,6 +103,14 @@ class AutoFreeze(Callback):
             after it still trains).
         freeze_embeddings: freeze the modules before the stack (embeddings) together with the
             first block. Keep ``True`` to let AutoCache skip them.
+        anneal: smooth freezing (FreezeOut): ``"linear"`` or ``"cosine"`` (or a callable
+            ``progress -> factor``) anneals the learning rate of the blocks that freeze at the next
+            point to zero over the interval before it, so the freeze itself changes nothing.
+            ``"schedule"`` and explicit schedules know the next ``F`` in advance and anneal in the
+            interval before their freeze points (the same freezes as without); ``"paper"`` and
+            ``"autofreeze"`` decide at a point as without, anneal the chosen blocks over the next
+            interval and freeze them at the point after (one interval later). See
+            :mod:`lightning_pipetransformer.freeze.anneal` and docs/autofreeze.md.
     """
 
     def __init__(
@@ -116,8 +125,14 @@ class AutoFreeze(Callback):
         freeze_embeddings: bool = True,
         freeze_interval: int | float | None = None,
         percentile: float = 50.0,
+        anneal: AnnealSpec | None = None,
     ) -> None:
         super().__init__()
+        if anneal is not None:
+            anneal_curve(anneal)  # refused at construction
+        self.anneal = anneal
+        self._annealer: Annealer | None = None  # built at setup, where it can engage (see _setup_anneal)
+        self._anneal_told: set[str] = set()
         self.alpha = validate_alpha(alpha)
         if rule not in ("paper", "schedule", "autofreeze"):
             raise ValueError(f"rule must be 'paper', 'schedule' or 'autofreeze', got {rule!r}.")
@@ -185,6 +200,7 @@ class AutoFreeze(Callback):
                 "or freeze by hand in your training_step."
             )
         self._check_strategy(trainer)
+        self._setup_anneal(trainer)
         self._module = pl_module
         try:
             self.find_stack(pl_module, trainer)
@@ -247,13 +263,13 @@ class AutoFreeze(Callback):
 
     def _rule_text(self) -> str:
         if self.schedule is not None:
-            return "explicit schedule"
+            return "explicit schedule" + self._anneal_text()
         every = (
             f"every {self.freeze_interval} optimizer step(s)" if isinstance(self.freeze_interval, int)
             else f"every {self.freeze_interval:g} of an epoch" if self.freeze_interval is not None
             else f"every {self.freeze_every_n_epochs} epoch(s)"
         )
-        return f"rule '{self.rule}', alpha={self.alpha:.3g}, {every}, min_active={self.min_active}"
+        return f"rule '{self.rule}', alpha={self.alpha:.3g}, {every}, min_active={self.min_active}{self._anneal_text()}"
 
     def _trains_outside_stack(self, pl_module: pl.LightningModule) -> bool:
         assert self.stack is not None
@@ -284,6 +300,7 @@ class AutoFreeze(Callback):
             self._interval_steps = interval_steps(self.freeze_interval, _steps_per_epoch(trainer))
             if self._next_point is None:  # a fresh run; a resumed one restored its next point
                 self._next_point = trainer.global_step + self._interval_steps
+            self._anneal_ahead(trainer, trainer.global_step)
         self._warn_if_no_point_fits(trainer)
 
     def _warn_if_no_point_fits(self, trainer: pl.Trainer) -> None:
@@ -291,6 +308,8 @@ class AutoFreeze(Callback):
         if self.schedule is not None or self.num_frozen >= self.max_frozen:
             return
         needed = 2 if self.rule == "autofreeze" else 1  # the autofreeze rule compares two intervals
+        lag = self._anneal_lags()  # anneal: a gradient rule's freeze comes one point after its decision
+        needed += lag
         if self.freeze_interval is not None:
             total = trainer.estimated_stepping_batches
             assert self._next_point is not None and self._interval_steps is not None
@@ -308,10 +327,11 @@ class AutoFreeze(Callback):
             every = f"freeze_every_n_epochs={self.freeze_every_n_epochs}"
             length, fix = f"max_epochs={epochs}", "more epochs, or freeze points inside epochs (freeze_interval=0.5)"
         if fits < needed:
-            what = "freeze point falls inside it" if fits == 0 else "freeze point fits, and rule='autofreeze' needs two"
+            rule = f"rule='{self.rule}'" + (" with anneal (each freeze one point after its decision)" if lag else "")
+            what = "freeze point falls inside it" if fits == 0 else f"freeze point{'s fit' if fits > 1 else ' fits'}, and {rule} needs {('two', 'three')[needed - 2]}"
             rank_zero_warn(
-                f"AutoFreeze: with {every} and a run of {length}, {'no' if fits == 0 else 'only one'} {what}: nothing "
-                f"will be frozen. Use {fix}."
+                f"AutoFreeze: with {every} and a run of {length}, {'no' if fits == 0 else 'only one' if fits == 1 else f'only {fits}'} {what}: "
+                f"nothing will be frozen. Use {fix}."
             )
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -330,11 +350,13 @@ class AutoFreeze(Callback):
                 ensure_frozen_eval(self.stack, self.num_frozen, self._pre_frozen)
             return
         epoch = trainer.current_epoch
+        self._freeze_annealed(trainer, trainer.global_step, epoch)
         target = self._decide(epoch)
-        if target > self.num_frozen:
+        if target > self.num_frozen and not self._anneal_first(trainer, target, trainer.global_step, epoch):
             self._apply(trainer, target, announce=True, epoch=epoch)
         elif self.stack is not None:
             ensure_frozen_eval(self.stack, self.num_frozen, self._pre_frozen)
+        self._anneal_ahead(trainer, trainer.global_step, epoch)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if (
@@ -347,6 +369,9 @@ class AutoFreeze(Callback):
         # frozen blocks; one attribute read per frozen module puts that right.
         if self.stack is not None and self.num_frozen:
             ensure_frozen_eval(self.stack, self.num_frozen, self._pre_frozen)
+        if self._annealer is not None and self.stack is not None:  # which optimizer step comes next: its update's factor
+            self._annealer.bind(self.stack, self.freeze_embeddings, self._pre_frozen)
+            self._annealer.at_step(trainer.global_step, trainer.optimizers)
 
     def _points_wait_for_epochs(self, trainer: pl.Trainer) -> bool:
         """Several processes under the pipeline strategy: AutoDP changes replicas at epoch starts only."""
@@ -369,9 +394,11 @@ class AutoFreeze(Callback):
             if self.stack is not None:  # rank 0's decision arrives with the plan (load_state_dict)
                 ensure_frozen_eval(self.stack, self.num_frozen, self._pre_frozen)
             return
+        self._freeze_annealed(trainer, step, trainer.current_epoch)
         target = self._decide_at_point()
-        if target > self.num_frozen:
+        if target > self.num_frozen and not self._anneal_first(trainer, target, step, trainer.current_epoch):
             self._apply(trainer, target, announce=True, epoch=trainer.current_epoch, step=step)
+        self._anneal_ahead(trainer, step)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self.schedule is not None or self.stack is None:
@@ -554,6 +581,120 @@ class AutoFreeze(Callback):
             strategy.model = strategy.lightning_module
             strategy.configure_ddp()
 
+    # ------------------------------------------------------------------ smooth freezing (anneal=..., freeze/anneal.py)
+
+    def _setup_anneal(self, trainer: pl.Trainer) -> None:
+        """Build the annealer for this fit, or say once why it cannot engage (the stack may be found later)."""
+        if self.anneal is None:
+            return
+        if callable(getattr(trainer.strategy, STRATEGY_HOOK, None)) and trainer.world_size > 1:
+            self._annealer = None
+            self._tell_anneal(
+                "autodp",
+                "AutoFreeze(anneal=...) is off: with several processes under strategy='pipetransformer', AutoDP applies "
+                "freezes at epoch starts whose optimizer step is not known in advance (replicas joining change the "
+                "epoch's length), so an interval cannot be annealed to end at the freeze. Blocks freeze without annealing.",
+            )
+            return
+        if self._annealer is None:
+            self._annealer = Annealer(self.anneal)
+
+    def _anneal_text(self) -> str:
+        if self.anneal is None:
+            return ""
+        name = self.anneal if isinstance(self.anneal, str) else "custom"
+        lag = self.schedule is None and self.rule in ("paper", "autofreeze")
+        return f", anneal={name}" + (" (each freeze one interval after its decision)" if lag else "")
+
+    def _tell_anneal(self, key: str, message: str) -> None:
+        if key not in self._anneal_told:
+            self._anneal_told.add(key)
+            rank_zero_warn(message)
+
+    def _anneal_lags(self) -> bool:
+        """The rules that decide from the interval's gradients know the next F only at the point itself."""
+        return self._annealer is not None and self.schedule is None and self.rule in ("paper", "autofreeze")
+
+    def _next_point_step(self, trainer: pl.Trainer, step: int, epoch: int | None) -> int | None:
+        """The optimizer step of the next freeze point after the one at ``step`` (None: unknown)."""
+        if self.freeze_interval is not None:
+            return self._next_point
+        if epoch is None:
+            return None
+        try:
+            per_epoch = _steps_per_epoch(trainer)
+        except ValueError:
+            self._tell_anneal(
+                "length", "AutoFreeze(anneal=...) cannot anneal: the training loader has no length, so the step of the next "
+                "epoch-start freeze point is unknown. Blocks freeze without annealing.",
+            )
+            return None
+        n = 1 if self.schedule is not None else self.freeze_every_n_epochs
+        return step + ((epoch // n + 1) * n - epoch) * per_epoch
+
+    def _begin_anneal(self, trainer: pl.Trainer, target: int, step: int, end: int | None) -> bool:
+        """Anneal blocks ``num_frozen..target-1`` over the steps ``step..end-1``; False if it cannot engage."""
+        if self._annealer is None or end is None or target <= self.num_frozen:
+            return False
+        if end - step < 2:
+            self._tell_anneal(
+                "short", f"AutoFreeze(anneal=...): the interval before the freeze at step {end} has {end - step} optimizer "
+                "step(s); annealing needs at least 2 (an interval's first step runs at the full rate), so its blocks "
+                "freeze without annealing.",
+            )
+            return False
+        assert self.stack is not None
+        self._annealer.bind(self.stack, self.freeze_embeddings, self._pre_frozen)
+        if self._annealer.begin(AnnealPlan(self.num_frozen, target, step, end)):
+            rank_zero_info(
+                f"AutoFreeze: step {step}: annealing blocks {self.num_frozen}..{target - 1} to a zero learning rate "
+                f"({self.anneal if isinstance(self.anneal, str) else 'custom curve'}) until the freeze point at step {end}."
+            )
+        return True
+
+    def _anneal_first(self, trainer: pl.Trainer, target: int, step: int, epoch: int) -> bool:
+        """``"paper"``/``"autofreeze"``: the decision of this point anneals over the next interval and freezes
+        at the next point. True when it does (nothing freezes now)."""
+        if not self._anneal_lags():
+            return False
+        epoch_level = None if self.freeze_interval is not None else epoch
+        return self._begin_anneal(trainer, target, step, self._next_point_step(trainer, step, epoch_level))
+
+    def _freeze_annealed(self, trainer: pl.Trainer, step: int, epoch: int) -> None:
+        """At a freeze point: freeze the blocks whose interval ends here (their rate reached zero)."""
+        plan = self._annealer.plan if self._annealer is not None else None
+        if plan is None or step < plan.end:
+            return
+        assert self._annealer is not None
+        self._annealer.clear()
+        if plan.target > self.num_frozen:
+            self._apply(trainer, plan.target, announce=True, epoch=epoch, step=step)
+
+    def _anneal_ahead(self, trainer: pl.Trainer, step: int, epoch: int | None = None) -> None:
+        """``"schedule"`` and explicit schedules know the next F: anneal its blocks over the interval before it."""
+        if self._annealer is None or self._anneal_lags() or self.stack is None:
+            return
+        if self.schedule is not None:
+            assert epoch is not None
+            if trainer.max_epochs is not None and 0 < trainer.max_epochs <= epoch + 1:
+                return  # no freeze point after the last epoch
+            target = self.schedule(epoch + 1)
+            if not self.num_frozen < target <= self.max_frozen:
+                return  # nothing to freeze next (or a bad plan, which _decide refuses at that epoch)
+        elif self.freeze_interval is not None:
+            target = geometric_num_frozen(self.num_blocks, self.alpha, self._points + 1)
+        else:
+            assert epoch is not None
+            n = self.freeze_every_n_epochs
+            target = geometric_num_frozen(self.num_blocks, self.alpha, epoch // n + 1)
+        target = min(target, self.max_frozen)
+        if target > self.num_frozen:
+            self._begin_anneal(trainer, target, step, self._next_point_step(trainer, step, epoch))
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._annealer is not None:
+            self._annealer.detach()  # the optimizer's step hooks go with the fit
+
     # ------------------------------------------------------------------ checkpointing
 
     def state_dict(self) -> dict[str, Any]:
@@ -572,6 +713,8 @@ class AutoFreeze(Callback):
             "pre_frozen": self._pre_frozen,
             # rule="autofreeze" mid-interval: the summed gradients (a copy of the active blocks' size).
             "grad_sums": [[t.detach().cpu() for t in block] for block in self._grad_sums] if self._grad_sums is not None else None,
+            # anneal: the interval that anneals now (blocks, steps); None without one.
+            "anneal": self._annealer.state_dict() if self._annealer is not None else None,
         }
 
     def _mean_sum_list(self) -> list[float] | None:
@@ -606,6 +749,8 @@ class AutoFreeze(Callback):
             ]
         else:
             self._grad_sums = None
+        if self._annealer is not None:
+            self._annealer.load_state_dict(state_dict.get("anneal"))
         if self.stack is not None and self.num_frozen:
             # Callbacks are restored before the strategy wraps the model: freeze now so DDP's
             # first wrapper already leaves the frozen prefix out.

@@ -329,6 +329,50 @@ def test_datamodule_batches_and_module_logits(tiny_assets: tuple[Path, Path], tm
     assert logits.shape == (8, 2)
 
 
+def test_layerwise_lr_decay_groups(tiny_assets: tuple[Path, Path]) -> None:
+    """``SentimentClassifier(llrd=...)``: top block and head at lr, each block below times llrd, the
+    embeddings times llrd**L; every trainable parameter in one group; LambdaLR keeps the ratios."""
+    from text_classification import SentimentClassifier
+
+    model_dir, _ = tiny_assets
+    plain = SentimentClassifier(pretrained=str(model_dir), lr=1e-3).param_groups()
+    assert [g["weight_decay"] for g in plain] == [0.01, 0.0] and "lr" not in plain[0]  # unchanged without llrd
+
+    module = SentimentClassifier(pretrained=str(model_dir), lr=1e-3, llrd=0.5)  # 3 blocks
+    groups = module.param_groups()
+    placed = [id(p) for g in groups for p in g["params"]]
+    assert sorted(placed) == sorted(id(p) for p in module.parameters()) and len(placed) == len(set(placed))
+    lr_of = {id(p): g["lr"] for g in groups for p in g["params"]}
+    decay_of = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
+    bert = module.model.bert
+    expected = {
+        bert.embeddings.word_embeddings.weight: 1e-3 * 0.5**3,
+        bert.encoder.layer[0].attention.self.query.weight: 1e-3 * 0.5**2,
+        bert.encoder.layer[1].output.dense.weight: 1e-3 * 0.5,
+        bert.encoder.layer[2].output.dense.weight: 1e-3,
+        bert.pooler.dense.weight: 1e-3,
+        module.model.classifier.weight: 1e-3,
+    }
+    for param, lr in expected.items():
+        assert lr_of[id(param)] == pytest.approx(lr)
+    assert decay_of[id(bert.encoder.layer[0].output.LayerNorm.weight)] == 0.0
+    assert decay_of[id(bert.encoder.layer[0].output.dense.weight)] == 0.01
+
+    optimizer = torch.optim.AdamW(groups, lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.1 * (s + 1))
+    for _ in range(3):
+        optimizer.step()
+        sched.step()
+    for g in optimizer.param_groups:
+        assert g["lr"] == pytest.approx(0.4 * 1e-3 * 0.5 ** g["depth"])
+    # Only trainable parameters are placed (BaseFinetuning's frozen ones are not).
+    for p in bert.embeddings.parameters():
+        p.requires_grad_(False)
+    assert not any(g["depth"] == 3 for g in module.param_groups())
+    with pytest.raises(ValueError, match="llrd"):
+        SentimentClassifier(pretrained=str(model_dir), llrd=1.5).param_groups()
+
+
 @pytest.mark.parametrize(
     ("config_name", "strategy"),
     [("text_minilm.yaml", "auto"), ("text_minilm.yaml", "pipetransformer"), ("text_minilm_pipetransformer.yaml", None)],
