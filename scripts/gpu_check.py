@@ -78,7 +78,7 @@ class Part:
 #: Most important first: a session that runs out of time still gets these.
 PARTS: tuple[Part, ...] = (
     Part("cuda-tests", "1 CUDA tests", "the executor's CUDA tests: per-stage streams, events, record_stream, BERT and Llama on two streams",
-         70, "gpu_check:part_cuda_tests", needs=("torch", "pytest", "transformers"), cuda=True),
+         60, "gpu_check:part_cuda_tests", needs=("torch", "pytest", "transformers"), cuda=True),
     Part("trainers", "2 Trainers fp32", "BERT and Llama on the device vs strategy=auto: pipe_len=2 chunks 1/2, cache, both; K=2 engagement",
          80, "gpu_check_trainers:part_trainers"),
     Part("timing", "3 K=2 vs K=1 time", "forward+backward at K=2 on one GPU's two streams against K=1, several M (CUDA events)",
@@ -88,7 +88,7 @@ PARTS: tuple[Part, ...] = (
     Part("lora", "5 LoRA + checkpointing + cache", "PEFT LoRA + reentrant gradient checkpointing, pipe_len=2 chunks=2 cache=True vs plain",
          50, "gpu_check_trainers:part_lora", needs=("torch", "lightning", "transformers", "peft")),
     Part("compile", "6 model.compile()", "the whole model compiled (inductor), pipe_len=2 chunks=2 vs the eager model",
-         80, "gpu_check_trainers:part_compile"),
+         90, "gpu_check_trainers:part_compile"),
     Part("ddp", "7 two GPUs", "devices=2 pipe_len=2 16-mixed, K 2 -> 1 (scripts/gpu_check_ddp.py)",
          150, "gpu_check:part_ddp", cuda=True, gpus=2),
 )
@@ -166,7 +166,7 @@ def inject_fault(name: str) -> str | None:
     faults = dict(item.split("=", 1) for item in os.environ.get("GPU_CHECK_FAULT", "").split(",") if "=" in item)
     fault = faults.get(name)
     if fault == "hang":
-        print(f"[{name}] injected fault: hanging", flush=True)
+        print(f"[{name}] injected fault: hanging (pid {os.getpid()})", flush=True)
         time.sleep(10**6)
     if fault == "crash":
         raise RuntimeError(f"injected fault: part {name} crashed (GPU_CHECK_FAULT)")
@@ -426,7 +426,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.list:
         for part, timeout in plan:
             print(f"{part.name:<11} {timeout:5.0f} s  {part.title}: {part.what}")
-        print(f"{'total':<11} {sum(t for _, t in plan) + NVIDIA_SMI_TIMEOUT + PROBE_TIMEOUT:5.0f} s  with nvidia-smi and the probe")
+        one_gpu = sum(t for part, t in plan if part.gpus <= 1) + NVIDIA_SMI_TIMEOUT + PROBE_TIMEOUT
+        print(f"{'one GPU':<11} {one_gpu:5.0f} s  every part that runs on one GPU, with nvidia-smi ({NVIDIA_SMI_TIMEOUT:.0f} s) "
+              f"and the probe ({PROBE_TIMEOUT:.0f} s); no part starts past --budget {BUDGET * timeout_scale(args):.0f} s")
         return 0
     return check(args, plan)
 
@@ -440,6 +442,7 @@ def check(args: argparse.Namespace, plan: list[tuple[Part, float]]) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     run.log.write_text("")
     print(f"gpu_check: {run.started:%Y-%m-%d %H:%M} UTC, accelerator {run.accelerator}, budget {budget:.0f} s, table -> {out}", flush=True)
+    print("gpu_check: parts (timeout): " + ", ".join(f"{part.name} ({timeout:.0f} s)" for part, timeout in plan), flush=True)
     run.smi = nvidia_smi()
     print("== nvidia-smi\n" + run.smi, flush=True)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:

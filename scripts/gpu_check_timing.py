@@ -198,10 +198,20 @@ def same_results(blocks: list[nn.Module], found: dict[str, Callable[..., torch.T
     reference = run(found["plain loop"])
     name = [n for n in found if n.startswith("K=2 ")][-1]
     ours = run(found[name])
-    tol = dict(rtol=1e-3, atol=1e-5) if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-3)
-    worst = max(float((a - b).abs().max()) for a, b in zip(ours, reference))
-    ok = all(torch.allclose(a, b, **tol) for a, b in zip(ours, reference))
-    return ok, f"{name} against the plain loop: output and {len(params)} gradients, max |diff| {worst:.2e} (rtol {tol['rtol']}, atol {tol['atol']})"
+    # Relative error of each tensor as a whole (bf16 gradients summed over micro-batches round differently per
+    # element), against a floor: some gradients are zero in exact arithmetic (attention's key bias) and only rounding.
+    floor = 1e-3 * sum(float(b.norm()) for b in reference) / len(reference)
+    limit = 1e-4 if dtype == torch.float32 else 3e-2
+    worst = max(relative_error(a, b, floor) for a, b in zip(ours, reference))
+    return worst <= limit, (f"{name} against the plain loop: output and {len(params)} gradients, worst ||a - b|| / ||b|| "
+                            f"{worst:.2e} (limit {limit:.0e})")
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
+    """``||a - b|| / max(||b||, floor)``; NaN anywhere is infinitely wrong."""
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return float("inf")
+    return float((a - b).norm()) / max(float(b.norm()), floor, 1e-30)
 
 
 def time_dtype(shape: Shape, device: torch.device, dtype: torch.dtype, deadline: float) -> list[Row]:
@@ -220,7 +230,7 @@ def time_dtype(shape: Shape, device: torch.device, dtype: torch.dtype, deadline:
 
 
 def part_timing(accelerator: str, emit: Callable[[Row], None], shape: Shape | None = None) -> None:
-    """fp32 (TF32 as torch's default leaves it) then bf16 weights; each dtype gets at most ~30% of the part's timeout."""
+    """fp32 (TF32 as torch's default leaves it) then bf16 weights; each dtype stops timing at a quarter of the part's timeout."""
     shape = shape or Shape()
     device = torch.device("cuda:0" if accelerator == "gpu" else "cpu")
     timeout = float(os.environ.get("GPU_CHECK_PART_TIMEOUT", "60"))
@@ -229,7 +239,7 @@ def part_timing(accelerator: str, emit: Callable[[Row], None], shape: Shape | No
              f"two streams, not a speed-up from more devices; TF32 matmul {torch.backends.cuda.matmul.allow_tf32}", 0.0))
     for dtype in (torch.float32, torch.bfloat16):
         try:
-            for row in time_dtype(shape, device, dtype, time.perf_counter() + 0.3 * timeout):
+            for row in time_dtype(shape, device, dtype, time.perf_counter() + 0.25 * timeout):
                 emit(row)
         except Exception as err:  # noqa: BLE001 - the other dtype still runs
             emit(Row(PART, f"{str(dtype).removeprefix('torch.')}", FAIL, f"{type(err).__name__}: {str(err)[:300]}", 0.0))

@@ -114,11 +114,13 @@ class Engagement(pl.Callback):
 
     def __init__(self) -> None:
         self.epochs: list[Epoch] = []
+        self.blocks = 0
         self.cuda = False
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         stack = getattr(trainer.strategy, "stack", None) or find_block_stack(pl_module)
         self.cuda = pl_module.device.type == "cuda"
+        self.blocks = len(stack.blocks)
         for index, block in enumerate(stack.blocks):
             block.register_forward_pre_hook(lambda *_, i=index: self._ran(i))
 
@@ -131,8 +133,7 @@ class Engagement(pl.Callback):
             epoch.streams[index][torch.cuda.current_stream().cuda_stream] += 1
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        blocks = len(find_block_stack(pl_module).blocks)
-        self.epochs.append(Epoch(runs=[0] * blocks, streams=[Counter() for _ in range(blocks)]))
+        self.epochs.append(Epoch(runs=[0] * self.blocks, streams=[Counter() for _ in range(self.blocks)]))
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.cuda:
