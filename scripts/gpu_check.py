@@ -46,6 +46,8 @@ FAILURES = (FAIL, TIMEOUT, ERROR)
 #: what the probe imports and reports; a part names the ones it needs
 MODULES = ("torch", "lightning", "transformers", "peft", "torchmetrics", "safetensors", "pytest", "pytest_timeout", "hypothesis")
 NVIDIA_SMI_TIMEOUT, PROBE_TIMEOUT = 10.0, 40.0
+#: How long a killed part may take to exit (a process inside the driver dies late) before the check goes on without it.
+KILL_GRACE = 20.0
 #: Seconds after which no part is started (scaled like the timeouts): one H200 lease is 15 minutes, its start included.
 BUDGET = 450.0
 
@@ -260,8 +262,11 @@ def run_child(cmd: Sequence[str], timeout: float, log: Path, env: dict[str, str]
             code: int | None = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
             code = None
+            try:
+                proc.wait(timeout=KILL_GRACE)
+            except subprocess.TimeoutExpired:  # stuck in the driver, say: leave it and go on
+                out.write(f"\ngpu_check: pid {proc.pid} did not exit within {KILL_GRACE:.0f} s of SIGKILL\n")
     return code, log.read_text(errors="replace"), time.perf_counter() - start
 
 
@@ -313,7 +318,7 @@ def skip_reason(part: Part, accelerator: str, env: dict[str, Any]) -> str | None
         return None
     missing = [name for name in part.needs if name not in env["modules"]]
     if missing:
-        return "; ".join(f"{name} is not importable here ({env['errors'][name]})" for name in missing) + "; nothing is installed by this check"
+        return f"{', '.join(missing)} not importable here ({env['errors'][missing[0]]}); nothing is installed by this check"
     cuda = env.get("cuda", {})
     if accelerator == "gpu" and not cuda.get("available"):
         return "no CUDA device visible (torch.cuda.is_available() is False)"
