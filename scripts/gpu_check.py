@@ -462,8 +462,20 @@ def check(args: argparse.Namespace, plan: list[tuple[Part, float]]) -> int:
     write(run)
     text = render(run)
     print("\n" + text.split("\nnvidia-smi:")[0], flush=True)
+    print("\n".join(summary(run)))
     print(f"gpu_check: table written to {out}, full output to {run.log}")
     return exit_code(run)
+
+
+def summary(run: Run) -> list[str]:
+    """The last lines of stdout (the device tool returns the tail): the counts, what did not pass, the K=2 / K=1 ratios."""
+    counts = ", ".join(f"{sum(r.status == s for r in run.rows)} {s}" for s in (PASS, FAIL, SKIP, TIMEOUT, ERROR))
+    lines = [f"gpu_check: {counts} in {time.perf_counter() - run.start:.0f} s"]
+    lines += [f"  {r.status}: {r.part} / {r.case}" for r in run.rows if r.status in FAILURES]
+    ratios = [f"{r.case.split(': ')[0]} {m.group(1)}" for r in run.rows if (m := re.search(r"\): ratio (\d+\.\d+)", r.detail))]
+    if ratios:
+        lines.append("  K=2 / K=1 forward+backward on ONE GPU (shared SMs: overhead vs overlap, not a multi-GPU speed-up): " + ", ".join(ratios))
+    return lines
 
 
 def part_rows(part: Part, timeout: float, run: Run, work: Path) -> list[Row]:

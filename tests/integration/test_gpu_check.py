@@ -235,6 +235,10 @@ def test_the_timing_part_runs_its_code_and_reports_ratios_as_measurements(monkey
     assert [r.status for r in checks] == [gpu_check.PASS] * 2, checks  # float32 and bfloat16
     ratios = [r for r in rows if "K=2 / K=1" in r.case]
     assert len(ratios) == 4 and all(r.status == gpu_check.INFO and re.search(r"ratio \d+\.\d{3}", r.detail) for r in ratios)
+    # The last lines of stdout carry the ratios too (the device tool returns only the tail).
+    run = gpu_check.Run("cpu", None, None, 450.0, None, time.perf_counter(), {}, "", rows)
+    last = gpu_check.summary(run)[-1]
+    assert "ONE GPU" in last and all(f"{dtype} M={m} " in last for dtype in ("float32", "bfloat16") for m in (1, 2)), last
 
 
 def test_the_timing_part_catches_a_k2_that_computes_something_else(one_thread):
