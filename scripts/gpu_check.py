@@ -1,241 +1,505 @@
 """The first GPU run, in one command (``bash scripts/gpu_check.sh``): does the CUDA path hold?
 
-1. The CUDA tests of the executor (streams, events, record_stream) and the device-placement tests.
-2. Real Trainers on the first GPU, each compared with ``strategy="auto"`` on the same data and
-   seed: a tiny BERT and a tiny Llama-style decoder, ``pipe_len=2`` on streams of the one device
-   with ``chunks`` 1 and 2, ``cache=True``, an AutoFreeze schedule over 3 short epochs, precision
-   32-true / bf16-mixed / 16-mixed, and an in-place op on the stack's output. Each row also checks
-   that the feature engaged (blocks ran once per micro-batch; the cache served the frozen blocks).
-3. With 2 or more GPUs: ``devices=2, pipe_len=2, precision="16-mixed"``, K 2 -> 1 at epoch 1
-   (rank 1 joins as a replica): the two replicas bit-identical, and equal to a one-process
-   reference up to mixed-precision rounding (scripts/gpu_check_ddp.py).
+Prints ``nvidia-smi`` and the versions first (torch and ``torch.version.cuda``, lightning,
+transformers, peft, python, the GPU's name and capability), then runs each part in a process of
+its own under its own timeout, most important first: a part that hangs is killed and reported
+as timed out, and the others still run. Nothing is installed and nothing is fetched: a part whose
+modules this Python cannot import is skipped, and its row says which. A part that did not run is
+never shown as passed. The table (markdown, dated) goes to ``$OUT/gpu_check.md`` when ``OUT`` is
+set (where the device tool brings files back), else to ``outputs/gpu_check.md``, and to stdout,
+last; each part's full output goes to ``gpu_check.log`` beside it. ``--list`` shows the parts.
 
-Prints a pass/fail table with timings and writes it to ``--out`` (markdown). On a machine without
-a GPU, ``--accelerator cpu`` runs parts 2 (32-true and bf16-mixed) as a dry run of the script.
+This file imports nothing outside the standard library at the top (the parts are
+``gpu_check_trainers.py``, ``gpu_check_timing.py`` and ``gpu_check_ddp.py``), so it reports what it
+found even on a Python without torch. ``GPU_CHECK_FAULT="part=fail|hang|crash,..."`` makes parts
+misbehave, to test that reporting (``tests/integration/test_gpu_check.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
+import json
 import os
 import platform
+import re
+import signal
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-
-from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy  # noqa: E402
-from lightning_pipetransformer.stack.discovery import find_block_stack  # noqa: E402
-
-VOCAB, SEQ, SAMPLES, BATCH, EPOCHS = 64, 16, 96, 16, 3
-SCHEDULE = {1: 2, 2: 3}
-#: Final-weight tolerance against strategy="auto" per precision: fp32 matches to rounding; AMP runs
-#: see other kernels for other (micro-)batch shapes, and 18 SGD steps carry the rounding on.
-TOLERANCE = {"32-true": (1e-3, 1e-4), "bf16-mixed": (1e-1, 2e-2), "16-mixed": (5e-2, 5e-3)}
+PASS, FAIL, SKIP, TIMEOUT, ERROR = "pass", "FAIL", "skipped", "TIMED OUT", "ERROR"
+#: rows that check nothing themselves: a measurement, and a reference fit other rows compare with
+INFO, RAN = "info", "ran"
+FAILURES = (FAIL, TIMEOUT, ERROR)
+#: what the probe imports and reports; a part names the ones it needs
+MODULES = ("torch", "lightning", "transformers", "peft", "torchmetrics", "safetensors", "pytest", "pytest_timeout", "hypothesis")
+NVIDIA_SMI_TIMEOUT, PROBE_TIMEOUT = 10.0, 40.0
+#: How long a killed part may take to exit (a process inside the driver dies late) before the check goes on without it.
+KILL_GRACE = 20.0
+#: Seconds after which no part is started (scaled like the timeouts): one H200 lease is 15 minutes, its start included.
+BUDGET = 450.0
 
 
-def tiny(arch: str) -> nn.Module:
-    from transformers import BertConfig, BertModel, LlamaConfig, LlamaModel
-
-    if arch == "bert":
-        return BertModel(BertConfig(
-            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128,
-            max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        ), add_pooling_layer=False)
-    return LlamaModel(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, max_position_embeddings=64,
-    ))
-
-
-class Classifier(pl.LightningModule):
-    """A backbone, an in-place op on the stack's output (the pipeline's output must allow it), a head."""
-
-    def __init__(self, arch: str) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.backbone = tiny(arch)
-        self.head = nn.Linear(64, 2)
-
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(input_ids=ids, attention_mask=mask).last_hidden_state
-        hidden.mul_(1.0)  # in place on what the stack returned
-        return self.head(hidden[:, -1])
-
-    def training_step(self, batch, batch_idx):
-        ids, mask, labels = batch
-        loss = nn.functional.cross_entropy(self(ids, mask).float(), labels)
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.9)
-
-
-def data() -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, VOCAB, (SAMPLES, SEQ), generator=g)
-    mask = torch.ones(SAMPLES, SEQ, dtype=torch.long)
-    mask[::3, -4:] = 0
-    labels = torch.randint(0, 2, (SAMPLES,), generator=g)
-    return DataLoader(TensorDataset(ids, mask, labels), batch_size=BATCH, shuffle=False)
-
-
-def fit(arch: str, strategy, precision: str, accelerator: str) -> tuple[Classifier, dict, float]:
-    """One fit; returns the module, per-epoch real runs of each block, and the training seconds."""
-    module = Classifier(arch)
-    blocks = find_block_stack(module).blocks
-    runs: dict[int, list[int]] = {}
-    epoch = {"now": -1}
-
-    class Count(pl.Callback):
-        def on_train_epoch_start(self, trainer, pl_module):
-            epoch["now"] = trainer.current_epoch
-            runs[trainer.current_epoch] = [0] * len(blocks)
-
-    for i, block in enumerate(blocks):
-        block.register_forward_pre_hook(lambda *_, i=i: runs[epoch["now"]].__setitem__(i, runs[epoch["now"]][i] + 1) if epoch["now"] in runs else None)
-    trainer = pl.Trainer(
-        accelerator=accelerator, devices=1, strategy=strategy, precision=precision, max_epochs=EPOCHS,
-        callbacks=[AutoFreeze(schedule=SCHEDULE), Count()], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-    )
-    pl.seed_everything(0, verbose=False)
-    start = time.perf_counter()
-    trainer.fit(module, data())
-    if accelerator != "cpu":
-        torch.cuda.synchronize()
-    return module, runs, time.perf_counter() - start
-
-
-@dataclass
+@dataclass(frozen=True)
 class Row:
+    """One line of the table."""
+
     part: str
     case: str
-    ok: bool
+    status: str
     detail: str
     seconds: float
 
 
-def compare(module: Classifier, reference: Classifier, precision: str) -> tuple[bool, float]:
-    rtol, atol = TOLERANCE[precision]
-    worst, ok = 0.0, True
-    for (name, a), (_, b) in zip(module.state_dict().items(), reference.state_dict().items()):
-        a, b = a.float().cpu(), b.float().cpu()
-        worst = max(worst, float((a - b).abs().max()) if a.numel() else 0.0)
-        ok &= bool(torch.allclose(a, b, rtol=rtol, atol=atol))
-    return ok, worst
+@dataclass(frozen=True)
+class Part:
+    """A part: run as ``gpu_check.py --part NAME`` in a process of its own, killed at ``timeout`` seconds (on the H200)."""
+
+    name: str
+    title: str
+    what: str
+    timeout: float
+    entry: str  # "module:function", called as function(accelerator, emit)
+    needs: tuple[str, ...] = ("torch", "lightning", "transformers")
+    cuda: bool = False  # skipped in a CPU dry run
+    gpus: int = 1  # GPUs it needs with --accelerator gpu
 
 
-#: The test files with CUDA-only tests (skipped on CPU), run in part one.
-CUDA_TESTS = (
-    "tests/unit/pipe/test_pipeline_cuda.py", "tests/unit/test_virtual_devices.py", "tests/unit/freeze/test_non_finite_steps.py",
-    "tests/unit/freeze/test_anneal.py",
+#: Most important first: a session that runs out of time still gets these.
+PARTS: tuple[Part, ...] = (
+    Part("cuda-tests", "1 CUDA tests", "the executor's CUDA tests: per-stage streams, events, record_stream, BERT and Llama on two streams",
+         60, "gpu_check:part_cuda_tests", needs=("torch", "pytest", "transformers"), cuda=True),
+    Part("trainers", "2 Trainers fp32", "BERT and Llama on the device vs strategy=auto: pipe_len=2 chunks 1/2, cache, both; K=2 engagement",
+         80, "gpu_check_trainers:part_trainers"),
+    Part("timing", "3 K=2 vs K=1 time", "forward+backward at K=2 on one GPU's two streams against K=1, several M (CUDA events)",
+         50, "gpu_check_timing:part_timing", needs=("torch", "transformers"), cuda=True),
+    Part("precisions", "4 AMP", "pipe_len=2 chunks=2 cache=True in bf16-mixed and 16-mixed vs strategy=auto",
+         60, "gpu_check_trainers:part_precisions"),
+    Part("lora", "5 LoRA + checkpointing + cache", "PEFT LoRA + reentrant gradient checkpointing, pipe_len=2 chunks=2 cache=True vs plain",
+         50, "gpu_check_trainers:part_lora", needs=("torch", "lightning", "transformers", "peft")),
+    Part("compile", "6 model.compile()", "the whole model compiled (inductor), pipe_len=2 chunks=2 vs the eager model",
+         90, "gpu_check_trainers:part_compile"),
+    Part("ddp", "7 two GPUs", "devices=2 pipe_len=2 16-mixed, K 2 -> 1 (scripts/gpu_check_ddp.py)",
+         150, "gpu_check:part_ddp", cuda=True, gpus=2),
 )
+BY_NAME = {part.name: part for part in PARTS}
+#: The CUDA-only tests (skipped, visibly, without CUDA) and the device-placement tests.
+CUDA_TESTS = ("tests/unit/pipe/test_pipeline_cuda.py", "tests/unit/pipe/test_costs.py", "tests/unit/test_virtual_devices.py",
+              "tests/unit/freeze/test_non_finite_steps.py", "tests/unit/freeze/test_anneal.py")
 
 
-def part_one() -> list[Row]:
+# ---------------------------------------------------------------------------------- the parts that live here
+
+
+def part_cuda_tests(accelerator: str, emit: Callable[[Row], None]) -> None:
+    """pytest on CUDA_TESTS, in this process; one row per file, emitted as each file ends (a kill keeps the earlier ones)."""
+    import pytest
+
+    class Rows:
+        def __init__(self) -> None:
+            self.file: str | None = None
+            self.counts: dict[str, list[str]] = {}
+            self.start = time.perf_counter()
+
+        def flush(self) -> None:
+            if self.file is None:
+                return
+            passed, failed, skipped = (self.counts.get(k, []) for k in ("passed", "failed", "skipped"))
+            status = FAIL if failed else PASS if passed else SKIP
+            detail = f"{len(passed)} passed, {len(failed)} failed, {len(skipped)} skipped"
+            if failed:
+                detail += ": " + "; ".join(failed[:5])
+            reasons = sorted(set(skipped))
+            if reasons:
+                detail += " (skipped: " + "; ".join(reasons[:3]) + ")"
+            emit(Row("1 CUDA tests", self.file, status, detail, time.perf_counter() - self.start))
+            self.file, self.counts, self.start = None, {}, time.perf_counter()
+
+        def pytest_runtest_logreport(self, report: Any) -> None:
+            file = report.nodeid.split("::")[0]
+            if file != self.file:
+                self.flush()
+                self.file = file
+            if report.failed:
+                self.counts.setdefault("failed", []).append(f"{report.nodeid.split('::', 1)[1]} ({report.when})")
+            elif report.skipped:
+                reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+                self.counts.setdefault("skipped", []).append(reason.removeprefix("Skipped: "))
+            elif report.when == "call":
+                self.counts.setdefault("passed", []).append(report.nodeid)
+
+        def pytest_sessionfinish(self) -> None:
+            self.flush()
+
+    code = pytest.main(["-v", "-p", "no:cacheprovider", *CUDA_TESTS], plugins=[Rows()])
+    if code not in (0, 1):  # 1: some test failed (its row says so); anything else: pytest itself could not run
+        emit(Row("1 CUDA tests", "pytest", ERROR, f"pytest exit code {int(code)}", 0.0))
+
+
+def part_ddp(accelerator: str, emit: Callable[[Row], None]) -> None:
+    """Two processes on two GPUs (scripts/gpu_check_ddp.py): its one-line verdict is the row."""
+    out = Path(tempfile.mkdtemp(prefix="gpu_check_ddp_"))
     start = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *CUDA_TESTS],
-        cwd=ROOT, capture_output=True, text=True,
-    )
-    last = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
-    skipped = "skipped" in last and "passed" not in last
-    print(proc.stdout[-3000:], proc.stderr[-2000:], sep="\n")
-    return [Row("1 CUDA tests", ", ".join(CUDA_TESTS), proc.returncode == 0 and not skipped, last, time.perf_counter() - start)]
-
-
-def part_two(accelerator: str) -> list[Row]:
-    precisions = ["32-true", "bf16-mixed", "16-mixed"] if accelerator != "cpu" else ["32-true", "bf16-mixed"]
-    cases = [
-        ("pipe_len=2 chunks=1", dict(pipe_len=2, chunks=1), ["32-true"]),
-        ("pipe_len=2 chunks=2", dict(pipe_len=2, chunks=2), ["32-true"]),
-        ("cache=True", dict(cache=True, cache_dir=str(ROOT / "outputs" / "gpu_check_cache")), ["32-true"]),
-        ("pipe_len=2 chunks=2 cache=True", dict(pipe_len=2, chunks=2, cache=True, cache_dir=str(ROOT / "outputs" / "gpu_check_cache")), precisions),
-    ]
-    rows = []
-    for arch in ("bert", "llama"):
-        references = {}
-        for precision in precisions:
-            references[precision], _, seconds = fit(arch, "auto", precision, accelerator)
-            rows.append(Row("2 one GPU", f"{arch} {precision} strategy=auto (reference)", True, "", seconds))
-        for name, kwargs, case_precisions in cases:
-            for precision in case_precisions:
-                try:
-                    strategy = PipeTransformerStrategy(**kwargs)
-                    module, runs, seconds = fit(arch, strategy, precision, accelerator)
-                except Exception as err:  # a failure is a row of the table, not the end of the check
-                    rows.append(Row("2 one GPU", f"{arch} {precision} {name}", False, f"{type(err).__name__}: {str(err)[:300]}", 0.0))
-                    continue
-                same, worst = compare(module, references[precision], precision)
-                chunks = kwargs.get("chunks", 1)
-                steps = SAMPLES // BATCH
-                last = runs[EPOCHS - 1]
-                engaged = last[-1] == chunks * steps  # the last (active) block: once per micro-batch
-                served = ""
-                if kwargs.get("cache"):
-                    stats = strategy.cache_stats or {}
-                    engaged &= stats.get("autocache/hits", 0) > 0 and last[0] <= 1  # frozen block 0 not run once cached
-                    served = f", cache hits {int(stats.get('autocache/hits', 0))}"
-                rows.append(Row(
-                    "2 one GPU", f"{arch} {precision} {name}", same and engaged,
-                    f"max |w - w_auto| {worst:.2e}; last epoch runs per block {last}{served}", seconds,
-                ))
-    return rows
-
-
-def part_three() -> list[Row]:
-    if torch.cuda.device_count() < 2:
-        return [Row("3 two GPUs", "devices=2 pipe_len=2 16-mixed, K 2 -> 1", True, f"not run: {torch.cuda.device_count()} GPU(s)", 0.0)]
-    out = ROOT / "outputs" / "gpu_check_ddp"
-    out.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "scripts/gpu_check_ddp.py", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    last = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check_ddp.py"), "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True)
     print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
-    return [Row("3 two GPUs", "devices=2 pipe_len=2 16-mixed, K 2 -> 1", proc.returncode == 0, last, time.perf_counter() - start)]
+    last = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+    ok = proc.returncode == 0 and last.startswith("pass")
+    emit(Row("7 two GPUs", "devices=2 pipe_len=2 16-mixed, K 2 -> 1", PASS if ok else FAIL, last, time.perf_counter() - start))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--accelerator", default="gpu", choices=["gpu", "cpu"])
-    parser.add_argument("--out", default=str(ROOT / "outputs" / "gpu_check.md"))
-    args = parser.parse_args()
-    if args.accelerator == "gpu" and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device visible (torch.cuda.is_available() is False); --accelerator cpu for a dry run.")
-        return 2
+# ---------------------------------------------------------------------------------- a part's own process
+
+
+def inject_fault(name: str) -> str | None:
+    """``GPU_CHECK_FAULT="trainers=hang,lora=fail"``: fail (a failed row), hang (sleep until killed) or crash (raise)."""
+    faults = dict(item.split("=", 1) for item in os.environ.get("GPU_CHECK_FAULT", "").split(",") if "=" in item)
+    fault = faults.get(name)
+    if fault == "hang":
+        print(f"[{name}] injected fault: hanging (pid {os.getpid()})", flush=True)
+        time.sleep(10**6)
+    if fault == "crash":
+        raise RuntimeError(f"injected fault: part {name} crashed (GPU_CHECK_FAULT)")
+    return fault
+
+
+def run_part_here(name: str, accelerator: str, rows_path: Path) -> int:
+    """The child side: import the part's module, run it, append each row to ``rows_path`` as a JSON line at once."""
+    sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]
+    part = BY_NAME[name]
+    with rows_path.open("a") as rows:
+        def emit(row: Any) -> None:
+            rows.write(json.dumps(asdict(row)) + "\n")
+            rows.flush()
+            print(f"[{name}] {row.status}: {row.case} ({row.seconds:.1f} s) {row.detail}", flush=True)
+
+        if inject_fault(name) == "fail":
+            emit(Row(part.title, "injected fault", FAIL, "GPU_CHECK_FAULT asked this part to fail", 0.0))
+            return 0
+        module, function = part.entry.split(":")
+        getattr(importlib.import_module(module), function)(accelerator, emit)
+    return 0
+
+
+def distribution_version(name: str, module: Any) -> str:
+    """The installed distribution's version (pytest_timeout has no ``__version__``), else the module's."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(name.replace("_", "-"))
+    except metadata.PackageNotFoundError:
+        return str(getattr(module, "__version__", "?"))
+
+
+def probe_here() -> int:
+    """The child side of the probe: what imports, which versions, what CUDA sees. One JSON line on stdout."""
+    found: dict[str, Any] = {"python": platform.python_version(), "executable": sys.executable, "modules": {}, "errors": {}}
+    for name in MODULES:
+        try:
+            module = importlib.import_module(name)
+            found["modules"][name] = distribution_version(name, module)
+        except Exception as err:  # noqa: BLE001 - any failure to import is "not importable", and why
+            found["errors"][name] = f"{type(err).__name__}: {str(err)[:200]}"
+    if "torch" in found["modules"]:
+        import torch
+
+        cuda: dict[str, Any] = {"version": torch.version.cuda, "available": torch.cuda.is_available(), "count": 0}
+        if cuda["available"]:
+            cuda.update(count=torch.cuda.device_count(), name=torch.cuda.get_device_name(0),
+                        capability=".".join(map(str, torch.cuda.get_device_capability(0))),
+                        cudnn=torch.backends.cudnn.version(), bf16=torch.cuda.is_bf16_supported())
+        found["cuda"] = cuda
+    print("GPU_CHECK_PROBE " + json.dumps(found), flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------------- the driver
+
+
+@dataclass
+class Run:
+    """What one ``gpu_check`` run found, and where it writes."""
+
+    accelerator: str
+    out: Path
+    log: Path
+    budget: float
+    started: datetime.datetime
+    start: float
+    env: dict[str, Any]
+    smi: str
+    rows: list[Row]
+    done: bool = False
+
+
+def killed_tail(text: str, lines: int = 1) -> str:
+    """The last non-empty lines of a part's output, on one line, for the table."""
+    found = [line.strip() for line in text.splitlines() if line.strip()]
+    return " / ".join(found[-lines:])[-300:] if found else "(no output)"
+
+
+def run_child(cmd: Sequence[str], timeout: float, log: Path, env: dict[str, str] | None = None) -> tuple[int | None, str, float]:
+    """Run ``cmd`` in a session of its own, output to ``log``; kill its whole process group at ``timeout``.
+
+    Returns (exit code or None when killed, its output, seconds).
+    """
     start = time.perf_counter()
-    rows = part_one() if args.accelerator == "gpu" else []
-    rows += part_two(args.accelerator)
-    if args.accelerator == "gpu":
-        rows += part_three()
-    device = torch.cuda.get_device_name(0) if args.accelerator == "gpu" else platform.processor() or "CPU"
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        try:
+            code: int | None = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            code = None
+            try:
+                proc.wait(timeout=KILL_GRACE)
+            except subprocess.TimeoutExpired:  # stuck in the driver, say: leave it and go on
+                out.write(f"\ngpu_check: pid {proc.pid} did not exit within {KILL_GRACE:.0f} s of SIGKILL\n")
+    return code, log.read_text(errors="replace"), time.perf_counter() - start
+
+
+def nvidia_smi() -> str:
+    """``nvidia-smi``'s own output, or why there is none."""
+    try:
+        proc = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT)
+        return (proc.stdout + proc.stderr).rstrip() or f"nvidia-smi: no output (exit code {proc.returncode})"
+    except FileNotFoundError:
+        return "nvidia-smi: not found on this machine"
+    except subprocess.TimeoutExpired:
+        return f"nvidia-smi: TIMED OUT after {NVIDIA_SMI_TIMEOUT:.0f} s"
+
+
+def probe(work: Path) -> tuple[dict[str, Any], Row]:
+    """The probe in a process of its own (importing torch can hang on a broken driver too)."""
+    code, text, seconds = run_child([sys.executable, str(Path(__file__)), "--probe"], PROBE_TIMEOUT, work / "probe.log")
+    for line in text.splitlines():
+        if line.startswith("GPU_CHECK_PROBE "):
+            env = json.loads(line.removeprefix("GPU_CHECK_PROBE "))
+            missing = ", ".join(f"{k} ({v})" for k, v in env["errors"].items())
+            return env, Row("0 environment", "imports and CUDA", INFO, "not importable: " + missing if missing else "all importable", seconds)
+    status, why = (TIMEOUT, f"killed after {PROBE_TIMEOUT:.0f} s") if code is None else (ERROR, f"exit code {code}")
+    return {}, Row("0 environment", "imports and CUDA", status, f"{why}: {killed_tail(text)}; every part runs unchecked", seconds)
+
+
+def describe_env(env: dict[str, Any], smi: str) -> list[str]:
+    """The version lines printed first and put at the top of the table."""
+    if not env:
+        return [f"python {platform.python_version()} ({sys.executable}); the probe found nothing (see its row)"]
+    mods = env["modules"]
+    cuda = env.get("cuda", {})
+    driver = re.search(r"Driver Version:\s*(\S+)", smi)
+    gpu = (f"{cuda.get('name')}, {cuda.get('count')} GPU(s), capability {cuda.get('capability')}, cuDNN {cuda.get('cudnn')}, "
+           f"bf16 {cuda.get('bf16')}" if cuda.get("available") else "no CUDA device visible (torch.cuda.is_available() is False)")
+    return [
+        f"python {env['python']} ({env['executable']})",
+        f"torch {mods.get('torch', 'not importable')}, torch.version.cuda {cuda.get('version')}, driver {driver.group(1) if driver else '-'}",
+        f"GPU: {gpu}",
+        ", ".join(f"{name} {mods.get(name, 'NOT importable')}" for name in MODULES if name != "torch"),
+    ]
+
+
+def skip_reason(part: Part, accelerator: str, env: dict[str, Any]) -> str | None:
+    """Why ``part`` cannot run here, or None. An unknown environment (the probe failed) skips nothing."""
+    if part.cuda and accelerator == "cpu":
+        return "needs CUDA: not run in a CPU dry run"
+    if not env:
+        return None
+    missing = [name for name in part.needs if name not in env["modules"]]
+    if missing:
+        return f"{', '.join(missing)} not importable here ({env['errors'][missing[0]]}); nothing is installed by this check"
+    cuda = env.get("cuda", {})
+    if accelerator == "gpu" and not cuda.get("available"):
+        return "no CUDA device visible (torch.cuda.is_available() is False)"
+    if accelerator == "gpu" and cuda.get("count", 0) < part.gpus:
+        return f"needs {part.gpus} GPUs, {cuda.get('count', 0)} visible"
+    return None
+
+
+def run_part(part: Part, run: Run, timeout: float, work: Path) -> tuple[list[Row], float]:
+    """One part in its own process group; its rows, plus one for a kill, a crash or silence, and its seconds."""
+    rows_path = work / f"{part.name}.jsonl"
+    env = dict(os.environ, GPU_CHECK_PART_TIMEOUT=f"{timeout:.0f}", PYTHONUNBUFFERED="1")
+    if run.accelerator == "cpu":
+        # One thread: on a small shared machine OpenMP's spin-waiting made these tiny fits 30x slower.
+        env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, str(Path(__file__)), "--part", part.name, "--accelerator", run.accelerator, "--rows", str(rows_path)]
+    code, text, seconds = run_child(cmd, timeout, work / f"{part.name}.log", env)
+    with run.log.open("a") as log:
+        log.write(f"\n===== {part.name} ({part.title}): exit {code}, {seconds:.1f} s of {timeout:.0f} s =====\n{text}")
+    rows = [Row(**json.loads(line)) for line in rows_path.read_text().splitlines()] if rows_path.exists() else []
+    if code is None:
+        rows.append(Row(part.title, "(the part)", TIMEOUT, f"killed after {timeout:.0f} s; last output: {killed_tail(text)}", seconds))
+    elif code != 0:
+        rows.append(Row(part.title, "(the part)", ERROR, f"exit code {code}: {killed_tail(text, 2)}", seconds))
+    elif not rows:
+        rows.append(Row(part.title, "(the part)", ERROR, "exited without reporting a row", seconds))
+    if any(r.status in FAILURES for r in rows):
+        print("\n".join(f"    | {line}" for line in text.splitlines()[-25:]))
+    return rows, seconds
+
+
+def render(run: Run) -> str:
+    """The markdown report: a dated header with the versions, the table, then nvidia-smi's output."""
+    counts = {s: sum(r.status == s for r in run.rows) for s in (PASS, FAIL, SKIP, TIMEOUT, ERROR)}
+    elapsed = time.perf_counter() - run.start
+    state = "complete" if run.done else "INCOMPLETE (written after each part; this run had not finished)"
     lines = [
-        f"GPU check of {datetime.date.today().isoformat()} on {device} ({torch.cuda.device_count() if args.accelerator == 'gpu' else 0} GPU(s)), "
-        f"torch {torch.__version__}, lightning {pl.__version__}: {sum(r.ok for r in rows)}/{len(rows)} passed, {time.perf_counter() - start:.0f} s.",
+        f"# GPU check, {run.started:%Y-%m-%d %H:%M} UTC",
+        "",
+        f"- `bash scripts/gpu_check.sh --accelerator {run.accelerator}` on {platform.node()}: {elapsed:.0f} s of a {run.budget:.0f} s budget, {state}",
+        *(f"- {line}" for line in describe_env(run.env, run.smi)),
+        f"- result: {counts[PASS]} pass, {counts[FAIL]} FAIL, {counts[SKIP]} skipped, {counts[TIMEOUT]} timed out, "
+        f"{counts[ERROR]} error ({INFO!r} rows are measurements, {RAN!r} rows reference fits: neither is a check)",
         "",
         "| part | case | result | seconds | detail |",
         "| --- | --- | --- | ---: | --- |",
-        *(f"| {r.part} | {r.case} | {'pass' if r.ok else '**FAIL**'} | {r.seconds:.1f} | {r.detail} |" for r in rows),
+        *(f"| {r.part} | {cell(r.case)} | {bold(r.status)} | {r.seconds:.1f} | {cell(r.detail)} |" for r in run.rows),
+        "",
+        "nvidia-smi:",
+        "",
+        "```",
+        run.smi,
+        "```",
     ]
-    text = "\n".join(lines)
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text + "\n")
-    return 0 if all(r.ok for r in rows) else 1
+    return "\n".join(lines) + "\n"
+
+
+def cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def bold(status: str) -> str:
+    return f"**{status}**" if status in FAILURES else status
+
+
+def write(run: Run) -> None:
+    run.out.parent.mkdir(parents=True, exist_ok=True)
+    run.out.write_text(render(run))
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--accelerator", default="gpu", choices=["gpu", "cpu"], help="cpu: a dry run of the check itself, CUDA parts skipped")
+    default_out = Path(os.environ["OUT"]) / "gpu_check.md" if os.environ.get("OUT") else ROOT / "outputs" / "gpu_check.md"
+    parser.add_argument("--out", type=Path, default=default_out, help=f"the markdown table (default here: {default_out})")
+    parser.add_argument("--only", help="comma-separated part names, in the order given below")
+    parser.add_argument("--timeout", action="append", default=[], metavar="PART=SECONDS", help="override one part's timeout")
+    parser.add_argument("--timeout-scale", type=float, help="multiply every part's timeout (default 1 on gpu, 4 on cpu: a slower machine)")
+    parser.add_argument("--budget", type=float, help=f"no part runs past this many seconds from the start (default {BUDGET:.0f}, scaled)")
+    parser.add_argument("--list", action="store_true", help="print the parts and their timeouts, run nothing")
+    parser.add_argument("--part", help=argparse.SUPPRESS)
+    parser.add_argument("--rows", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def timeout_scale(args: argparse.Namespace) -> float:
+    """The timeouts are the H200's; a CPU dry run (here: 2 shared cores) gets four times as long."""
+    return args.timeout_scale or (4.0 if args.accelerator == "cpu" else 1.0)
+
+
+def planned(args: argparse.Namespace) -> list[tuple[Part, float]]:
+    """The parts to run, in order, each with its timeout."""
+    names = [n.strip() for n in args.only.split(",")] if args.only else [p.name for p in PARTS]
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        raise SystemExit(f"gpu_check: no part named {', '.join(unknown)}; the parts are {', '.join(BY_NAME)}")
+    scale = timeout_scale(args)
+    overrides = {k: float(v) for k, v in (item.split("=", 1) for item in args.timeout)}
+    return [(BY_NAME[n], overrides.get(n, BY_NAME[n].timeout * scale)) for n in names]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    if args.probe:
+        return probe_here()
+    if args.part:
+        return run_part_here(args.part, args.accelerator, args.rows)
+    plan = planned(args)
+    if args.list:
+        for part, timeout in plan:
+            print(f"{part.name:<11} {timeout:5.0f} s  {part.title}: {part.what}")
+        one_gpu = sum(t for part, t in plan if part.gpus <= 1) + NVIDIA_SMI_TIMEOUT + PROBE_TIMEOUT
+        print(f"{'one GPU':<11} {one_gpu:5.0f} s  every part that runs on one GPU, with nvidia-smi ({NVIDIA_SMI_TIMEOUT:.0f} s) "
+              f"and the probe ({PROBE_TIMEOUT:.0f} s); no part starts past --budget {BUDGET * timeout_scale(args):.0f} s")
+        return 0
+    return check(args, plan)
+
+
+def check(args: argparse.Namespace, plan: list[tuple[Part, float]]) -> int:
+    """Environment first, then each part in order within the overall budget; the table after each part and at the end."""
+    budget = args.budget or BUDGET * timeout_scale(args)
+    out = args.out.resolve()
+    run = Run(args.accelerator, out, out.with_suffix(".log"), budget, datetime.datetime.now(datetime.timezone.utc),
+              time.perf_counter(), {}, "", [])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    run.log.write_text("")
+    print(f"gpu_check: {run.started:%Y-%m-%d %H:%M} UTC, accelerator {run.accelerator}, budget {budget:.0f} s, table -> {out}", flush=True)
+    print("gpu_check: parts (timeout): " + ", ".join(f"{part.name} ({timeout:.0f} s)" for part, timeout in plan), flush=True)
+    run.smi = nvidia_smi()
+    print("== nvidia-smi\n" + run.smi, flush=True)
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        work = Path(tmp)
+        run.env, env_row = probe(work)
+        run.rows.append(env_row)
+        print("== versions\n" + "\n".join(describe_env(run.env, run.smi)) + f"\n== {env_row.status}: {env_row.detail}", flush=True)
+        for part, timeout in plan:
+            run.rows += part_rows(part, timeout, run, work)
+            write(run)
+    run.done = True
+    write(run)
+    text = render(run)
+    print("\n" + text.split("\nnvidia-smi:")[0], flush=True)
+    print("\n".join(summary(run)))
+    print(f"gpu_check: table written to {out}, full output to {run.log}")
+    return exit_code(run)
+
+
+def summary(run: Run) -> list[str]:
+    """The last lines of stdout (the device tool returns the tail): the counts, what did not pass, the K=2 / K=1 ratios."""
+    counts = ", ".join(f"{sum(r.status == s for r in run.rows)} {s}" for s in (PASS, FAIL, SKIP, TIMEOUT, ERROR))
+    lines = [f"gpu_check: {counts} in {time.perf_counter() - run.start:.0f} s"]
+    lines += [f"  {r.status}: {r.part} / {r.case}" for r in run.rows if r.status in FAILURES]
+    ratios = [f"{r.case.split(': ')[0]} {m.group(1)}" for r in run.rows if (m := re.search(r"\): ratio (\d+\.\d+)", r.detail))]
+    if ratios:
+        lines.append("  K=2 / K=1 forward+backward on ONE GPU (shared SMs: overhead vs overlap, not a multi-GPU speed-up): " + ", ".join(ratios))
+    return lines
+
+
+def part_rows(part: Part, timeout: float, run: Run, work: Path) -> list[Row]:
+    """A part's rows: skipped with its reason, skipped for the budget, or run (with the time left as the ceiling)."""
+    reason = skip_reason(part, run.accelerator, run.env)
+    left = run.budget - (time.perf_counter() - run.start)
+    if reason is None and left < 10:
+        reason = f"not started: {left:.0f} s of the {run.budget:.0f} s budget left"
+    if reason is not None:
+        print(f"-- {part.name}: skipped: {reason}", flush=True)
+        return [Row(part.title, part.what, SKIP, reason, 0.0)]
+    timeout = min(timeout, left)
+    print(f"-- {part.name}: running (timeout {timeout:.0f} s): {part.what}", flush=True)
+    rows, seconds = run_part(part, run, timeout, work)
+    counts = ", ".join(f"{sum(r.status == s for r in rows)} {s}" for s in (PASS, FAIL, SKIP, TIMEOUT, ERROR) if any(r.status == s for r in rows))
+    print(f"-- {part.name}: {counts or 'nothing checked'} in {seconds:.0f} s", flush=True)
+    return rows
+
+
+def exit_code(run: Run) -> int:
+    """1 when anything failed, timed out or crashed; 2 when nothing could be checked; else 0."""
+    if any(r.status in FAILURES for r in run.rows):
+        return 1
+    return 0 if any(r.status == PASS for r in run.rows) else 2
 
 
 if __name__ == "__main__":
