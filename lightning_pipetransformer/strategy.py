@@ -1012,6 +1012,7 @@ class PipeTransformerStrategy(ParallelStrategy):
             self._frozen_outputs = None
         if self._autocache is not None:
             self._autocache.detach()
+            self._autocache.close()
         for config in self._kv_cache_configs:
             config.use_cache = True
         self._kv_cache_configs = []

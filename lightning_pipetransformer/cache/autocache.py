@@ -160,6 +160,8 @@ class AutoCache:
         # the store it replaces (advanced at the next sync_boundary) and where to advance it.
         self._pending: tuple[BlockStack, int, bool, torch.device] | None = None
         self._previous: ActivationStore | None = None
+        #: One process, lazy advance: the stores of earlier boundaries, newest first (see move_boundary).
+        self._older: list[ActivationStore] = []
         self._where: tuple[BlockStack, torch.device] | None = None
         #: Entries this process advanced into the current store when it opened.
         self.advanced = 0
@@ -432,9 +434,16 @@ class AutoCache:
 
     def move_boundary(
         self, stack: BlockStack, num_frozen: int, include_pre: bool, device: torch.device, shard: tuple[int, int],
-        advance: bool = True,
+        advance: bool = True, lazy: bool = False,
     ) -> None:
-        """Open the store for boundary ``num_frozen`` now, advancing the previous one's entries (one process)."""
+        """Open the store for boundary ``num_frozen`` now, advancing the previous one's entries (one process).
+
+        ``lazy``: advance each entry when it is looked up next (:meth:`from_older`), not all of them now.
+        The work is the same for the entries used again, and it lands where they are used: a training
+        batch pays for its own samples, validation for the validation entries, and an entry never
+        read again costs nothing. The earlier stores stay open (their memory counts against the
+        budget) until the fit ends.
+        """
         previous = self.store
         self._pending = None
         if self._previous is not None:
@@ -442,8 +451,15 @@ class AutoCache:
             self._previous = None
         if not self._cacheable(stack, num_frozen, include_pre):
             self.store = None
+            self._drop_older()
+            if previous is not None:
+                previous.clear(disk=True)
             return
         self.store = self._open(stack, num_frozen, include_pre)
+        if previous is not None and previous.boundary < num_frozen and advance and lazy:
+            self._older.insert(0, previous)  # newest first: an entry is advanced from the latest boundary that has it
+            self._share_budget()
+            return
         if previous is not None and previous.boundary < num_frozen and advance:
             with torch.no_grad(), self.forward_context():
                 self.advanced = advance_store(
@@ -454,6 +470,55 @@ class AutoCache:
                 previous.clear(disk=True)  # kept if another run on the same weights still uses it
             else:
                 previous.close()
+
+    def from_older(self, keys: Sequence[str], *, dtype: torch.dtype, device: torch.device) -> list[tuple[int, Tensor, Tensor]]:
+        """Entries for ``keys`` (missing at the current boundary) held at earlier boundaries, newest first.
+
+        Returns ``(boundary, found, activations)`` per earlier store that had some: ``found`` a CPU
+        bool mask over ``keys`` (each key found once, at its latest boundary), ``activations`` the
+        stacked entries there. The caller runs them through the blocks from that boundary on and
+        stores them at the current one; they leave the earlier store's memory now.
+        """
+        if not self._older:
+            return []
+        left = torch.ones(len(keys), dtype=torch.bool)
+        found: list[tuple[int, Tensor, Tensor]] = []
+        for older in self._older:
+            if not bool(left.any()):
+                break
+            wanted = [k for k, want in zip(keys, left.tolist()) if want]
+            in_memory = [older.in_memory(k) for k in wanted]
+            hit_mask, hits = older.lookup(wanted, dtype=dtype, device=device)
+            if not bool(hit_mask.any()):
+                continue
+            if self.store is not None:  # the current store missed them; the cache as a whole did not
+                from_memory = sum(m for m, hit in zip(in_memory, hit_mask.tolist()) if hit)
+                self.store.count_as_hits(from_memory, int(hit_mask.sum()) - from_memory)
+            mask = torch.zeros(len(keys), dtype=torch.bool)
+            mask[left.nonzero().flatten()[hit_mask]] = True
+            left &= ~mask
+            older.discard([k for k, hit in zip(wanted, hit_mask.tolist()) if hit])
+            found.append((older.boundary, mask, hits))
+        self.advanced += sum(int(m.sum()) for _, m, _ in found)
+        self._share_budget()
+        return found
+
+    def _share_budget(self) -> None:
+        """Entries of earlier boundaries still in memory count against the one budget."""
+        if self.store is not None:
+            self.store.reserved = sum(older.bytes_in_memory for older in self._older)
+
+    def _drop_older(self) -> None:
+        """The earlier boundaries' stores, with entries never read again: gone (their directories too)."""
+        for older in self._older:
+            older.clear(disk=True)
+        self._older = []
+
+    def close(self) -> None:
+        """End of the fit: let go of the earlier boundaries' entries (the current store stays for validate/test)."""
+        self._drop_older()
+        if self.store is not None:
+            self.store.reserved = 0
 
     def defer_boundary(self, stack: BlockStack, num_frozen: int, include_pre: bool, device: torch.device) -> None:
         """Several processes: check boundary ``num_frozen`` now, open its store later.

@@ -174,11 +174,30 @@ class CachedStack:
         shape_in = tuple(hidden.shape[1:])
 
         def compute(miss: Tensor) -> Tensor:
-            start = time.perf_counter()
-            h = rows(miss)
-            with torch.no_grad():
-                out = self._prefix(h, select_rows(prefix_calls, miss, batch))
-            timing["compute"] = (time.perf_counter() - start) / max(1, h.shape[0])
+            # Misses held at an earlier boundary (lazy advance) run only the blocks from there on, with
+            # this pass's own arguments (the keys cover them, so they are the entry's); the rest from the input.
+            at = torch.cumsum(miss, 0) - 1  # a batch row's position among the misses
+            parts: list[tuple[Tensor, Tensor]] = []
+            left = miss.clone()
+            miss_rows = miss.nonzero().flatten()
+            for boundary, found, hits in cache.from_older([keys[i] for i in miss_rows.tolist()], dtype=hidden.dtype, device=hidden.device):
+                batch_rows = torch.zeros_like(miss)
+                batch_rows[miss_rows[found]] = True
+                with torch.no_grad():
+                    parts.append((batch_rows, run_blocks(self.blocks[boundary:frozen])(hits, select_rows(prefix_calls[boundary:], batch_rows, batch))))
+                left &= ~batch_rows
+            if bool(left.any()):
+                start = time.perf_counter()
+                h = rows(left)
+                with torch.no_grad():
+                    parts.append((left, self._prefix(h, select_rows(prefix_calls, left, batch))))
+                timing["compute"] = (time.perf_counter() - start) / max(1, h.shape[0])
+            if len(parts) == 1:
+                out = parts[0][1]
+            else:
+                out = torch.empty((int(miss.sum()), *parts[0][1].shape[1:]), dtype=parts[0][1].dtype, device=parts[0][1].device)
+                for batch_rows, values in parts:
+                    out[at[batch_rows].to(out.device)] = values
             self._boundary_shapes[shape_in] = tuple(out.shape[1:])
             return out
 

@@ -364,6 +364,9 @@ class ActivationStore:
         self.directory = self.root / f"{fingerprint}-b{boundary}-{storage}"
         self._mem: dict[str, _MemEntry] = {}
         self._mem_bytes = 0
+        #: Bytes of the budget that other stores of this cache still hold in memory (entries of an earlier
+        #: boundary not advanced yet): new entries go to memory only within what is left.
+        self.reserved = 0
         self._bad: set[str] = set()  # keys whose file was rejected: the next store overwrites it
         self._stats = CacheStats()
         self._warn = warn or _default_warn
@@ -521,7 +524,7 @@ class ActivationStore:
             hidden = host[i].clone()
             row_extras = {n: t[i].clone() for n, t in host_extras.items()}
             nbytes = hidden.nbytes + sum(t.nbytes for t in row_extras.values())
-            in_memory = self.memory_budget > 0 and self._mem_bytes + nbytes <= self.memory_budget
+            in_memory = self.memory_budget > 0 and self._mem_bytes + nbytes <= self.memory_budget - self.reserved
             if in_memory:
                 self._mem[key] = _MemEntry(hidden, original, row_extras, nbytes)
                 self._mem_bytes += nbytes
@@ -577,6 +580,18 @@ class ActivationStore:
 
     def in_memory(self, key: str) -> bool:
         return key in self._mem
+
+    def count_as_hits(self, memory: int, disk: int) -> None:
+        """Lookups this store missed that an earlier boundary's store answered (a lazy advance): hits of the cache."""
+        self._stats.misses -= memory + disk
+        self._stats.hits += memory + disk
+        self._stats.memory_hits += memory
+        self._stats.disk_hits += disk
+
+    @property
+    def bytes_in_memory(self) -> int:
+        """Bytes of the entries held in memory (no directory scan, unlike :meth:`stats`)."""
+        return self._mem_bytes
 
     def on_disk(self, key: str) -> bool:
         return self._path(key).exists()

@@ -69,8 +69,8 @@ class OneProcess:
         """Nothing to agree on: :meth:`on_freeze` applied the plan already."""
 
     def open_boundary(self, cache: Any, stack: Any, num_frozen: int, include_pre: bool, device: Any) -> None:
-        """Open the store of the new boundary and advance the previous entries now, all of them here."""
-        cache.move_boundary(stack, num_frozen, include_pre, device, shard=(0, 1))
+        """Open the store of the new boundary; the previous entries advance as they are read (all of them here)."""
+        cache.move_boundary(stack, num_frozen, include_pre, device, shard=(0, 1), lazy=True)
 
 
 class Elastic:

@@ -391,3 +391,48 @@ def test_dynamic_padding_shuffled_equals_cache_off(tmp_path, key):
     stats = assert_served(run[1], at_least=2 * 16)  # validation batches do not move: they hit
     assert stats["autocache/misses"] > 0
     assert_same_run(run, fit("bert", "auto", module=PaddedClassifier("bert"), **data()))
+
+
+class TrainingBlockRuns(Callback):
+    """Real runs of each block during each training epoch's batches (validation not counted)."""
+
+    def __init__(self) -> None:
+        self.epochs: list[list[int]] = []
+        self._training = False
+
+    def on_fit_start(self, trainer, pl_module):
+        for index, block in enumerate(trainer.strategy.stack.blocks):
+            block.register_forward_pre_hook(lambda *_, i=index: self._count(i))
+
+    def _count(self, index):
+        if self._training:
+            self.epochs[-1][index] += 1
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.epochs.append([0] * len(trainer.strategy.stack.blocks))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._training = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._training = False
+
+
+def test_a_boundary_move_advances_each_entry_when_it_is_read(tmp_path):
+    """Issue 25: at a move F -> F' (one process) no entry is advanced up front; a training batch runs blocks
+    F..F'-1 on its own samples' entries only (validation entries advance in validation), never 0..F-1."""
+    runs = TrainingBlockRuns()
+    seen = Stats()
+    run = fit("bert", cached(tmp_path), callbacks=[runs, seen])
+    steps = 3  # 24 samples in batches of 8
+    # Epoch 1 (boundary 1): the first pass through the installed runner also probes every block once,
+    # then block 0 runs for every miss. Epoch 2 (boundary 3): entries read at boundary 1 run blocks 1-2
+    # only. Epoch 3: hits; blocks 0-2 run once, to check the first hits.
+    assert runs.epochs[1] == [1 + steps] * 4
+    assert runs.epochs[2][:3] == [0, steps, steps] and runs.epochs[3][:3] == [1, 1, 1], runs.epochs
+    assert runs.epochs[0] == [steps] * 4 and runs.epochs[2][3] == runs.epochs[3][3] == steps
+    # Every entry advanced once in epoch 2: the 24 training ones by training batches (blocks 1-2 ran 3 times
+    # there, above), the 16 validation ones in its validation.
+    assert seen.seen[2]["autocache/advanced"] == 24 + 16
+    assert_served(run[1], at_least=2 * (24 + 16))
+    assert_same_run(run, fit("bert", "auto"))

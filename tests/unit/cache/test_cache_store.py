@@ -215,3 +215,16 @@ def test_content_keys_store_round_trip_and_a_changed_input_misses(tmp_path):
     changed = ids.clone()
     changed[2, 5] += 1
     assert store.lookup(content_keys(changed))[0].tolist() == [True, True, False, True]
+
+
+def test_bytes_reserved_by_another_store_count_against_the_budget(tmp_path):
+    """Lazy advance: an earlier boundary's entries still in memory share the one budget with the new store's."""
+    one = 4 * 8 * 4  # a [4, 8] fp32 activation
+    store = ActivationStore(tmp_path, FP, 2, memory_budget=4 * one)
+    store.reserved = 3 * one
+    store.store(["a", "b"], torch.randn(2, 4, 8), check_fits=False)
+    assert store.in_memory("a") and not store.in_memory("b") and store.on_disk("b")
+    assert store.bytes_in_memory == one
+    store.reserved = 0
+    store.store(["c", "d"], torch.randn(2, 4, 8), check_fits=False)
+    assert store.in_memory("c") and store.in_memory("d") and store.bytes_in_memory == 3 * one
