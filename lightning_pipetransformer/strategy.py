@@ -111,7 +111,9 @@ class PipeTransformerStrategy(ParallelStrategy):
             per-sample arguments, such as the attention mask, are still hashed into the key).
         cache_dir: node-local directory for entries beyond ``cache_memory``; default
             ``<default_root_dir>/pipetransformer_cache``.
-        cache_memory: host bytes for cached entries in memory; the rest spills to ``cache_dir``.
+        cache_memory: host bytes for cached entries in memory, for the whole node: each of its
+            processes keeps ``cache_memory / processes per node`` (their memory is not shared); the
+            rest spills to ``cache_dir``, which the node's processes share.
         cache_skip_embeddings: also skip the embeddings on batches the cache serves (default).
             Checked for safety at run time (their output must reach the blocks unchanged); turn
             it off only if that check raises for your model.
@@ -442,7 +444,8 @@ class PipeTransformerStrategy(ParallelStrategy):
         directory = self.cache_dir or os.path.join(trainer.default_root_dir, "pipetransformer_cache")
         probe_cache_dir(directory)
         self._autocache = AutoCache(
-            self.cache, directory, self.cache_memory, write_through=self.num_processes > 1,
+            # The node's budget, split over its processes: 8 replicas must not hold 8 x cache_memory.
+            self.cache, directory, self.cache_memory // max(1, self.num_processes), write_through=self.num_processes > 1,
             key=self.cache_key, skip_embeddings=self.cache_skip_embeddings,
         )
         # Entries computed at another precision must never be returned; index keys are only

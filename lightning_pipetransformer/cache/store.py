@@ -97,9 +97,10 @@ def check_batch_fits(memory_budget: int, nbytes: int) -> None:
     """Raise :class:`CacheConfigError` if one batch of ``nbytes`` cannot fit in a positive ``memory_budget``."""
     if 0 < memory_budget < nbytes:
         raise CacheConfigError(
-            f"The cache's memory budget ({memory_budget:,} bytes: cache_memory= on the strategy, memory_budget= "
-            f"on the store) is smaller than one batch of activations ({nbytes:,} bytes). Raise it to at least "
-            f"{nbytes:,} bytes (a whole epoch needs batches x that), or set it to 0 to keep the cache on disk only."
+            f"The cache's memory budget ({memory_budget:,} bytes: cache_memory= on the strategy, divided by the "
+            f"processes of a node, or memory_budget= on the store) is smaller than one batch of activations "
+            f"({nbytes:,} bytes). Raise it to at least {nbytes:,} bytes per process (a whole epoch needs batches x "
+            "that), or set it to 0 to keep the cache on disk only."
         )
 
 

@@ -76,6 +76,8 @@ def check_cache_on_equals_off_and_shared(on: list[dict], off: list[dict], cache_
         for epoch, record in off[rank]["epochs"].items():
             assert on[rank]["epochs"][epoch]["val_loss"] == pytest.approx(record["val_loss"], rel=1e-5, abs=1e-6)
 
+    # cache_memory is the node's: each of its 4 processes keeps a quarter (the default 4 GiB here).
+    assert {r["epochs"][0]["memory_budget"] for r in on} == {4 * 2**30 // WORLD}
     # The cache was really used. Epoch 0: nothing frozen, nothing cached.
     assert all(stat(r["epochs"][0], "enabled") == 0 for r in on)
     # Epoch 1 (boundary 2, 2 replicas): first sight of every sample, so all misses, all stored.

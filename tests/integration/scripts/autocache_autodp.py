@@ -50,6 +50,7 @@ class Record(Callback):
         cache = getattr(strategy, "_autocache", None)
         store = cache.store if cache is not None else None
         record["cache_directory"] = store.directory.name if store is not None else None
+        record["memory_budget"] = cache.memory_budget if cache is not None else None
 
 
 def main() -> None:

@@ -1,0 +1,3 @@
+from benchmarks.cache_replicas.bench import main
+
+main()
