@@ -36,6 +36,12 @@ def cosine_factor(step: int, plan: AnnealPlan = PLAN) -> float:
 def model_and_batches(seed: int = 0):
     module = TextClassifier(num_layers=4, seed=seed)
     module.train()
+    # Attention's key bias has a zero gradient up to rounding (softmax ignores a shift of every score):
+    # Adam normalises that rounding noise into steps of size lr, whose signs then differ between two
+    # equal computations done in another order. It is not what these tests compare.
+    for name, p in module.named_parameters():
+        if name.endswith("attention.self.key.bias"):
+            p.requires_grad_(False)
     data = text_dataset(8 * STEPS, seed=1)
     batches = [(data.tensors[0][i : i + 8], data.tensors[1][i : i + 8]) for i in range(0, 8 * STEPS, 8)]
     return module, batches
@@ -231,7 +237,7 @@ def test_after_the_interval_the_annealed_blocks_do_not_move():
     for name, p in module.named_parameters():
         if id(p) in annealed:
             assert torch.equal(p, seen[name]), name  # a zero rate: what a frozen block does
-        else:
+        elif p.requires_grad:
             assert not torch.equal(p, seen[name]), name
 
 
