@@ -15,11 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from statistics import pvariance
 
+from lightning_pipetransformer.plan import boundaries
+
 __all__ = [
     "optimal_partition",
     "paper_greedy_partition",
     "stage_costs",
-    "boundaries",
     "compress_pipe_len",
 ]
 
@@ -141,14 +142,6 @@ def paper_greedy_partition(
             else:
                 break
     return tuple(sizes)
-
-
-def boundaries(balance: Sequence[int]) -> tuple[int, ...]:
-    """Block index where each stage starts, plus the total: ``(4, 4, 4) -> (0, 4, 8, 12)``."""
-    out = [0]
-    for size in balance:
-        out.append(out[-1] + size)
-    return tuple(out)
 
 
 def stage_costs(costs: Sequence[float], balance: Sequence[int]) -> tuple[float, ...]:

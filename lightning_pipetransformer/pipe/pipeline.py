@@ -51,7 +51,7 @@ from lightning_pipetransformer.pipe.microbatch import (
     tensor_paths,
     tensors_in,
 )
-from lightning_pipetransformer.pipe.partition import boundaries
+from lightning_pipetransformer.plan import boundaries
 from lightning_pipetransformer.stack.input_grad import as_marked_input, needs_no_gradient
 from lightning_pipetransformer.stack.interception import (
     InterceptionError,

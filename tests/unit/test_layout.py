@@ -21,8 +21,6 @@ LIGHTNING_FACING = {
     "lightning_internals.py": "every private Lightning name, in one place",
     "freeze/callback.py": "AutoFreeze is a Callback",
     "dp/idle_hooks.py": "wraps the LightningModule's hooks on idle ranks",
-    "dp/transition.py": "the callback that runs the transition at epoch starts",
-    "cache/sync.py": "the callback that advances the cache boundary on every rank",
 }
 
 

@@ -1,0 +1,158 @@
+"""The strategy's and the cache's arguments, as frozen dataclasses validated on construction.
+
+Why a dataclass and not attributes on the strategy: every part below the strategy (the engine,
+the cache hooks, the data checks) reads the settings it needs from one immutable object that
+was checked once, before any process starts (the Trainer builds the strategy in the launching
+process), so no part can see a half-validated or later-edited value. The field docstrings are the
+reference: ``docs/configuration.md`` is generated from them (:func:`argument_table`, checked by
+``tests/unit/test_config.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from typing import Literal
+
+__all__ = ["CacheConfig", "PipeTransformerConfig", "argument_table"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """AutoCache's arguments (``PipeTransformerStrategy(cache=..., cache_key=..., ...)``)."""
+
+    mode: bool | Literal["auto"] = False
+    """``True`` serves the frozen prefix's output from an activation cache whenever blocks are
+    frozen; ``"auto"`` only while a lookup is measured faster than the prefix; ``False`` never.
+    Strategy argument ``cache``. See docs/cache.md."""
+
+    key: Literal["content", "index"] = "content"
+    """``"content"``: a fingerprint of each sample's input to the frozen prefix, exact even with
+    random augmentation (it just misses). ``"index"``: the ``"index"`` entry of a dict batch, the
+    paper's choice: it reuses the first augmented view it saw. Strategy argument ``cache_key``."""
+
+    dir: str | None = None
+    """Node-local directory for entries beyond ``memory``; default
+    ``<default_root_dir>/pipetransformer_cache``. Strategy argument ``cache_dir``."""
+
+    memory: int = 4 * 2**30
+    """Host bytes for cached entries in memory, for the whole node: each of its processes keeps
+    ``memory / processes per node``; the rest spills to ``dir``, which the node's processes share.
+    Strategy argument ``cache_memory``."""
+
+    skip_embeddings: bool = True
+    """Also skip the embeddings on batches the cache serves; checked at run time (their output
+    must reach the blocks unchanged). Strategy argument ``cache_skip_embeddings``."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in (False, True, "auto") or (self.mode != "auto" and not isinstance(self.mode, bool)):
+            raise ValueError(f"cache must be False, True or 'auto', got {self.mode!r}.")
+        if self.key not in ("content", "index"):
+            raise ValueError(f"cache_key must be 'content' or 'index', got {self.key!r}.")
+        if isinstance(self.memory, bool) or not isinstance(self.memory, int) or self.memory < 0:
+            raise ValueError(f"cache_memory must be a number of bytes >= 0 (0: everything on disk), got {self.memory!r}.")
+        if self.dir is not None and not isinstance(self.dir, str):
+            raise ValueError(f"cache_dir must be a path (str) or None, got {type(self.dir).__name__}.")
+        object.__setattr__(self, "skip_embeddings", bool(self.skip_embeddings))
+
+    @property
+    def enabled(self) -> bool:
+        """Whether AutoCache is used at all (``True`` or ``"auto"``)."""
+        return bool(self.mode)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipeTransformerConfig:
+    """The pipeline strategy's arguments (``PipeTransformerStrategy(pipe_len=..., ...)``)."""
+
+    pipe_len: int = 1
+    """Initial pipeline length K0 (stages per replica). With ``devices=1`` the K stages are
+    virtual (all on the one device); with ``devices=G`` K must divide G, and G/K processes per
+    node start as replicas while the others wait (AutoDP)."""
+
+    chunks: int | Literal["auto"] = 1
+    """Micro-batches per mini-batch M, an int or ``"auto"`` (measured at the first batch of every
+    new pipe length over K..6K, as the paper did)."""
+
+    frozen_cost: float = 1 / 6
+    """Weight of a frozen block relative to an active one when partitioning (paper: 1/6: a
+    frozen block runs forward only)."""
+
+    layers: str | None = None
+    """The block container's attribute path relative to the LightningModule. Default:
+    AutoFreeze's stack if AutoFreeze is used, else the module's ``configure_block_stack()``, else
+    automatic discovery."""
+
+    process_group_backend: str | None = None
+    """``"nccl"`` / ``"gloo"``; default by device type."""
+
+    timeout: float = 1800.0
+    """Seconds before a collective gives up (a dead rank ends the run, not hangs it). Every
+    process group the strategy makes gets it."""
+
+    batch_policy: Literal["replica", "global"] = "replica"
+    """With several processes, what stays fixed as replicas are added. ``"replica"`` (the
+    paper's): each replica keeps the DataLoader's batch size, so the global batch grows with the
+    replicas. ``"global"``: the DataLoader's batch size is the global batch, split over the
+    replicas (it must divide by the number of processes): the same optimisation as on one
+    device, only faster."""
+
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    """AutoCache's arguments (the strategy's ``cache*`` arguments)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pipe_len, bool) or not isinstance(self.pipe_len, int) or self.pipe_len < 1:
+            raise ValueError(f"pipe_len must be a positive int (stages per pipeline), got {self.pipe_len!r}.")
+        if self.chunks != "auto" and (isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1):
+            raise ValueError(f"chunks must be a positive int or 'auto', got {self.chunks!r}.")
+        try:
+            frozen_cost = float(self.frozen_cost)
+        except (TypeError, ValueError):
+            frozen_cost = float("nan")
+        if not 0.0 <= frozen_cost <= 1.0:
+            raise ValueError(f"frozen_cost must be in [0, 1] (paper: 1/6), got {self.frozen_cost!r}.")
+        object.__setattr__(self, "frozen_cost", frozen_cost)
+        try:
+            timeout = float(self.timeout)
+        except (TypeError, ValueError):
+            timeout = float("nan")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}.")
+        object.__setattr__(self, "timeout", timeout)
+        if self.batch_policy not in ("replica", "global"):
+            raise ValueError(f"batch_policy must be 'replica' or 'global', got {self.batch_policy!r}.")
+        if self.layers is not None and not isinstance(self.layers, str):
+            raise ValueError(f"layers must be an attribute path such as 'model.encoder.layer', got {self.layers!r}.")
+        if not isinstance(self.cache, CacheConfig):
+            raise ValueError(f"cache must be a CacheConfig, got {type(self.cache).__name__}.")
+
+    @property
+    def pipelines_or_caches(self) -> bool:
+        """Whether the stack runs other than as the model wrote it (a pipeline, micro-batches or the cache)."""
+        return self.pipe_len > 1 or self.chunks != 1 or self.cache.enabled
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string literal right below it in the class body)."""
+    source = inspect.getsource(cls)
+    found = re.findall(r"^    (\w+): [^\n]*\n    \"\"\"(.*?)\"\"\"", source, flags=re.S | re.M)
+    return {name: " ".join(text.split()) for name, text in found}
+
+
+#: The strategy's argument for each cache field (the strategy keeps Lightning-style flat keywords).
+CACHE_ARGUMENT = {"mode": "cache", "key": "cache_key", "dir": "cache_dir", "memory": "cache_memory", "skip_embeddings": "cache_skip_embeddings"}
+
+
+def argument_table() -> str:
+    """The strategy's arguments as a markdown table, from the fields' docstrings (docs/configuration.md)."""
+    rows = ["| argument | default | meaning |", "|---|---|---|"]
+    for cls, rename in ((PipeTransformerConfig, {}), (CacheConfig, CACHE_ARGUMENT)):
+        docs = _field_docs(cls)
+        for field in dataclasses.fields(cls):
+            if field.name == "cache" and cls is PipeTransformerConfig:
+                continue
+            default = field.default if field.default is not dataclasses.MISSING else field.default_factory()  # type: ignore[misc]
+            shown = "4 GiB" if field.name == "memory" else ("1/6" if field.name == "frozen_cost" else repr(default))
+            rows.append(f"| `{rename.get(field.name, field.name)}` | `{shown}` | {docs[field.name]} |")
+    return "\n".join(rows)
