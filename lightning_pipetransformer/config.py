@@ -156,3 +156,14 @@ def argument_table() -> str:
             shown = "4 GiB" if field.name == "memory" else ("1/6" if field.name == "frozen_cost" else repr(default))
             rows.append(f"| `{rename.get(field.name, field.name)}` | `{shown}` | {docs[field.name]} |")
     return "\n".join(rows)
+
+
+def write_docs(path: str = "docs/configuration.md") -> None:
+    """Put :func:`argument_table` between the ``config`` markers of ``path`` (run from the repository root)."""
+    from pathlib import Path
+
+    file = Path(path)
+    text = file.read_text()
+    begin, end = "<!-- config:begin -->\n", "<!-- config:end -->"
+    head, rest = text.split(begin, 1)
+    file.write_text(head + begin + argument_table() + "\n" + end + rest.split(end, 1)[1])
