@@ -22,22 +22,16 @@ outside the stack (embeddings, head, loss, metrics) stays on the first stage's d
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor
 from typing_extensions import override
 
 from lightning_pipetransformer import devices as dev
@@ -48,12 +42,13 @@ from lightning_pipetransformer.config import CacheConfig, PipeTransformerConfig
 from lightning_pipetransformer.dp import data, faults, groups, idle, idle_hooks, loop_state, state_transfer
 from lightning_pipetransformer.dp.clock import PhaseClock
 from lightning_pipetransformer.dp.ddp import GradientSync
-from lightning_pipetransformer.dp.replicas import Elastic, OneProcess, Replicas
+from lightning_pipetransformer.dp.replicas import Elastic
 from lightning_pipetransformer.engine import Engine, make_planner
 from lightning_pipetransformer.freeze.apply import untrainable_prefix
 from lightning_pipetransformer.pipe.planner import AutoPipe
 from lightning_pipetransformer.plan import Plan
 from lightning_pipetransformer.plan.change import PlanChange
+from lightning_pipetransformer.processes import ProcessLayout
 from lightning_pipetransformer.stack.declared import stack_for_strategy
 from lightning_pipetransformer.stack.discovery import BlockStack
 from lightning_pipetransformer.stack.input_grad import FrozenOutputs
@@ -65,50 +60,23 @@ __all__ = ["PipeTransformerStrategy"]
 _CHECKPOINT_KEY = "pipetransformer"
 
 
-class PipeTransformerStrategy(ParallelStrategy):
+class PipeTransformerStrategy(ProcessLayout):
     """Pipeline-parallel training of a Transformer's block stack, repartitioned as blocks freeze.
 
-    Args:
-        pipe_len: initial pipeline length K0 (stages per replica), default 1. With ``devices=1``
-            the K stages are virtual (all on the one device); with ``devices=G`` K must divide G,
-            and G/K processes per node start as replicas while the others wait (AutoDP).
-        chunks: micro-batches per mini-batch M, an int (default 1) or ``"auto"`` (measured at
-            the first batch of every new pipe length over K..6K, as the paper did).
-        frozen_cost: weight of a frozen block relative to an active one when partitioning
-            (paper: 1/6: a frozen block runs forward only).
-        layers: the block container's attribute path relative to the LightningModule. Default:
-            AutoFreeze's stack if AutoFreeze is used, else the module's ``configure_block_stack()``,
-            else automatic discovery.
-        process_group_backend: ``"nccl"``/``"gloo"``; default by device type.
-        timeout: seconds before a collective gives up (a dead rank ends the run, not hangs it).
-            Every process group the strategy makes (the active group at each transition) gets it.
-        batch_policy: with several processes, what stays fixed as replicas are added.
-            ``"replica"`` (default, the paper's): each replica keeps the DataLoader's batch size,
-            so the global batch grows with the replicas (more samples per step, fewer steps per
-            epoch). ``"global"``: the DataLoader's batch size is the global batch; each of R
-            replicas gets ``batch_size / R`` (it must divide by the number of processes), so
-            training is the same optimisation as on one device, only faster.
-        cache: AutoCache. ``True`` serves the frozen prefix's output from an activation cache
-            whenever blocks are frozen; ``"auto"`` only while a lookup is measured faster than
-            the prefix; ``False`` (default) never. See docs/cache.md.
-        cache_key: ``"content"`` (default): a fingerprint of each sample's input to the frozen
-            prefix, exact even with random augmentation (it just misses). ``"index"``: the
-            ``"index"`` entry of a dict batch, the paper's choice: it reuses the first augmented
-            view it saw, which changes training when augmentation is random (the blocks'
-            per-sample arguments, such as the attention mask, are still hashed into the key).
-        cache_dir: node-local directory for entries beyond ``cache_memory``; default
-            ``<default_root_dir>/pipetransformer_cache``.
-        cache_memory: host bytes for cached entries in memory, for the whole node: each of its
-            processes keeps ``cache_memory / processes per node`` (their memory is not shared); the
-            rest spills to ``cache_dir``, which the node's processes share.
-        cache_skip_embeddings: also skip the embeddings on batches the cache serves (default).
-            Checked for safety at run time (their output must reach the blocks unchanged); turn
-            it off only if that check raises for your model.
+    Args (each field of :class:`~lightning_pipetransformer.config.PipeTransformerConfig` /
+    :class:`~lightning_pipetransformer.config.CacheConfig` says more; docs/configuration.md lists them):
+        pipe_len: stages per pipeline replica at the start (K0); with ``devices=G`` it must divide G.
+        chunks: micro-batches per mini-batch (M), or ``"auto"`` (measured once per pipe length).
+        frozen_cost: a frozen block's weight when partitioning (paper: 1/6).
+        layers: the block container's attribute path (default: AutoFreeze's stack, the module's
+            ``configure_block_stack()``, or discovery).
+        process_group_backend, timeout: the process groups' backend and timeout in seconds.
+        batch_policy: ``"replica"`` (each replica keeps the loader's batch size) or ``"global"``
+            (the loader's batch is split over the replicas).
+        cache, cache_key, cache_dir, cache_memory, cache_skip_embeddings: AutoCache (docs/cache.md).
 
-    The arguments are validated into :attr:`config` (:class:`~lightning_pipetransformer.config.PipeTransformerConfig`)
-    when the strategy is built, before any process starts; docs/configuration.md lists them.
+    The arguments are validated into :attr:`config` when the strategy is built, before any process starts.
     """
-
 
     strategy_name = "pipetransformer"
 
@@ -139,12 +107,10 @@ class PipeTransformerStrategy(ParallelStrategy):
             cache=CacheConfig(mode=cache, key=cache_key, dir=cache_dir, memory=cache_memory, skip_embeddings=cache_skip_embeddings),
         )  # fmt: skip
         super().__init__(
+            pipe_len=self.config.pipe_len, process_group_backend=process_group_backend, timeout=self.config.timeout,
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
         )  # fmt: skip
-        self._num_nodes = 1
-        self._process_group_backend: str | None = process_group_backend
-        self._timeout = timedelta(seconds=self.config.timeout)
         #: The plan's owner (None before setup, or when the model has no block stack).
         self.engine: Engine | None = None
         #: AutoCache of this fit (None without ``cache``).
@@ -152,7 +118,6 @@ class PipeTransformerStrategy(ParallelStrategy):
         #: Seconds per phase of the last AutoDP transition on this rank (for logs and benchmarks).
         self.last_transition: dict[str, float] = {}
         self._stack: BlockStack | None = None
-        self._replicas: Replicas = OneProcess()  # one process, or several (AutoDP): picked at setup_environment
         self._gradients = GradientSync()
         self._report: report.EngagementReport | None = None
         self._restored: dict[str, Any] | None = None
@@ -160,109 +125,10 @@ class PipeTransformerStrategy(ParallelStrategy):
         self._kv_cache_configs: list[Any] = []  # configs whose use_cache this fit turned off
         self._frozen_outputs: FrozenOutputs | None = None
 
-    # ------------------------------------------------------------------ one process, or several
-    #
-    # Lightning gives the strategy its devices after construction (the accelerator connector sets
-    # parallel_devices and num_nodes, then calls _configure_launcher). With one process in all there
-    # is nothing to distribute: no launcher (notebooks and `python -i` work), no process group, no
-    # re-seeding, and `is_distributed` is False (the batch-size finder works, the user's sampler is
-    # kept). With several, it behaves like DDPStrategy, whose set-up it follows.
-
-    @property
-    def is_distributed(self) -> bool:
-        """Whether more than one process takes part (Lightning's connector reads this)."""
-        return self.num_nodes * self.num_processes > 1
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
-
-    # One process is rank 0 of 1, whatever the cluster environment says (as under the single-device
-    # strategy): a SLURM or torchelastic job of one task must not need more.
-    @property
-    @override
-    def global_rank(self) -> int:
-        return super().global_rank if self.is_distributed else 0
-
-    @property
-    @override
-    def local_rank(self) -> int:
-        return super().local_rank if self.is_distributed else 0
-
-    @property
-    @override
-    def node_rank(self) -> int:
-        return super().node_rank if self.is_distributed else 0
-
-    @property
-    @override
-    def world_size(self) -> int:
-        return super().world_size if self.is_distributed else 1
-
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        # Called when the Trainer is built, once the devices are known: refuse a pipe length that
-        # cannot tile them now, not in every process after they started.
-        pipe_len = self.config.pipe_len
-        if self.num_processes > 1 and self.num_processes % pipe_len:
-            divisors = [k for k in range(1, self.num_processes + 1) if self.num_processes % k == 0]
-            raise ValueError(
-                f"pipe_len={pipe_len} must divide the {self.num_processes} devices per node (each pipeline replica "
-                f"spans pipe_len of them, and the freed ones become replicas): use pipe_len in {divisors}, or "
-                f"Trainer(devices=...) a multiple of {pipe_len}."
-            )
-        self._launcher = (
-            lightning_internals.SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-            if self.is_distributed else None
-        )  # fmt: skip
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        dev.bind_process_device(self.root_device)
-        self._replicas = OneProcess()
-        if self.is_distributed:  # DDPStrategy.setup_distributed: the seed, the ranks, the world process group
-            reset_seed()
-            self.set_world_ranks()
-            self._process_group_backend = self._get_process_group_backend()
-            assert self.cluster_environment is not None
-            device_id = self.root_device if self.root_device.type != "cpu" else None
-            lightning_internals.init_dist_connection(
-                self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
-            )
-            self._replicas = Elastic(self.global_rank, self.world_size, self._process_group_backend, self._timeout)
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None and self.is_distributed:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-
-    def _get_process_group_backend(self) -> str:
-        return self._process_group_backend or lightning_internals.default_process_group_backend(self.root_device)
-
     # ------------------------------------------------------------------ what users read
 
     @property
+    @override
     def plan(self) -> Plan | None:
         """The plan in force: ``num_frozen``, ``pipe_len``, ``chunks``, ``partition``, ``active_ranks``."""
         return self.engine.plan if self.engine is not None else None
@@ -289,16 +155,6 @@ class PipeTransformerStrategy(ParallelStrategy):
         if not self._replicas.is_active(plan):
             return ()
         return tuple(torch.device(d) for d in plan.devices_for(self.local_rank))
-
-    @property
-    def is_active(self) -> bool:
-        """Whether this process drives a pipeline replica now (False: a shadow rank, idle until K shrinks)."""
-        return self._replicas.is_active(self.plan)
-
-    @property
-    def control_group(self) -> Any | None:
-        """The group of every rank (plan broadcast, barriers, decisions); None with one process."""
-        return self._replicas.control_group
 
     @property
     def gradient_group(self) -> Any | None:
@@ -643,55 +499,6 @@ class PipeTransformerStrategy(ParallelStrategy):
         if metrics and self.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
-
-    # ------------------------------------------------------------------ collectives: data on the active group, control on all
-
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        # Metric syncs (self.log(sync_dist=True)) run where the metric was logged: on the active ranks.
-        # A shadow rank logs nothing, and must not join (it would hang the replicas).
-        if self.world_size > 1 and isinstance(tensor, Tensor) and group is None:
-            if not self.is_active:
-                return tensor
-            group = self._replicas.active_group
-        if isinstance(tensor, Tensor):
-            return lightning_internals.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        # In steps and module hooks: on the active ranks only (idle ranks get their input back, as a group of one).
-        if group is None and self._replicas.active_group is not None:
-            if not self.is_active:
-                return tensor.unsqueeze(0)
-            group = self._replicas.active_group
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        # Every rank, over the gloo control group (no device ids, whatever the data backend).
-        if self._replicas.control_group is not None:
-            dist.barrier(group=self._replicas.control_group)
-        elif lightning_internals.distributed_is_initialized():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        # Callbacks' broadcasts (ModelCheckpoint paths, times) are control messages: all ranks.
-        if self._replicas.control_group is not None:
-            return groups.broadcast_object(obj, src=src, group=self._replicas.control_group)
-        if not lightning_internals.distributed_is_initialized():
-            return obj
-        return groups.broadcast_object(obj, src=src, group=None)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        # Control flow (should_stop, checkpoint decisions) must agree on every rank: over all of them.
-        if self._replicas.control_group is None:
-            return super().reduce_boolean_decision(decision, all=all)
-        votes = torch.tensor(int(decision))
-        dist.all_reduce(votes, op=dist.ReduceOp.SUM, group=self._replicas.control_group)
-        return bool(votes == self.world_size) if all else bool(votes)
 
     # ------------------------------------------------------------------ freeze points and the transition
 

@@ -18,6 +18,7 @@ PACKAGE = Path(lightning_pipetransformer.__file__).parent
 #: Modules that speak Lightning, each for a reason; every other module must not import it.
 LIGHTNING_FACING = {
     "strategy.py": "the Strategy itself",
+    "processes.py": "the Strategy's process-level hooks (its base class)",
     "lightning_internals.py": "every private Lightning name, in one place",
     "freeze/callback.py": "AutoFreeze is a Callback",
     "dp/idle_hooks.py": "wraps the LightningModule's hooks on idle ranks",
