@@ -49,7 +49,8 @@ from typing_extensions import override
 
 from lightning_pipetransformer import devices as dev
 from lightning_pipetransformer import lightning_internals
-from lightning_pipetransformer.cache.autocache import AutoCache, probe_cache_dir
+from lightning_pipetransformer.cache.autocache import AutoCache
+from lightning_pipetransformer.cache.store import probe_cache_dir
 from lightning_pipetransformer.dp import (
     faults,
     groups,
@@ -61,6 +62,7 @@ from lightning_pipetransformer.dp.replicas import Elastic, OneProcess, Replicas
 from lightning_pipetransformer.freeze.apply import untrainable_prefix
 from lightning_pipetransformer.pipe.costs import parameter_costs, parameter_count
 from lightning_pipetransformer.pipe.planner import AutoPipe, Plan
+from lightning_pipetransformer.runners import cached_runner, pipeline_runner
 from lightning_pipetransformer.stack.declared import block_stack_of
 from lightning_pipetransformer.stack.discovery import BlockStack, BlockStackError
 from lightning_pipetransformer.stack.input_grad import FrozenOutputs
@@ -71,7 +73,6 @@ from lightning_pipetransformer.stack.interception import (
     interception_stats,
     remove_pipeline,
 )
-from lightning_pipetransformer.stack.runners import cached_runner, pipeline_runner
 
 __all__ = ["PipeTransformerStrategy"]
 
