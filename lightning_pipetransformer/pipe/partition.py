@@ -18,6 +18,7 @@ from statistics import pvariance
 from lightning_pipetransformer.plan import boundaries
 
 __all__ = [
+    "active_balance",
     "optimal_partition",
     "paper_greedy_partition",
     "stage_costs",
@@ -150,6 +151,25 @@ def stage_costs(costs: Sequence[float], balance: Sequence[int]) -> tuple[float, 
         raise ValueError(f"Balance {tuple(balance)} does not split {len(costs)} blocks into non-empty stages.")
     edges = boundaries(balance)
     return tuple(float(sum(costs[a:b])) for a, b in zip(edges[:-1], edges[1:]))
+
+
+def active_balance(partition: Sequence[int], num_frozen: int) -> tuple[Balance, tuple[int, ...]]:
+    """The partition of the active blocks once the frozen prefix is served from the cache.
+
+    Returns ``(balance, stage_indices)``: stages left empty by removing the first ``num_frozen``
+    blocks are dropped (their devices idle while the cache serves the prefix), and
+    ``stage_indices`` says which original stages (hence devices) the remaining ones are.
+    """
+    balance: list[int] = []
+    stages: list[int] = []
+    left = num_frozen
+    for index, size in enumerate(partition):
+        take = min(left, size)
+        left -= take
+        if size - take > 0:
+            balance.append(size - take)
+            stages.append(index)
+    return tuple(balance), tuple(stages)
 
 
 def compress_pipe_len(
