@@ -26,9 +26,9 @@ from lightning_pipetransformer.config import PipeTransformerConfig
 from lightning_pipetransformer.pipe.costs import parameter_costs, parameter_count
 from lightning_pipetransformer.pipe.planner import AutoPipe
 from lightning_pipetransformer.plan import Plan
+from lightning_pipetransformer.runners import cached_runner, pipeline_runner
 from lightning_pipetransformer.stack.discovery import BlockStack
 from lightning_pipetransformer.stack.interception import install_pipeline
-from lightning_pipetransformer.stack.runners import cached_runner, pipeline_runner
 
 __all__ = ["Engine", "make_planner"]
 

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pipetransformer.cache.autocache import AutoCache, probe_cache_dir
+from lightning_pipetransformer.cache.autocache import AutoCache
+from lightning_pipetransformer.cache.store import probe_cache_dir
 from lightning_pipetransformer.config import CacheConfig
 from lightning_pipetransformer.stack.discovery import BlockStack
 

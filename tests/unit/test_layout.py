@@ -98,3 +98,63 @@ def test_the_layout_rules_catch_a_violation(tmp_path) -> None:
     assert any(_is_lightning(m) and "_Loop" in names for m, names, _ in found)
     reads = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and _root_name(n.value) == "trainer"]
     assert reads == ["_logger_connector"]
+
+
+#: The package's floors (issue 26): a folder or top-level module may import only lower floors (and
+#: itself). An import sideways or up, or a circle, fails below: the part that needs the other is the
+#: higher one, or the shared piece moves down (as cache/prefix.py, plan.boundaries, runners.py did).
+FLOORS = {
+    "plan": 0, "config": 0, "devices": 0, "lightning_internals": 0,
+    "stack": 1,
+    "freeze": 2, "pipe": 2,
+    "cache": 3, "costmodel": 3, "dp": 3,
+    "runners": 4, "report": 4,
+    "engine": 5, "processes": 5,
+    "strategy": 6,
+}  # fmt: skip
+
+
+def _unit(name: str) -> str:
+    """The folder (``cache``) or top-level module (``engine``) a module path belongs to."""
+    first = name.split("/")[0]
+    return first[:-3] if first.endswith(".py") else first
+
+
+def _unit_arrows(modules: list[tuple[str, ast.Module]]) -> set[tuple[str, str, str]]:
+    """(from unit, to unit, where) for every import of the package by another of its units (lazy ones too)."""
+    units = {_unit(name) for name, _ in modules} | set(FLOORS)
+    arrows = set()
+    for name, tree in modules:
+        here = _unit(name)
+        if here == "__init__":  # the package's face re-exports from everywhere
+            continue
+        for module, names, line in _imports(tree):
+            parts = module.split(".")
+            if parts[0] != "lightning_pipetransformer":
+                continue
+            targets = [parts[1]] if len(parts) > 1 else [n for n in names if n in units]
+            arrows |= {(here, t, f"{name}:{line}") for t in targets if t in units and t != here}
+    return arrows
+
+
+def _floor_offenders(arrows: set[tuple[str, str, str]], floors: dict[str, int]) -> list[str]:
+    return sorted(f"{where}: {a} (floor {floors.get(a)}) imports {b} (floor {floors.get(b)})"
+                  for a, b, where in arrows if a not in floors or b not in floors or floors[b] >= floors[a])  # fmt: skip
+
+
+def test_every_import_between_folders_runs_down_a_floor() -> None:
+    modules = _modules()
+    units = {_unit(name) for name, _ in modules} - {"__init__"}
+    assert units == set(FLOORS), f"FLOORS must name every folder and top-level module: add {sorted(units - set(FLOORS))}, drop {sorted(set(FLOORS) - units)}"
+    offenders = _floor_offenders(_unit_arrows(modules), FLOORS)
+    assert not offenders, "Imports that run sideways or back up a floor (tests/unit/test_layout.py FLOORS): " + "; ".join(offenders)
+
+
+def test_the_floor_rule_catches_a_back_up_arrow_and_a_circle() -> None:
+    modules = [("dp/replicas.py", ast.parse("from lightning_pipetransformer.strategy import PipeTransformerStrategy")),
+               ("strategy.py", ast.parse("from lightning_pipetransformer.dp import replicas")),
+               ("pipe/partition.py", ast.parse("from lightning_pipetransformer.pipe import planner\nimport torch"))]  # fmt: skip
+    offenders = _floor_offenders(_unit_arrows(modules), FLOORS)
+    assert offenders == ["dp/replicas.py:1: dp (floor 3) imports strategy (floor 6)"]  # the circle's upward half; same-folder imports pass
+    sideways = _floor_offenders(_unit_arrows([("pipe/x.py", ast.parse("from lightning_pipetransformer.freeze import rules"))]), FLOORS)
+    assert sideways == ["pipe/x.py:1: pipe (floor 2) imports freeze (floor 2)"]

@@ -15,7 +15,6 @@ from torch import nn
 from lightning_pipetransformer import devices as dev
 from lightning_pipetransformer.devices import VirtualDeviceError, VirtualDevices, optimizer_state_to_param_devices
 from lightning_pipetransformer.dp import state_transfer
-from lightning_pipetransformer.strategy import PipeTransformerStrategy
 
 CPU0, CPU1, CPU2 = (torch.device("cpu", i) for i in range(3))
 
