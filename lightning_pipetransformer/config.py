@@ -23,27 +23,29 @@ class CacheConfig:
     """AutoCache's arguments (``PipeTransformerStrategy(cache=..., cache_key=..., ...)``)."""
 
     mode: bool | Literal["auto"] = False
-    """``True`` serves the frozen prefix's output from an activation cache whenever blocks are
-    frozen; ``"auto"`` only while a lookup is measured faster than the prefix; ``False`` never.
-    Strategy argument ``cache``. See docs/cache.md."""
+    """AutoCache: `True` serves the frozen prefix from the activation cache whenever blocks are
+    frozen; `"auto"` does so only while a lookup is measured faster than the frozen prefix;
+    `False` never. See [cache.md](cache.md)."""
 
     key: Literal["content", "index"] = "content"
-    """``"content"``: a fingerprint of each sample's input to the frozen prefix, exact even with
-    random augmentation (it just misses). ``"index"``: the ``"index"`` entry of a dict batch, the
-    paper's choice: it reuses the first augmented view it saw. Strategy argument ``cache_key``."""
+    """`"content"`: a 128-bit fingerprint of each sample's input to the frozen prefix. This is
+    exact: an augmented or masked input just misses. `"index"`: the `index` entry of a dict
+    batch. This is the paper's choice and is faster, but it reuses the first augmented view it
+    saw, which changes training when augmentation is random."""
 
     dir: str | None = None
-    """Node-local directory for entries beyond ``memory``; default
-    ``<default_root_dir>/pipetransformer_cache``. Strategy argument ``cache_dir``."""
+    """node-local directory for entries beyond the memory budget; default
+    `<default_root_dir>/pipetransformer_cache`. Checked by writing to it before training starts."""
 
     memory: int = 4 * 2**30
-    """Host bytes for cached entries in memory, for the whole node: each of its processes keeps
-    ``memory / processes per node``; the rest spills to ``dir``, which the node's processes share.
-    Strategy argument ``cache_memory``."""
+    """host bytes for cached entries in memory, for the whole node: each of its processes keeps
+    `cache_memory / processes per node`; the rest spills to `cache_dir` (shared by the node)."""
 
     skip_embeddings: bool = True
-    """Also skip the embeddings on batches the cache serves; checked at run time (their output
-    must reach the blocks unchanged). Strategy argument ``cache_skip_embeddings``."""
+    """on batches the cache serves, skip the embeddings as well (they return a NaN placeholder
+    the blocks never read; the real embeddings run only for misses). Armed only once their
+    output was seen to reach the blocks unchanged; a model where it does not raises with this
+    option named. See [cache.md](cache.md#skipping-the-embeddings-too)."""
 
     def __post_init__(self) -> None:
         if self.mode not in (False, True, "auto") or (self.mode != "auto" and not isinstance(self.mode, bool)):
@@ -67,36 +69,34 @@ class PipeTransformerConfig:
     """The pipeline strategy's arguments (``PipeTransformerStrategy(pipe_len=..., ...)``)."""
 
     pipe_len: int = 1
-    """Initial pipeline length K0 (stages per replica). With ``devices=1`` the K stages are
-    virtual (all on the one device); with ``devices=G`` K must divide G, and G/K processes per
-    node start as replicas while the others wait (AutoDP)."""
+    """initial pipeline length K0. With `devices=1` the K stages are virtual (all on the one
+    device: the CPU, or streams of one GPU). With `devices=G`, K must divide G: G/K processes
+    per node start as pipeline replicas and the others wait until the pipeline shrinks (AutoDP)."""
 
     chunks: int | Literal["auto"] = 1
-    """Micro-batches per mini-batch M, an int or ``"auto"`` (measured at the first batch of every
-    new pipe length over K..6K, as the paper did)."""
+    """micro-batches M per mini-batch: an int, or `"auto"`, which times M in K..6K on the first
+    real batch of each new K (the choice is kept in checkpoints)."""
 
     frozen_cost: float = 1 / 6
-    """Weight of a frozen block relative to an active one when partitioning (paper: 1/6: a
-    frozen block runs forward only)."""
+    """weight of a frozen block relative to an active one when partitioning and compressing."""
 
     layers: str | None = None
-    """The block container's attribute path relative to the LightningModule. Default:
-    AutoFreeze's stack if AutoFreeze is used, else the module's ``configure_block_stack()``, else
-    automatic discovery."""
+    """the block container's attribute path (a string, e.g. `"model.bert.encoder.layer"`).
+    Default: AutoFreeze's stack when AutoFreeze is used, else `configure_block_stack()`, else
+    discovery."""
 
     process_group_backend: str | None = None
-    """``"nccl"`` / ``"gloo"``; default by device type."""
+    """`"nccl"` or `"gloo"`; by default chosen from the device type."""
 
     timeout: float = 1800.0
-    """Seconds before a collective gives up (a dead rank ends the run, not hangs it). Every
-    process group the strategy makes gets it."""
+    """seconds before any collective gives up, on every process group the strategy creates, so a
+    dead rank ends the run with an error instead of a hang."""
 
     batch_policy: Literal["replica", "global"] = "replica"
-    """With several processes, what stays fixed as replicas are added. ``"replica"`` (the
-    paper's): each replica keeps the DataLoader's batch size, so the global batch grows with the
-    replicas. ``"global"``: the DataLoader's batch size is the global batch, split over the
-    replicas (it must divide by the number of processes): the same optimisation as on one
-    device, only faster."""
+    """with several processes: `"replica"` keeps each replica's batch (the paper's choice: the
+    global batch grows with the replicas); `"global"` keeps the global batch (the DataLoader's
+    batch size is split over the replicas, so the run is the same optimisation as on one
+    device). See [autodp.md](autodp.md)."""
 
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     """AutoCache's arguments (the strategy's ``cache*`` arguments)."""
@@ -133,6 +133,16 @@ class PipeTransformerConfig:
         return self.pipe_len > 1 or self.chunks != 1 or self.cache.enabled
 
 
+    def asks_for_a_stack(self) -> list[str]:
+        """The arguments that need a block stack (a model without one is then an error that names them)."""
+        c = self
+        asked = (
+            (f"pipe_len={c.pipe_len}", c.pipe_len > 1), (f"chunks={c.chunks!r}", c.chunks != 1),
+            (f"cache={c.cache.mode!r}", c.cache.enabled), (f"layers={c.layers!r}", c.layers is not None),
+        )  # fmt: skip
+        return [what for what, on in asked if on]
+
+
 def _field_docs(cls: type) -> dict[str, str]:
     """Each field's docstring (the string literal right below it in the class body)."""
     source = inspect.getsource(cls)
@@ -146,14 +156,14 @@ CACHE_ARGUMENT = {"mode": "cache", "key": "cache_key", "dir": "cache_dir", "memo
 
 def argument_table() -> str:
     """The strategy's arguments as a markdown table, from the fields' docstrings (docs/configuration.md)."""
-    rows = ["| argument | default | meaning |", "|---|---|---|"]
+    rows = ["| argument | default | meaning |", "| --- | --- | --- |"]
     for cls, rename in ((PipeTransformerConfig, {}), (CacheConfig, CACHE_ARGUMENT)):
         docs = _field_docs(cls)
         for field in dataclasses.fields(cls):
             if field.name == "cache" and cls is PipeTransformerConfig:
                 continue
             default = field.default if field.default is not dataclasses.MISSING else field.default_factory()  # type: ignore[misc]
-            shown = "4 GiB" if field.name == "memory" else ("1/6" if field.name == "frozen_cost" else repr(default))
+            shown = {"memory": "4 GiB", "frozen_cost": "1/6"}.get(field.name) or (f'"{default}"' if isinstance(default, str) else repr(default))
             rows.append(f"| `{rename.get(field.name, field.name)}` | `{shown}` | {docs[field.name]} |")
     return "\n".join(rows)
 

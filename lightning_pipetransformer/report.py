@@ -15,7 +15,7 @@ from lightning_pipetransformer.plan import Plan
 from lightning_pipetransformer.stack.discovery import BlockStack
 from lightning_pipetransformer.stack.interception import InterceptionStats, installed_pipeline, interception_stats
 
-__all__ = ["EngagementReport", "cache_metrics", "plan_metrics", "plan_text"]
+__all__ = ["EngagementReport", "cache_metrics", "plan_metrics", "plan_text", "progress_values"]
 
 
 def plan_text(plan: Plan) -> str:
@@ -32,6 +32,18 @@ def plan_metrics(plan: Plan) -> dict[str, float]:
         "pipetransformer/chunks": float(plan.chunks),
         "pipetransformer/replicas": float(plan.num_replicas),
     }
+
+
+def progress_values(plan: Plan, config: Any, world_size: int, cache: Any) -> dict[str, float]:
+    """What changes during a run, for the progress bar: frozen blocks, pipe length, replicas, hit rate."""
+    shown: dict[str, float] = {"pt/frozen": float(plan.num_frozen)}
+    if config.pipe_len > 1 or config.chunks != 1:
+        shown["pt/pipe"] = float(plan.pipe_len)
+    if world_size > 1:
+        shown["pt/replicas"] = float(plan.num_replicas)
+    if cache is not None and cache.store is not None:
+        shown["pt/cache_hits"] = round(cache.store.stats().hit_rate, 3)
+    return shown
 
 
 class EngagementReport:

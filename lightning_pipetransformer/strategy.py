@@ -187,7 +187,9 @@ class PipeTransformerStrategy(ProcessLayout):
         autofreeze = _autofreeze_of(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._stack = self._find_stack(module, autofreeze, fitting)
-        self.engine = None
+        # chunks="auto" measured in an earlier fit of this strategy still holds (validate after fit).
+        measured = dict(self.engine.auto_chunks) if self.engine is not None else {}
+        self.engine, self._report = None, None
         if self._stack is None:  # nothing to freeze or pipeline: plain single-device / DDP training
             self._setup_model_and_optimizers(trainer, None)
             return
@@ -212,6 +214,7 @@ class PipeTransformerStrategy(ProcessLayout):
                 forward_context=self.precision_plugin.forward_context, include_pre=include_pre,
             )  # fmt: skip
         self.engine = Engine(stack, planner, self.config.chunks, self.autocache, include_pre, announce=rank_zero_info)
+        self.engine.auto_chunks = measured
         if self._restored is not None:
             self.engine.load_state_dict(self._restored)
         self._report = report.EngagementReport(stack, rank_zero_warn)
@@ -226,14 +229,7 @@ class PipeTransformerStrategy(ProcessLayout):
                 return autofreeze.find_stack(module, module.trainer)
             if autofreeze.stack is not None:
                 return autofreeze.stack
-        c = self.config
-        asked = [
-            what for what, on in (
-                (f"pipe_len={c.pipe_len}", c.pipe_len > 1), (f"chunks={c.chunks!r}", c.chunks != 1),
-                (f"cache={c.cache.mode!r}", c.cache.enabled), (f"layers={c.layers!r}", c.layers is not None),
-            ) if on
-        ]  # fmt: skip
-        stack = stack_for_strategy(module, c.layers, asked)
+        stack = stack_for_strategy(module, self.config.layers, self.config.asks_for_a_stack())
         if stack is None:
             rank_zero_warn(
                 f"PipeTransformer: {type(module).__name__} has no stack of repeated blocks, so there is nothing to freeze, "
@@ -481,13 +477,7 @@ class PipeTransformerStrategy(ProcessLayout):
         module, plan = self.lightning_module, self.plan
         if module is None or plan is None:
             return
-        shown = {"pt/frozen": plan.num_frozen}
-        if self.config.pipe_len > 1 or self.config.chunks != 1:
-            shown["pt/pipe"] = plan.pipe_len
-        if self.world_size > 1:
-            shown["pt/replicas"] = plan.num_replicas
-        if self.autocache is not None and self.autocache.store is not None:
-            shown["pt/cache_hits"] = round(self.autocache.store.stats().hit_rate, 3)
+        shown = report.progress_values(plan, self.config, self.world_size, self.autocache)
         module.log_dict({k: float(v) for k, v in shown.items()}, prog_bar=True, logger=False, on_step=True, on_epoch=False)
 
     def _report_engagement(self) -> None:
