@@ -495,7 +495,7 @@ class PipeTransformerStrategy(ProcessLayout):
     def on_freeze_point(self, trainer: pl.Trainer, autofreeze: Any, epoch_start: bool) -> None:
         """AutoFreeze reached a freeze point (on every rank, decided or not). One process re-plans now,
         also inside an epoch; several change replicas together, at epoch starts only (:meth:`transition`)."""
-        if self.engine is None or self.plan is None:  # before setup (AutoFreeze re-applying a restored prefix)
+        if self.engine is None or self.plan is None:  # no block stack, or not set up
             return
         if self.is_distributed:
             if epoch_start:

@@ -108,3 +108,55 @@ def test_a_pipe_longer_than_the_stack_is_refused_with_what_to_use():
     stack = find_block_stack(model, "layers")
     with pytest.raises(ValueError, match="use pipe_len <= 2"):
         make_planner(stack, PipeTransformerConfig(pipe_len=3), num_processes=1, num_nodes=1, root_device=CPU, parallel_devices=[CPU])
+
+
+class FakeCache:
+    """Records how the engine opens a boundary; never serves (so the pipeline runner is installed)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def serves(self, num_frozen: int) -> bool:
+        return False
+
+    def defer_boundary(self, stack, num_frozen, include_pre, device) -> None:
+        self.calls.append(("defer", num_frozen, include_pre))
+
+    def move_boundary(self, stack, num_frozen, include_pre, device, shard, lazy) -> None:
+        self.calls.append(("move", num_frozen, include_pre, shard, lazy))
+
+
+def test_the_cache_boundary_opens_now_and_lazily_with_one_process_and_is_deferred_with_several():
+    for defer, expected in ((False, [("move", 1, False, (0, 1), True)]), (True, [("defer", 1, False)])):
+        _, engine = engine_for(pipe_len=1)
+        engine.cache, engine.include_pre = FakeCache(), False
+        freeze(engine, 1)
+        engine.apply(local(engine.propose(1)), active=True, devices=(CPU,), defer_boundary=defer)
+        assert engine.cache.calls == expected
+        assert installed_pipeline(engine.stack.container) is None  # nothing cached at this boundary: the model's loop
+
+
+def test_the_strategy_syncs_each_cache_boundary_once_on_every_rank():
+    from types import SimpleNamespace
+
+    from lightning_pipetransformer import PipeTransformerStrategy
+
+    synced = []
+    strategy = PipeTransformerStrategy()
+    strategy.autocache = SimpleNamespace(sync_boundary=lambda group, node: synced.append((group, node)))
+    strategy._replicas = SimpleNamespace(control_group="control", is_active=lambda plan: True)
+    _, engine = engine_for(pipe_len=1)
+    engine.apply(local(engine.propose(0)), active=True, devices=(CPU,))
+    strategy.engine = engine
+    strategy._sync_cache_boundary()
+    strategy._sync_cache_boundary()  # the same boundary: nothing to do
+    assert synced == [("control", 0)]
+    freeze(engine, 2)
+    engine.apply(local(engine.propose(2)), active=True, devices=(CPU,))
+    strategy._sync_cache_boundary()
+    assert synced == [("control", 0), ("control", 0)]
+    strategy._replicas = SimpleNamespace(control_group=None, is_active=lambda plan: True)
+    freeze(engine, 3)
+    engine.apply(local(engine.propose(3)), active=True, devices=(CPU,))
+    strategy._sync_cache_boundary()  # one process: nothing to sync over
+    assert len(synced) == 2

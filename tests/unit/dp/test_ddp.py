@@ -46,12 +46,19 @@ def test_a_one_stage_replica_is_wrapped_in_ddp_with_the_group_and_init_sync(monk
             made.append((device_ids, process_group, init_sync, kwargs))
             self.module, self.process_group = module, process_group
 
+    device_rules = []
     monkeypatch.setattr(ddp, "DistributedDataParallel", FakeDDP)
+    monkeypatch.setattr(ddp.dev, "before_wrap", lambda params, device: device_rules.append(("before_wrap", len(params), device)))
+    monkeypatch.setattr(ddp.dev, "after_unwrap", lambda: device_rules.append(("after_unwrap",)))
     module, sync = nn.Linear(2, 2), GradientSync({"gradient_as_bucket_view": True})
+    module.bias.requires_grad_(False)
     wrapped = wrap(sync, module, init_sync=False)
     assert isinstance(wrapped, FakeDDP) and made == [(None, "active", False, {"gradient_as_bucket_view": True})]
     assert not sync.by_hand and sync.gradient_group(wrapped) == "active"
     assert sync.unwrap(wrapped, module) is module
+    assert sync.unwrap(module, module) is module  # not wrapped: nothing to tell the device rules
+    # The device rules see the trainable parameters before DDP binds to them, and the unwrap once.
+    assert device_rules == [("before_wrap", 1, CPU), ("after_unwrap",)]
 
 
 def test_ddp_device_ids_follow_the_replica_devices():
