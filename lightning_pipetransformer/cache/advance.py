@@ -48,7 +48,7 @@ from lightning_pipetransformer.cache.store import (
     merge_rows,
 )
 from lightning_pipetransformer.pipe.microbatch import per_sample_view
-from lightning_pipetransformer.stack.interception import hidden_of
+from lightning_pipetransformer.stack.interception import BlockArgs, hidden_of
 
 __all__ = [
     "ENTRY_FORMAT",
@@ -60,9 +60,6 @@ __all__ = [
     "shard_of",
     "unpack_block_inputs",
 ]
-
-Kwargs = dict[str, Any]
-BlockArgs = tuple[tuple[Any, ...], Kwargs]
 
 #: The layout of stored block inputs; part of every store's fingerprint, so entries written in
 #: another layout are never read.

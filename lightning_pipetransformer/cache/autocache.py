@@ -1,7 +1,8 @@
 """AutoCache in the loop: serve the frozen prefix's output from the activation store.
 
-The strategy installs a :class:`CachedStack` in place of the block stack (the same way it
-installs the pipeline: the model's own loop calls it once). For every batch it
+The strategy installs a :class:`~lightning_pipetransformer.cache.cached_stack.CachedStack` in place
+of the block stack (the same way it installs the pipeline: the model's own loop calls it once).
+For every batch it
 
 1. computes one content key per sample from what enters the frozen prefix: the inputs of the
    first module before the stack (the embeddings' ``input_ids``/``pixel_values``, recorded by a
@@ -44,20 +45,19 @@ from lightning_pipetransformer.cache.advance import (
     entry_bytes,
     select_rows,
 )
-from lightning_pipetransformer.cache.cached_stack import (
-    CachedStack,
-    Pending,
-    StaleCacheError,
-    _InputRecorder,
-    _with_block_arguments,
-    run_blocks,
-    shared_once,
-)
 from lightning_pipetransformer.cache.embedding_skip import (
     EmbeddingSkipper,
     input_versions,
 )
 from lightning_pipetransformer.cache.keys import content_keys, index_keys
+from lightning_pipetransformer.cache.prefix import (
+    InputRecorder,
+    Pending,
+    StaleCacheError,
+    run_blocks,
+    shared_once,
+    with_block_arguments,
+)
 from lightning_pipetransformer.cache.store import (
     ActivationStore,
     CacheConfigError,
@@ -68,11 +68,10 @@ from lightning_pipetransformer.cache.validity import (
     prefix_fingerprint,
     prefix_modules,
 )
-from lightning_pipetransformer.pipe.microbatch import BlockArgs
 from lightning_pipetransformer.stack.discovery import BlockStack
-from lightning_pipetransformer.stack.interception import installed_pipeline
+from lightning_pipetransformer.stack.interception import BlockArgs, installed_pipeline
 
-__all__ = ["AutoCache", "active_balance", "probe_cache_dir", "verification_tolerance"]
+__all__ = ["AutoCache", "verification_tolerance"]
 
 CacheMode = bool | Literal["auto"]
 
@@ -142,7 +141,7 @@ class AutoCache:
         self.enabled = bool(mode)
         self.compute_time: float | None = None  # seconds per sample through the frozen prefix
         self._verified = False
-        self._recorder = _InputRecorder(self._serving)
+        self._recorder = InputRecorder(self._serving)
         self._hook: Any = None
         self._skipped: set[str] = set()
         self._store_warned: set[str] = set()
@@ -303,17 +302,23 @@ class AutoCache:
 
     def _serving(self) -> bool:
         """A cached stack of this cache is installed: it will take what the recorder records."""
-        if self._container is None:
-            return False
-        runner = installed_pipeline(self._container)
-        return isinstance(runner, CachedStack) and runner.cache is self
+        return self._installed_runner() is not None
 
     def _may_skip_pre(self) -> bool:
         """The embeddings may return a placeholder: a cached runner serves this forward's boundary."""
         if not (self.enabled and self._mode() in self.verified_modes and self._container is not None):
             return False
-        runner = installed_pipeline(self._container)
-        return isinstance(runner, CachedStack) and runner.cache is self and self.serves(runner.num_frozen)
+        runner = self._installed_runner()
+        return runner is not None and self.serves(runner.num_frozen)
+
+    def _installed_runner(self) -> Any:
+        """The installed runner if it is this cache's cached stack, else ``None``.
+
+        Told by its ``cache`` (the one runner that holds one), not by its class: the cached stack
+        imports this module, never the other way round.
+        """
+        runner = installed_pipeline(self._container) if self._container is not None else None
+        return runner if getattr(runner, "cache", None) is self else None
 
     def _mode(self) -> bool:
         """The mode the skip decision depends on: the training flag of the forward that calls the embeddings."""
@@ -423,7 +428,7 @@ class AutoCache:
                     f"cache_key='index': the forward got {batch} samples but the batch's 'index' entry had "
                     f"{None if keys is None else len(keys)}. Each forward must see its batch's samples once, in order."
                 )
-            return _with_block_arguments(keys, calls, hidden.device)
+            return with_block_arguments(keys, calls, hidden.device)
         source: Any = (pending[0], pending[1]) if pending is not None else hidden
         try:
             return content_keys(source, shared_once(calls, batch), batch_size=batch)
@@ -765,40 +770,3 @@ def _warn(message: str) -> None:
     """A warning from global rank 0 only (every replica would say the same)."""
     if not torch.distributed.is_available() or not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         warnings.warn(message, stacklevel=3)
-
-
-def active_balance(partition: Sequence[int], num_frozen: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The partition of the active blocks once the frozen prefix is served from the cache.
-
-    Returns ``(balance, stage_indices)``: stages left empty by removing the first ``num_frozen``
-    blocks are dropped (their devices idle while the cache serves the prefix), and
-    ``stage_indices`` says which original stages (hence devices) the remaining ones are.
-    """
-    balance: list[int] = []
-    stages: list[int] = []
-    left = num_frozen
-    for index, size in enumerate(partition):
-        take = min(left, size)
-        left -= take
-        if size - take > 0:
-            balance.append(size - take)
-            stages.append(index)
-    return tuple(balance), tuple(stages)
-
-
-def probe_cache_dir(cache_dir: str) -> None:
-    """Fail before training if ``cache_dir`` cannot hold cache files (checked by writing, as root ignores modes)."""
-    import os
-    import tempfile
-
-    from lightning_pipetransformer.cache.store import CacheConfigError
-
-    try:
-        os.makedirs(cache_dir, mode=0o700, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=cache_dir, prefix=".probe-"):
-            pass
-    except OSError as err:
-        raise CacheConfigError(
-            f"cache_dir={cache_dir!r} is not a writable directory ({err}). Pass a writable, node-local "
-            "cache_dir, or cache=False."
-        ) from None

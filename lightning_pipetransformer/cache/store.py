@@ -51,6 +51,7 @@ import cmath
 import errno
 import os
 import secrets
+import tempfile
 import warnings
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -78,6 +79,7 @@ __all__ = [
     "check_batch_fits",
     "checksum",
     "merge_rows",
+    "probe_cache_dir",
 ]
 
 _FORMAT = "pipetransformer-activation"
@@ -102,6 +104,19 @@ def check_batch_fits(memory_budget: int, nbytes: int) -> None:
             f"({nbytes:,} bytes). Raise it to at least {nbytes:,} bytes per process (a whole epoch needs batches x "
             "that), or set it to 0 to keep the cache on disk only."
         )
+
+
+def probe_cache_dir(cache_dir: str) -> None:
+    """Fail before training if ``cache_dir`` cannot hold cache files (checked by writing, as root ignores modes)."""
+    try:
+        os.makedirs(cache_dir, mode=0o700, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=cache_dir, prefix=".probe-"):
+            pass
+    except OSError as err:
+        raise CacheConfigError(
+            f"cache_dir={cache_dir!r} is not a writable directory ({err}). Pass a writable, node-local "
+            "cache_dir, or cache=False."
+        ) from None
 
 
 @dataclass

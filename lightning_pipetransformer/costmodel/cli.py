@@ -3,9 +3,9 @@
 Simulates a run epoch by epoch for the baseline (GPipe + DDP) and PipeTransformer with its
 components switched on one by one, and prints the plan sequence and speed-ups::
 
-    python -m lightning_pipetransformer.plan --preset paper-vit-b16-imagenet
-    python -m lightning_pipetransformer.plan --preset paper-vit-b16-imagenet --json
-    python -m lightning_pipetransformer.plan --preset paper-vit-b16-imagenet --nodes 4 --alpha 0.25 --plot out.png
+    python -m lightning_pipetransformer.costmodel --preset paper-vit-b16-imagenet
+    python -m lightning_pipetransformer.costmodel --preset paper-vit-b16-imagenet --json
+    python -m lightning_pipetransformer.costmodel --preset paper-vit-b16-imagenet --nodes 4 --alpha 0.25 --plot out.png
 
 The Python API is :func:`simulate` (from :mod:`lightning_pipetransformer.costmodel.simulator`).
 """

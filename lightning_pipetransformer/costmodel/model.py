@@ -34,7 +34,8 @@ from typing import Literal
 
 from lightning_pipetransformer.freeze.rules import validate_alpha
 from lightning_pipetransformer.pipe.costs import weighted_costs
-from lightning_pipetransformer.pipe.partition import boundaries, optimal_partition, paper_greedy_partition
+from lightning_pipetransformer.pipe.partition import optimal_partition, paper_greedy_partition
+from lightning_pipetransformer.plan import boundaries
 
 __all__ = [
     "BlockCost",

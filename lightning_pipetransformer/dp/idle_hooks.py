@@ -159,12 +159,13 @@ class ShareMetrics(Callback):
     ``on_validation_end`` runs before ModelCheckpoint's and EarlyStopping's.
     """
 
-    def __init__(self, strategy: Any, every_train_batch: bool) -> None:
-        self.strategy = strategy
+    def __init__(self, is_active: Callable[[], bool], control_group: Any, every_train_batch: bool) -> None:
+        self.is_active = is_active
+        self.control_group = control_group
         self.every_train_batch = every_train_batch
 
     def _share(self, trainer: pl.Trainer) -> None:
-        share_callback_metrics(trainer, self.strategy.is_active, self.strategy.control_group)
+        share_callback_metrics(trainer, self.is_active(), self.control_group)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
@@ -173,3 +174,18 @@ class ShareMetrics(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.every_train_batch:
             self._share(trainer)
+
+
+def prepare_idle_ranks(trainer: pl.Trainer, module: pl.LightningModule, is_active: Callable[[], bool], control_group: Any) -> None:
+    """Idle ranks skip the module's batch and epoch-end hooks and get rank 0's metrics.
+
+    :class:`ShareMetrics` goes first of all callbacks (its ``on_validation_end`` runs before the
+    monitoring ones read metrics); an earlier fit's copy is replaced.
+    """
+    skip_module_hooks_when_idle(
+        module,
+        is_active,
+        after={"on_train_epoch_end": lambda: share_callback_metrics(trainer, is_active(), control_group)},
+    )
+    trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, ShareMetrics)]
+    trainer.callbacks.insert(0, ShareMetrics(is_active, control_group, monitors_every_n_steps(trainer)))

@@ -64,8 +64,10 @@ __all__ = ["AutoFreeze"]
 
 Rule = Literal["paper", "schedule", "autofreeze"]
 
-#: A strategy that implements this method is told about every freeze (the pipeline strategy).
-STRATEGY_HOOK = "on_autofreeze"
+#: A strategy that implements this method is told at every freeze point, on every rank, decided or not
+#: (the pipeline strategy): ``hook(trainer, autofreeze, epoch_start)``. It runs inside AutoFreeze's own
+#: hook, right after the decision, so its place does not depend on the order of ``trainer.callbacks``.
+STRATEGY_HOOK = "on_freeze_point"
 
 
 class AutoFreeze(Callback):
@@ -335,6 +337,11 @@ class AutoFreeze(Callback):
             )
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._epoch_start_point(trainer)
+        # Every rank, every epoch start: under AutoDP this is where the replicas change, together.
+        self._tell_strategy(trainer, epoch_start=True)
+
+    def _epoch_start_point(self, trainer: pl.Trainer) -> None:
         if self.freeze_interval is not None:
             if self._points_wait_for_epochs(trainer):
                 self._at_point(trainer, trainer.global_step)
@@ -344,8 +351,8 @@ class AutoFreeze(Callback):
         if not getattr(trainer.strategy, "autofreeze_decides_here", True):
             # AutoDP: global rank 0 alone decides (an idle rank has no gradient norms, and stale
             # ones from rank 0's half-finished interval would decide otherwise). Its decision and
-            # state reach this rank with the plan, right after this callback (the strategy's
-            # transition), and load_state_dict freezes the same blocks here.
+            # state reach this rank with the plan, in the strategy's transition right after this
+            # (on_freeze_point), and load_state_dict freezes the same blocks here.
             if self.stack is not None:
                 ensure_frozen_eval(self.stack, self.num_frozen, self._pre_frozen)
             return
@@ -363,8 +370,9 @@ class AutoFreeze(Callback):
             self.freeze_interval is not None
             and batch_idx % max(1, trainer.accumulate_grad_batches) == 0  # never inside an accumulation window
             and not self._points_wait_for_epochs(trainer)
+            and self._at_point(trainer, trainer.global_step)
         ):
-            self._at_point(trainer, trainer.global_step)
+            self._tell_strategy(trainer, epoch_start=False)  # one process: the plan follows inside the epoch
         # A user's `model.train()` (e.g. in on_validation_model_train) would re-enable dropout in
         # frozen blocks; one attribute read per frozen module puts that right.
         if self.stack is not None and self.num_frozen:
@@ -384,21 +392,22 @@ class AutoFreeze(Callback):
             )
         return waits
 
-    def _at_point(self, trainer: pl.Trainer, step: int) -> None:
-        """At a batch start (or an epoch start under AutoDP): decide if a freeze point is due."""
+    def _at_point(self, trainer: pl.Trainer, step: int) -> bool:
+        """At a batch start (or an epoch start under AutoDP): decide if a freeze point is due; whether one was."""
         if self._next_point is None or self._interval_steps is None or step < self._next_point:
-            return
+            return False
         self._points += (step - self._next_point) // self._interval_steps + 1
         self._next_point += ((step - self._next_point) // self._interval_steps + 1) * self._interval_steps
         if not getattr(trainer.strategy, "autofreeze_decides_here", True):
             if self.stack is not None:  # rank 0's decision arrives with the plan (load_state_dict)
                 ensure_frozen_eval(self.stack, self.num_frozen, self._pre_frozen)
-            return
+            return True
         self._freeze_annealed(trainer, step, trainer.current_epoch)
         target = self._decide_at_point()
         if target > self.num_frozen and not self._anneal_first(trainer, target, step, trainer.current_epoch):
             self._apply(trainer, target, announce=True, epoch=trainer.current_epoch, step=step)
         self._anneal_ahead(trainer, step)
+        return True
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self.schedule is not None or self.stack is None:
@@ -567,13 +576,17 @@ class AutoFreeze(Callback):
             )
         self._notify_strategy(trainer, target, changed)
 
+    def _tell_strategy(self, trainer: pl.Trainer, epoch_start: bool) -> None:
+        """The pipeline strategy brings its plan in line with :attr:`num_frozen` (also when no parameter
+        changed: blocks that had none trainable still move the plan)."""
+        hook = getattr(trainer.strategy, STRATEGY_HOOK, None)
+        if callable(hook):
+            hook(trainer, self, epoch_start)
+
     def _notify_strategy(self, trainer: pl.Trainer, target: int, changed: int) -> None:
         strategy = trainer.strategy
-        hook = getattr(strategy, STRATEGY_HOOK, None)
-        if callable(hook):
-            # Also when no parameter changed (blocks that had none trainable): the plan still moves.
-            hook(target, self)
-            return
+        if callable(getattr(strategy, STRATEGY_HOOK, None)):
+            return  # told at the freeze point (_tell_strategy), after the decision is complete
         if changed and isinstance(strategy, DDPStrategy) and isinstance(strategy.model, DistributedDataParallel):
             # DDP's reducer fixed its gradient buckets when it was built; parameters frozen
             # afterwards would still be all-reduced (or raise "Expected to have finished

@@ -31,11 +31,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from lightning_pipetransformer.stack.interception import BlockArgs, is_stateful
+
 __all__: list[str] = []
 
-Args = tuple[Any, ...]
-Kwargs = dict[str, Any]
-BlockArgs = tuple[Args, Kwargs]
 #: Which arguments are batch-shaped: positions (0 is the hidden state) and keyword names.
 BatchArgs = Collection[int | str]
 #: Where a tensor sits in a block's output: the indices and keys that lead to it.
@@ -78,11 +77,6 @@ def batch_size(hidden: Any) -> int:
 def effective_chunks(chunks: int, batch: int) -> int:
     """Micro-batches for a batch of ``batch`` samples: ``chunks``, fewer for a smaller batch, at least 1."""
     return max(1, min(chunks, batch))
-
-
-def is_stateful(value: Any) -> bool:
-    """A mutable per-call object the blocks update (a Hugging Face ``Cache``: ``update`` + ``get_seq_length``)."""
-    return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
 
 
 def _is_batch_tensor(value: Any, batch: int) -> bool:

@@ -15,11 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from statistics import pvariance
 
+from lightning_pipetransformer.plan import boundaries
+
 __all__ = [
+    "active_balance",
     "optimal_partition",
     "paper_greedy_partition",
     "stage_costs",
-    "boundaries",
     "compress_pipe_len",
 ]
 
@@ -143,20 +145,31 @@ def paper_greedy_partition(
     return tuple(sizes)
 
 
-def boundaries(balance: Sequence[int]) -> tuple[int, ...]:
-    """Block index where each stage starts, plus the total: ``(4, 4, 4) -> (0, 4, 8, 12)``."""
-    out = [0]
-    for size in balance:
-        out.append(out[-1] + size)
-    return tuple(out)
-
-
 def stage_costs(costs: Sequence[float], balance: Sequence[int]) -> tuple[float, ...]:
     """The summed cost of each stage of ``balance``."""
     if sum(balance) != len(costs) or any(b < 1 for b in balance):
         raise ValueError(f"Balance {tuple(balance)} does not split {len(costs)} blocks into non-empty stages.")
     edges = boundaries(balance)
     return tuple(float(sum(costs[a:b])) for a, b in zip(edges[:-1], edges[1:]))
+
+
+def active_balance(partition: Sequence[int], num_frozen: int) -> tuple[Balance, tuple[int, ...]]:
+    """The partition of the active blocks once the frozen prefix is served from the cache.
+
+    Returns ``(balance, stage_indices)``: stages left empty by removing the first ``num_frozen``
+    blocks are dropped (their devices idle while the cache serves the prefix), and
+    ``stage_indices`` says which original stages (hence devices) the remaining ones are.
+    """
+    balance: list[int] = []
+    stages: list[int] = []
+    left = num_frozen
+    for index, size in enumerate(partition):
+        take = min(left, size)
+        left -= take
+        if size - take > 0:
+            balance.append(size - take)
+            stages.append(index)
+    return tuple(balance), tuple(stages)
 
 
 def compress_pipe_len(

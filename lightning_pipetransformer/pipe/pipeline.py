@@ -41,7 +41,6 @@ from lightning_pipetransformer import devices as dev
 from lightning_pipetransformer.devices import Device, Stream
 from lightning_pipetransformer.pipe.microbatch import (
     BatchArgs,
-    BlockArgs,
     Path,
     Scatter,
     batch_size,
@@ -51,9 +50,10 @@ from lightning_pipetransformer.pipe.microbatch import (
     tensor_paths,
     tensors_in,
 )
-from lightning_pipetransformer.pipe.partition import boundaries
+from lightning_pipetransformer.plan import boundaries
 from lightning_pipetransformer.stack.input_grad import as_marked_input, needs_no_gradient
 from lightning_pipetransformer.stack.interception import (
+    BlockArgs,
     InterceptionError,
     StackCall,
     call_block,

@@ -4,19 +4,25 @@
 (:mod:`lightning_pipetransformer.pipe.planner`) makes one per freeze step; AutoDP reads its
 ``active_ranks`` and ``devices``; ``trainer.strategy.plan`` shows the one in force.
 
-``python -m lightning_pipetransformer.plan`` still runs the cost model's command (``__main__.py``
-here forwards; its home is now ``python -m lightning_pipetransformer.costmodel``).
+The plan imports nothing of the package: the planner (pipe/) and the cost model import it, and
+:mod:`~lightning_pipetransformer.plan.change` says what moving from one plan to another takes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from lightning_pipetransformer.pipe.partition import boundaries
+__all__ = ["Plan", "boundaries"]
 
-__all__ = ["Plan"]
+
+def boundaries(balance: Sequence[int]) -> tuple[int, ...]:
+    """Block index where each stage starts, plus the total: ``(4, 4, 4) -> (0, 4, 8, 12)``."""
+    out = [0]
+    for size in balance:
+        out.append(out[-1] + size)
+    return tuple(out)
 
 
 @dataclass(frozen=True)

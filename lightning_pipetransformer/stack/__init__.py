@@ -1,1 +1,1 @@
-"""The block stack: finding it in a model, and the runners installed in its place."""
+"""The block stack: finding it in a model, and handing its passes to the runner installed in its place."""

@@ -17,7 +17,7 @@ from lightning_pipetransformer.stack.discovery import (
     resolve_block_stack,
 )
 
-__all__ = ["block_stack_of", "BLOCK_STACK_HOOK"]
+__all__ = ["block_stack_of", "stack_for_strategy", "BLOCK_STACK_HOOK"]
 
 #: Name of the optional LightningModule hook. It returns the attribute path of the block
 #: container (``"model.encoder.layer"``), the container itself, or a ready ``BlockStack``.
@@ -43,3 +43,17 @@ def block_stack_of(
             raise BlockStackError("`pre` can only be combined with `layers` given as an attribute path (or None).")
         return find_block_stack(module, spec, pre=pre)
     return resolve_block_stack(module, spec)
+
+
+def stack_for_strategy(module: nn.Module, layers: str | None, asked: Sequence[str]) -> BlockStack | None:
+    """The stack the pipeline strategy plans over: :func:`block_stack_of`, or None when the model has none.
+
+    ``asked``: the strategy's arguments that need a stack (``"pipe_len=2"``, ...). With any of them,
+    a missing stack is an error that names them; without, the caller trains the model as written.
+    """
+    try:
+        return block_stack_of(module, layers)
+    except BlockStackError as err:
+        if asked:
+            raise BlockStackError(f"{', '.join(asked)} needs a block stack to pipeline or cache. {err}") from None
+    return None

@@ -52,7 +52,6 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from lightning_pipetransformer.pipe.microbatch import is_stateful
 from lightning_pipetransformer.stack.placeholders import refuse_placeholder
 
 __all__ = [
@@ -67,6 +66,7 @@ __all__ = [
     "install_pipeline",
     "installed_pipeline",
     "interception_stats",
+    "is_stateful",
     "pipelined",
     "remove_pipeline",
 ]
@@ -75,6 +75,11 @@ Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
 #: One block call's arguments after the hidden state.
 BlockArgs = tuple[Args, Kwargs]
+
+
+def is_stateful(value: Any) -> bool:
+    """A mutable per-call object the blocks update (a Hugging Face ``Cache``: ``update`` + ``get_seq_length``)."""
+    return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
 
 
 class InterceptionError(RuntimeError):

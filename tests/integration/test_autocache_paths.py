@@ -171,7 +171,7 @@ def test_model_families_equal_cache_off(tmp_path, kind, pipe_len, chunks):
 
 def test_auto_chunks_with_cache_equals_cache_off(tmp_path):
     run = fit("bert", cached(tmp_path, pipe_len=4, chunks="auto"))
-    assert 4 in run[1].strategy._auto_chunks  # measured at epoch 0, before anything was cached
+    assert 4 in run[1].strategy.engine.auto_chunks  # measured at epoch 0, before anything was cached
     assert_served(run[1], at_least=2 * (24 + 16))
     assert_same_run(run, fit("bert", "auto"))
 

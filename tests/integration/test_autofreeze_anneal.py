@@ -230,11 +230,11 @@ def test_an_interval_of_one_step_cannot_anneal_and_says_so():
 def test_several_processes_under_the_pipeline_strategy_turn_it_off_with_the_reason():
     freeze = AutoFreeze(rule="schedule", freeze_interval=4, anneal="cosine")
     freeze.stack = block_stack_of(TextClassifier(num_layers=4))
-    trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(on_autofreeze=lambda *a: None), world_size=2)
+    trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(on_freeze_point=lambda *a: None), world_size=2)
     with pytest.warns(UserWarning, match="AutoDP applies freezes at epoch starts"):
         freeze._setup_anneal(trainer)  # type: ignore[arg-type]
     assert freeze._annealer is None
-    single = types.SimpleNamespace(strategy=types.SimpleNamespace(on_autofreeze=lambda *a: None), world_size=1)
+    single = types.SimpleNamespace(strategy=types.SimpleNamespace(on_freeze_point=lambda *a: None), world_size=1)
     freeze._setup_anneal(single)  # type: ignore[arg-type]
     assert freeze._annealer is not None
 

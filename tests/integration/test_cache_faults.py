@@ -18,7 +18,8 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipetransformer.cache.autocache import AutoCache
-from lightning_pipetransformer.cache.cached_stack import CachedStack, StaleCacheError, run_blocks
+from lightning_pipetransformer.cache.cached_stack import CachedStack
+from lightning_pipetransformer.cache.prefix import StaleCacheError, run_blocks
 from lightning_pipetransformer.cache.store import ActivationStore
 from lightning_pipetransformer.freeze.apply import apply_freeze
 from lightning_pipetransformer.pipe.pipeline import install_pipeline, remove_pipeline

@@ -157,7 +157,7 @@ def test_gradient_accumulation_and_bf16():
 
 def test_registered_name():
     trainer = trainer_for("pipetransformer")
-    assert isinstance(trainer.strategy, PipeTransformerStrategy) and trainer.strategy.pipe_len == 1
+    assert isinstance(trainer.strategy, PipeTransformerStrategy) and trainer.strategy.config.pipe_len == 1
 
 
 @pytest.mark.parametrize(
@@ -202,9 +202,9 @@ def test_auto_chunks_measures_once_per_pipe_len_and_keeps_results_exact():
     module, trainer = fit("bert", PipeTransformerStrategy(pipe_len=4, chunks="auto"), schedule={1: 3})
     strategy = trainer.strategy
     # Pipe length 4 then 2 (3 of 4 blocks frozen): one measurement each, M within K..6K and <= batch 8.
-    assert sorted(strategy._auto_chunks) == [2, 4]
-    assert 4 <= strategy._auto_chunks[4] <= 8 and 2 <= strategy._auto_chunks[2] <= 8
-    assert strategy.plan.chunks == strategy._auto_chunks[2]
+    assert sorted(strategy.engine.auto_chunks) == [2, 4]
+    assert 4 <= strategy.engine.auto_chunks[4] <= 8 and 2 <= strategy.engine.auto_chunks[2] <= 8
+    assert strategy.plan.chunks == strategy.engine.auto_chunks[2]
     assert_close_state(module.state_dict(), reference_with({1: 3}))
 
 
@@ -386,7 +386,7 @@ def test_the_input_recorder_holds_nothing_while_the_cache_does_not_serve(tmp_pat
 
     class Check(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            seen.append((trainer.current_epoch, trainer.strategy._autocache._recorder.pending is None))
+            seen.append((trainer.current_epoch, trainer.strategy.autocache._recorder.pending is None))
 
     strategy = PipeTransformerStrategy(cache=True, cache_dir=str(tmp_path))
     trainer_for(strategy, [AutoFreeze(schedule={1: 2}), Check()], max_epochs=2).fit(Classifier("bert"), data_for("bert"))

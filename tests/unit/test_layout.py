@@ -18,11 +18,10 @@ PACKAGE = Path(lightning_pipetransformer.__file__).parent
 #: Modules that speak Lightning, each for a reason; every other module must not import it.
 LIGHTNING_FACING = {
     "strategy.py": "the Strategy itself",
+    "processes.py": "the Strategy's process-level hooks (its base class)",
     "lightning_internals.py": "every private Lightning name, in one place",
     "freeze/callback.py": "AutoFreeze is a Callback",
     "dp/idle_hooks.py": "wraps the LightningModule's hooks on idle ranks",
-    "dp/transition.py": "the callback that runs the transition at epoch starts",
-    "cache/sync.py": "the callback that advances the cache boundary on every rank",
 }
 
 
@@ -99,3 +98,119 @@ def test_the_layout_rules_catch_a_violation(tmp_path) -> None:
     assert any(_is_lightning(m) and "_Loop" in names for m, names, _ in found)
     reads = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and _root_name(n.value) == "trainer"]
     assert reads == ["_logger_connector"]
+
+
+#: The package's floors (issue 26): a folder or top-level module may import only lower floors (and
+#: itself). An import sideways or up, or a circle, fails below: the part that needs the other is the
+#: higher one, or the shared piece moves down (as cache/prefix.py, plan.boundaries, runners.py did).
+FLOORS = {
+    "plan": 0, "config": 0, "devices": 0, "lightning_internals": 0,
+    "stack": 1,
+    "freeze": 2, "pipe": 2,
+    "cache": 3, "costmodel": 3, "dp": 3,
+    "runners": 4, "report": 4,
+    "engine": 5, "processes": 5,
+    "strategy": 6,
+    "__init__": 7,  # the package's face: `from lightning_pipetransformer import AutoFreeze` imports everything
+}  # fmt: skip
+
+
+def _unit(name: str) -> str:
+    """The folder (``cache``) or top-level module (``engine``) a module path belongs to."""
+    first = name.split("/")[0]
+    return first[:-3] if first.endswith(".py") else first
+
+
+def _package_imports(name: str, tree: ast.Module) -> list[tuple[str, list[str], int]]:
+    """(absolute module, names, line) of every import of the package by ``name``, relative ones resolved."""
+    out = []
+    here = ["lightning_pipetransformer", *name[:-3].split("/")][:-1]  # the package the module is in
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, [], node.lineno) for alias in node.names if alias.name.split(".")[0] == "lightning_pipetransformer"]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = here[: len(here) - (node.level - 1)]
+                module = ".".join(base + ([module] if module else []))
+            if module.split(".")[0] == "lightning_pipetransformer":
+                out.append((module, [alias.name for alias in node.names], node.lineno))
+    return out
+
+
+def _unit_arrows(modules: list[tuple[str, ast.Module]]) -> set[tuple[str, str, str]]:
+    """(from unit, to unit, where) for every import of the package by another of its units (lazy ones too)."""
+    units = {_unit(name) for name, _ in modules} | set(FLOORS)
+    arrows = set()
+    for name, tree in modules:
+        here = _unit(name)
+        for module, names, line in _package_imports(name, tree):
+            parts = module.split(".")
+            if len(parts) > 1:
+                targets = [parts[1]]
+            else:  # from the package itself: its submodules by name, anything else from its face
+                targets = [n if n in units else "__init__" for n in names]
+            arrows |= {(here, t, f"{name}:{line}") for t in targets if t in units and t != here}
+    return arrows
+
+
+def _floor_offenders(arrows: set[tuple[str, str, str]], floors: dict[str, int]) -> list[str]:
+    return sorted(f"{where}: {a} (floor {floors.get(a)}) imports {b} (floor {floors.get(b)})"
+                  for a, b, where in arrows if a not in floors or b not in floors or floors[b] >= floors[a])  # fmt: skip
+
+
+def _circles_inside_folders(modules: list[tuple[str, ast.Module]]) -> list[list[str]]:
+    """Circles among the modules of one folder (``cache/autocache.py`` <-> ``cache/cached_stack.py``)."""
+    names = {name for name, _ in modules}
+    graph: dict[str, set[str]] = {name: set() for name in names}
+    for name, tree in modules:
+        for module, imported, _ in _package_imports(name, tree):
+            parts = module.split(".")[1:]
+            candidates = ["/".join(parts) + ".py", "/".join(parts) + "/__init__.py"]
+            candidates += ["/".join([*parts, n]) + ".py" for n in imported]
+            for target in candidates:
+                if target in names and target != name and _unit(target) == _unit(name) and "/" in name:
+                    graph[name].add(target)
+    circles, state = [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                circles.append(path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return circles
+
+
+def test_every_import_between_folders_runs_down_a_floor() -> None:
+    modules = _modules()
+    units = {_unit(name) for name, _ in modules}
+    assert units == set(FLOORS), f"FLOORS must name every folder and top-level module: add {sorted(units - set(FLOORS))}, drop {sorted(set(FLOORS) - units)}"
+    offenders = _floor_offenders(_unit_arrows(modules), FLOORS)
+    assert not offenders, "Imports that run sideways or back up a floor (tests/unit/test_layout.py FLOORS): " + "; ".join(offenders)
+    circles = _circles_inside_folders(modules)
+    assert not circles, f"Modules of one folder that import each other in a circle: {circles}; move what both need into a module of its own"
+
+
+def test_the_floor_rule_catches_a_back_up_arrow_and_a_circle() -> None:
+    modules = [("dp/replicas.py", ast.parse("from lightning_pipetransformer.strategy import PipeTransformerStrategy")),
+               ("strategy.py", ast.parse("from lightning_pipetransformer.dp import replicas")),
+               ("pipe/partition.py", ast.parse("from lightning_pipetransformer.pipe import planner\nimport torch"))]  # fmt: skip
+    offenders = _floor_offenders(_unit_arrows(modules), FLOORS)
+    assert offenders == ["dp/replicas.py:1: dp (floor 3) imports strategy (floor 6)"]  # the circle's upward half; same-folder imports pass
+    sideways = _floor_offenders(_unit_arrows([("pipe/x.py", ast.parse("from lightning_pipetransformer.freeze import rules"))]), FLOORS)
+    assert sideways == ["pipe/x.py:1: pipe (floor 2) imports freeze (floor 2)"]
+    # A relative import, and a name from the package's face (which imports the strategy), are found too.
+    relative = _unit_arrows([("dp/x.py", ast.parse("from ..engine import Engine\nfrom lightning_pipetransformer import AutoFreeze"))])
+    assert _floor_offenders(relative, FLOORS) == ["dp/x.py:1: dp (floor 3) imports engine (floor 5)", "dp/x.py:2: dp (floor 3) imports __init__ (floor 7)"]
+    # A circle inside one folder (the cache's, before issue 26).
+    inside = [("cache/autocache.py", ast.parse("from lightning_pipetransformer.cache.cached_stack import CachedStack")),
+              ("cache/cached_stack.py", ast.parse("from .autocache import AutoCache")),
+              ("cache/keys.py", ast.parse("from lightning_pipetransformer.cache import store"))]  # fmt: skip
+    assert _circles_inside_folders(inside) == [["cache/autocache.py", "cache/cached_stack.py", "cache/autocache.py"]]

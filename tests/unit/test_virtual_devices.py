@@ -15,7 +15,6 @@ from torch import nn
 from lightning_pipetransformer import devices as dev
 from lightning_pipetransformer.devices import VirtualDeviceError, VirtualDevices, optimizer_state_to_param_devices
 from lightning_pipetransformer.dp import state_transfer
-from lightning_pipetransformer.strategy import PipeTransformerStrategy
 
 CPU0, CPU1, CPU2 = (torch.device("cpu", i) for i in range(3))
 
@@ -85,25 +84,15 @@ def test_same_device_hop_returns_a_tensor_an_in_place_op_may_change():
 
 
 def test_joining_replicas_get_the_loss_scale():
-    from lightning.pytorch.plugins.precision import MixedPrecision
+    from lightning_pipetransformer.dp.loop_state import load_replica_state, replica_state
 
-    from lightning_pipetransformer.dp.replicas import Elastic
+    def scaler_with(scale: float) -> torch.amp.GradScaler:
+        return torch.amp.GradScaler("cpu", init_scale=scale)
 
-    class Trainer:
-        lr_scheduler_configs: list = []
-        callbacks: list = []
-
-    def strategy_with_scale(scale: float) -> PipeTransformerStrategy:
-        strategy = PipeTransformerStrategy()
-        scaler = torch.amp.GradScaler("cpu", init_scale=scale)
-        strategy.precision_plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
-        strategy._optimizers = []
-        return strategy
-
-    rank0, joining = strategy_with_scale(1024.0), strategy_with_scale(65536.0)
-    sent = Elastic(rank0).replica_state(Trainer(), autofreeze=None)
-    Elastic(joining).load_sent_state(Trainer(), sent)
-    assert joining.precision_plugin.scaler.get_scale() == 1024.0  # replicas unscale by the same factor
+    rank0, joining = scaler_with(1024.0), scaler_with(65536.0)
+    sent = replica_state([], [], rank0, frozen=[])
+    load_replica_state(sent, [], [], joining)
+    assert joining.get_scale() == 1024.0  # replicas unscale by the same factor
 
 
 def test_the_first_hit_check_allows_what_a_lower_precision_rounds():

@@ -47,7 +47,7 @@ class Record(Callback):
         record = self.epochs[trainer.current_epoch]
         record["cache"] = strategy.cache_stats
         record["val_loss"] = float(trainer.callback_metrics["val_loss"])
-        cache = getattr(strategy, "_autocache", None)
+        cache = getattr(strategy, "autocache", None)
         store = cache.store if cache is not None else None
         record["cache_directory"] = store.directory.name if store is not None else None
         record["memory_budget"] = cache.memory_budget if cache is not None else None

@@ -159,7 +159,7 @@ def signal_rank_zero_inside_the_transition(trainer: pl.Trainer, strategy: PipeTr
     A preemption at the worst moment."""
     from lightning_pipetransformer.dp.replicas import Elastic
 
-    send_state = Elastic.send_state  # this worker process only: its strategy's Elastic is made at setup
+    send_weights = Elastic.send_weights  # this worker process only: its strategy's Elastic is made at setup
 
     def signal_then_send(self, *args, **kwargs):
         if trainer.global_rank == 0 and trainer.current_epoch == epoch and not getattr(strategy, "_signalled", False):
@@ -167,9 +167,9 @@ def signal_rank_zero_inside_the_transition(trainer: pl.Trainer, strategy: PipeTr
             time.sleep(2.0)  # let the other ranks reach their collectives first
             (Path(trainer.default_root_dir) / "signalled").write_text(str(time.time()))
             os.kill(os.getpid(), signal.SIGTERM)
-        return send_state(self, *args, **kwargs)
+        return send_weights(self, *args, **kwargs)
 
-    Elastic.send_state = signal_then_send
+    Elastic.send_weights = signal_then_send
 
 
 def final_record(trainer: pl.Trainer, module: pl.LightningModule, record: Callback) -> dict:

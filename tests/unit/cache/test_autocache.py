@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from lightning_pipetransformer.cache.autocache import AutoCache
-from lightning_pipetransformer.cache.cached_stack import CachedStack, StaleCacheError, run_blocks
+from lightning_pipetransformer.cache.cached_stack import CachedStack
+from lightning_pipetransformer.cache.prefix import StaleCacheError, run_blocks
 from lightning_pipetransformer.freeze.apply import apply_freeze
 from lightning_pipetransformer.pipe.pipeline import install_pipeline, remove_pipeline
 from lightning_pipetransformer.stack.discovery import find_block_stack
@@ -132,7 +133,7 @@ def test_dropout_in_frozen_prefix_is_refused_or_turns_cache_off(tmp_path):
 
 
 def test_active_balance_drops_emptied_stages():
-    from lightning_pipetransformer.cache.autocache import active_balance
+    from lightning_pipetransformer.pipe.partition import active_balance
 
     assert active_balance((3, 1), 3) == ((1,), (1,))
     assert active_balance((2, 2, 2), 3) == ((1, 2), (1, 2))
@@ -140,8 +141,7 @@ def test_active_balance_drops_emptied_stages():
 
 
 def test_unwritable_cache_dir_is_a_clear_error(tmp_path):
-    from lightning_pipetransformer.cache.autocache import probe_cache_dir
-    from lightning_pipetransformer.cache.store import CacheConfigError
+    from lightning_pipetransformer.cache.store import CacheConfigError, probe_cache_dir
 
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -16,8 +16,8 @@ from lightning_pipetransformer.cache.advance import (
     shard_of,
     unpack_block_inputs,
 )
-from lightning_pipetransformer.cache.cached_stack import run_blocks
 from lightning_pipetransformer.cache.keys import content_keys
+from lightning_pipetransformer.cache.prefix import run_blocks
 from lightning_pipetransformer.cache.store import ActivationStore
 from lightning_pipetransformer.cache.validity import prefix_fingerprint
 from lightning_pipetransformer.freeze.apply import apply_freeze

@@ -275,7 +275,7 @@ def test_paper_preset_runs_the_papers_greedy() -> None:
 
 def test_cli_json_subprocess() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "lightning_pipetransformer.plan", "--preset", "paper-vit-b16-imagenet", "--json"],
+        [sys.executable, "-m", "lightning_pipetransformer.costmodel", "--preset", "paper-vit-b16-imagenet", "--json"],
         capture_output=True, text=True, timeout=300, check=True,
     )
     data = json.loads(out.stdout)

@@ -7,7 +7,7 @@ The model's own loop over its block stack calls one runner (see
 - a :class:`~lightning_pipetransformer.pipe.pipeline.Pipeline` over the stages' devices;
 - a :class:`~lightning_pipetransformer.pipe.chunks.ChunkTuner` (``chunks="auto"``: measures M
   on the first training batch of a new pipe length, then behaves like that pipeline);
-- AutoCache's :class:`~lightning_pipetransformer.cache.autocache.CachedStack`: the frozen prefix from the
+- AutoCache's :class:`~lightning_pipetransformer.cache.cached_stack.CachedStack`: the frozen prefix from the
   cache, the active blocks as a pipeline of their own.
 
 Each pipeline's output is handed back to the first stage's device (:class:`ReturnTo`), where
@@ -22,10 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipetransformer.cache.autocache import AutoCache, active_balance
+from lightning_pipetransformer.cache.autocache import AutoCache
 from lightning_pipetransformer.cache.cached_stack import CachedStack
 from lightning_pipetransformer.devices import place_module
 from lightning_pipetransformer.pipe.chunks import ChunkTuner
+from lightning_pipetransformer.pipe.partition import active_balance
 from lightning_pipetransformer.pipe.pipeline import Pipeline
 from lightning_pipetransformer.pipe.planner import Plan
 from lightning_pipetransformer.stack.interception import StackCall

@@ -1,0 +1,85 @@
+"""The strategy's cache hooks as free functions: build AutoCache for a fit, check its budget, hand it index keys.
+
+They take what they need (the configuration, the module, the group) and return data, so the
+strategy's hooks are one call each and AutoCache never sees the strategy.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_pipetransformer.cache.autocache import AutoCache
+from lightning_pipetransformer.cache.store import probe_cache_dir
+from lightning_pipetransformer.config import CacheConfig
+from lightning_pipetransformer.stack.discovery import BlockStack
+
+__all__ = ["check_budget", "index_keys_from", "make_autocache"]
+
+
+def make_autocache(
+    config: CacheConfig,
+    *,
+    stack: BlockStack,
+    module: nn.Module,
+    default_root_dir: str,
+    processes_per_node: int,
+    precision: str,
+    forward_context: Callable[[], Any],
+    include_pre: bool,
+) -> AutoCache:
+    """AutoCache for one fit: its directory checked now (before training), keyed on the right inputs.
+
+    ``include_pre``: key on the embeddings' inputs (the embeddings are frozen, or there is no
+    AutoFreeze); with trainable embeddings the cache keys on the hidden state itself.
+    """
+    directory = config.dir or os.path.join(default_root_dir, "pipetransformer_cache")
+    probe_cache_dir(directory)
+    cache = AutoCache(
+        # The node's budget, split over its processes: 8 replicas must not hold 8 x cache_memory.
+        config.mode, directory, config.memory // max(1, processes_per_node), write_through=processes_per_node > 1,
+        key=config.key, skip_embeddings=config.skip_embeddings,
+    )
+    # Entries computed at another precision must never be returned; index keys are only unique
+    # within this set-up (this run, these loaders; several processes take rank 0's namespace).
+    cache.fingerprint_extra = f"precision={precision}"
+    cache.parameter_names = {id(p): name for name, p in module.named_parameters()}
+    cache.namespace = uuid.uuid4().hex[:12] + "-"
+    # Entries advanced at a boundary move must equal what a forward computes (bf16-mixed: autocast).
+    cache.forward_context = forward_context
+    if include_pre:
+        cache.attach(stack, module)
+    cache.watch_batch_bytes(stack.blocks[0])  # checked at the first training step
+    return cache
+
+
+def check_budget(cache: AutoCache, control_group: Any) -> None:
+    """Once, after the first training forward (before any update): a ``cache_memory`` too small
+    for one batch fails now, not at the first store, which may come epochs later. Every rank
+    takes part (an idle rank measured nothing), so all of them raise together."""
+    needed = cache.measured_batch_bytes()
+    if needed is None:  # checked already (every rank measured since the same set-up)
+        return
+    if control_group is not None:
+        largest = torch.tensor(needed, dtype=torch.int64)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=control_group)
+        needed = int(largest)
+    cache.check_budget(needed)
+
+
+def index_keys_from(cache: AutoCache, args: tuple[Any, ...], kwargs: dict[str, Any], stage: str) -> None:
+    """cache_key='index': hand a step's batch and sample indices to AutoCache before the forward.
+
+    Checked from the first batch on, not only once blocks are frozen: a wrong batch type, or an
+    index repeated within a pass over the loader, must fail in the first step, not at the first freeze.
+    """
+    batch = args[0] if args else kwargs.get("batch")
+    batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
+    loader = args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0)
+    cache.set_batch(batch, f"{stage}{loader}", batch_idx if isinstance(batch_idx, int) else None)

@@ -1,0 +1,179 @@
+"""The strategy's and the cache's arguments, as frozen dataclasses validated on construction.
+
+Why a dataclass and not attributes on the strategy: every part below the strategy (the engine,
+the cache hooks, the data checks) reads the settings it needs from one immutable object that
+was checked once, before any process starts (the Trainer builds the strategy in the launching
+process), so no part can see a half-validated or later-edited value. The field docstrings are the
+reference: ``docs/configuration.md`` is generated from them (:func:`argument_table`, checked by
+``tests/unit/test_config.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from typing import Literal
+
+__all__ = ["CacheConfig", "PipeTransformerConfig", "argument_table"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """AutoCache's arguments (``PipeTransformerStrategy(cache=..., cache_key=..., ...)``)."""
+
+    mode: bool | Literal["auto"] = False
+    """AutoCache: `True` serves the frozen prefix from the activation cache whenever blocks are
+    frozen; `"auto"` does so only while a lookup is measured faster than the frozen prefix;
+    `False` never. See [cache.md](cache.md)."""
+
+    key: Literal["content", "index"] = "content"
+    """`"content"`: a 128-bit fingerprint of each sample's input to the frozen prefix. This is
+    exact: an augmented or masked input just misses. `"index"`: the `index` entry of a dict
+    batch. This is the paper's choice and is faster, but it reuses the first augmented view it
+    saw, which changes training when augmentation is random."""
+
+    dir: str | None = None
+    """node-local directory for entries beyond the memory budget; default
+    `<default_root_dir>/pipetransformer_cache`. Checked by writing to it before training starts."""
+
+    memory: int = 4 * 2**30
+    """host bytes for cached entries in memory, for the whole node: each of its processes keeps
+    `cache_memory / processes per node`; the rest spills to `cache_dir` (shared by the node)."""
+
+    skip_embeddings: bool = True
+    """on batches the cache serves, skip the embeddings as well (they return a NaN placeholder
+    the blocks never read; the real embeddings run only for misses). Armed only once their
+    output was seen to reach the blocks unchanged; a model where it does not raises with this
+    option named. See [cache.md](cache.md#skipping-the-embeddings-too)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in (False, True, "auto") or (self.mode != "auto" and not isinstance(self.mode, bool)):
+            raise ValueError(f"cache must be False, True or 'auto', got {self.mode!r}.")
+        if self.key not in ("content", "index"):
+            raise ValueError(f"cache_key must be 'content' or 'index', got {self.key!r}.")
+        if isinstance(self.memory, bool) or not isinstance(self.memory, int) or self.memory < 0:
+            raise ValueError(f"cache_memory must be a number of bytes >= 0 (0: everything on disk), got {self.memory!r}.")
+        if self.dir is not None and not isinstance(self.dir, str):
+            raise ValueError(f"cache_dir must be a path (str) or None, got {type(self.dir).__name__}.")
+        object.__setattr__(self, "skip_embeddings", bool(self.skip_embeddings))
+
+    @property
+    def enabled(self) -> bool:
+        """Whether AutoCache is used at all (``True`` or ``"auto"``)."""
+        return bool(self.mode)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipeTransformerConfig:
+    """The pipeline strategy's arguments (``PipeTransformerStrategy(pipe_len=..., ...)``)."""
+
+    pipe_len: int = 1
+    """initial pipeline length K0. With `devices=1` the K stages are virtual (all on the one
+    device: the CPU, or streams of one GPU). With `devices=G`, K must divide G: G/K processes
+    per node start as pipeline replicas and the others wait until the pipeline shrinks (AutoDP)."""
+
+    chunks: int | Literal["auto"] = 1
+    """micro-batches M per mini-batch: an int, or `"auto"`, which times M in K..6K on the first
+    real batch of each new K (the choice is kept in checkpoints)."""
+
+    frozen_cost: float = 1 / 6
+    """weight of a frozen block relative to an active one when partitioning and compressing."""
+
+    layers: str | None = None
+    """the block container's attribute path (a string, e.g. `"model.bert.encoder.layer"`).
+    Default: AutoFreeze's stack when AutoFreeze is used, else `configure_block_stack()`, else
+    discovery."""
+
+    process_group_backend: str | None = None
+    """`"nccl"` or `"gloo"`; by default chosen from the device type."""
+
+    timeout: float = 1800.0
+    """seconds before any collective gives up, on every process group the strategy creates, so a
+    dead rank ends the run with an error instead of a hang."""
+
+    batch_policy: Literal["replica", "global"] = "replica"
+    """with several processes: `"replica"` keeps each replica's batch (the paper's choice: the
+    global batch grows with the replicas); `"global"` keeps the global batch (the DataLoader's
+    batch size is split over the replicas, so the run is the same optimisation as on one
+    device). See [autodp.md](autodp.md)."""
+
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    """AutoCache's arguments (the strategy's ``cache*`` arguments)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pipe_len, bool) or not isinstance(self.pipe_len, int) or self.pipe_len < 1:
+            raise ValueError(f"pipe_len must be a positive int (stages per pipeline), got {self.pipe_len!r}.")
+        if self.chunks != "auto" and (isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1):
+            raise ValueError(f"chunks must be a positive int or 'auto', got {self.chunks!r}.")
+        try:
+            frozen_cost = float(self.frozen_cost)
+        except (TypeError, ValueError):
+            frozen_cost = float("nan")
+        if not 0.0 <= frozen_cost <= 1.0:
+            raise ValueError(f"frozen_cost must be in [0, 1] (paper: 1/6), got {self.frozen_cost!r}.")
+        object.__setattr__(self, "frozen_cost", frozen_cost)
+        try:
+            timeout = float(self.timeout)
+        except (TypeError, ValueError):
+            timeout = float("nan")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}.")
+        object.__setattr__(self, "timeout", timeout)
+        if self.batch_policy not in ("replica", "global"):
+            raise ValueError(f"batch_policy must be 'replica' or 'global', got {self.batch_policy!r}.")
+        if self.layers is not None and not isinstance(self.layers, str):
+            raise ValueError(f"layers must be an attribute path such as 'model.encoder.layer', got {self.layers!r}.")
+        if not isinstance(self.cache, CacheConfig):
+            raise ValueError(f"cache must be a CacheConfig, got {type(self.cache).__name__}.")
+
+    @property
+    def pipelines_or_caches(self) -> bool:
+        """Whether the stack runs other than as the model wrote it (a pipeline, micro-batches or the cache)."""
+        return self.pipe_len > 1 or self.chunks != 1 or self.cache.enabled
+
+
+    def asks_for_a_stack(self) -> list[str]:
+        """The arguments that need a block stack (a model without one is then an error that names them)."""
+        c = self
+        asked = (
+            (f"pipe_len={c.pipe_len}", c.pipe_len > 1), (f"chunks={c.chunks!r}", c.chunks != 1),
+            (f"cache={c.cache.mode!r}", c.cache.enabled), (f"layers={c.layers!r}", c.layers is not None),
+        )  # fmt: skip
+        return [what for what, on in asked if on]
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string literal right below it in the class body)."""
+    source = inspect.getsource(cls)
+    found = re.findall(r"^    (\w+): [^\n]*\n    \"\"\"(.*?)\"\"\"", source, flags=re.S | re.M)
+    return {name: " ".join(text.split()) for name, text in found}
+
+
+#: The strategy's argument for each cache field (the strategy keeps Lightning-style flat keywords).
+CACHE_ARGUMENT = {"mode": "cache", "key": "cache_key", "dir": "cache_dir", "memory": "cache_memory", "skip_embeddings": "cache_skip_embeddings"}
+
+
+def argument_table() -> str:
+    """The strategy's arguments as a markdown table, from the fields' docstrings (docs/configuration.md)."""
+    rows = ["| argument | default | meaning |", "| --- | --- | --- |"]
+    for cls, rename in ((PipeTransformerConfig, {}), (CacheConfig, CACHE_ARGUMENT)):
+        docs = _field_docs(cls)
+        for field in dataclasses.fields(cls):
+            if field.name == "cache" and cls is PipeTransformerConfig:
+                continue
+            default = field.default if field.default is not dataclasses.MISSING else field.default_factory()  # type: ignore[misc]
+            shown = {"memory": "4 GiB", "frozen_cost": "1/6"}.get(field.name) or (f'"{default}"' if isinstance(default, str) else repr(default))
+            rows.append(f"| `{rename.get(field.name, field.name)}` | `{shown}` | {docs[field.name]} |")
+    return "\n".join(rows)
+
+
+def write_docs(path: str = "docs/configuration.md") -> None:
+    """Put :func:`argument_table` between the ``config`` markers of ``path`` (run from the repository root)."""
+    from pathlib import Path
+
+    file = Path(path)
+    text = file.read_text()
+    begin, end = "<!-- config:begin -->\n", "<!-- config:end -->"
+    head, rest = text.split(begin, 1)
+    file.write_text(head + begin + argument_table() + "\n" + end + rest.split(end, 1)[1])

@@ -1,0 +1,206 @@
+"""The strategy's process-level Lightning surface: which processes take part, and which group each collective uses.
+
+Why a base class of its own: these hooks are the same whatever the plan is (ranks, the launcher,
+the world process group, and the rule that data collectives run over the active replicas while
+control collectives run over every rank), and :class:`~lightning_pipetransformer.strategy.PipeTransformerStrategy`
+then holds only the hooks that plan, install and transition. They ask ``self._replicas``
+(:mod:`~lightning_pipetransformer.dp.replicas`) instead of branching on the world size.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_pipetransformer import devices as dev
+from lightning_pipetransformer import lightning_internals
+from lightning_pipetransformer.dp import groups
+from lightning_pipetransformer.dp.replicas import Elastic, OneProcess, Replicas
+from lightning_pipetransformer.plan import Plan
+
+__all__ = ["ProcessLayout"]
+
+
+class ProcessLayout(ParallelStrategy):
+    """One process (rank 0 of 1, no launcher, no process group), or several as under ``DDPStrategy``."""
+
+    def __init__(self, *, pipe_len: int, process_group_backend: str | None, timeout: float, **parallel: Any) -> None:
+        super().__init__(**parallel)
+        self._pipe_len = pipe_len
+        self._num_nodes = 1
+        self._process_group_backend: str | None = process_group_backend
+        self._timeout = timedelta(seconds=timeout)
+        self._replicas: Replicas = OneProcess()  # one process, or several (AutoDP): picked at setup_environment
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan in force (the strategy's engine holds it)."""
+        return None
+
+    @property
+    def is_active(self) -> bool:
+        """Whether this process drives a pipeline replica now (False: a shadow rank, idle until K shrinks)."""
+        return self._replicas.is_active(self.plan)
+
+    @property
+    def control_group(self) -> Any | None:
+        """The group of every rank (plan broadcast, barriers, decisions); None with one process."""
+        return self._replicas.control_group
+
+    # ------------------------------------------------------------------ one process, or several
+    #
+    # Lightning gives the strategy its devices after construction (the accelerator connector sets
+    # parallel_devices and num_nodes, then calls _configure_launcher). With one process in all there
+    # is nothing to distribute: no launcher (notebooks and `python -i` work), no process group, no
+    # re-seeding, and `is_distributed` is False (the batch-size finder works, the user's sampler is
+    # kept). With several, it behaves like DDPStrategy, whose set-up it follows.
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether more than one process takes part (Lightning's connector reads this)."""
+        return self.num_nodes * self.num_processes > 1
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    # One process is rank 0 of 1, whatever the cluster environment says (as under the single-device
+    # strategy): a SLURM or torchelastic job of one task must not need more.
+    @property
+    @override
+    def global_rank(self) -> int:
+        return super().global_rank if self.is_distributed else 0
+
+    @property
+    @override
+    def local_rank(self) -> int:
+        return super().local_rank if self.is_distributed else 0
+
+    @property
+    @override
+    def node_rank(self) -> int:
+        return super().node_rank if self.is_distributed else 0
+
+    @property
+    @override
+    def world_size(self) -> int:
+        return super().world_size if self.is_distributed else 1
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        # Called when the Trainer is built, once the devices are known: refuse a pipe length that
+        # cannot tile them now, not in every process after they started.
+        pipe_len = self._pipe_len
+        if self.num_processes > 1 and self.num_processes % pipe_len:
+            divisors = [k for k in range(1, self.num_processes + 1) if self.num_processes % k == 0]
+            raise ValueError(
+                f"pipe_len={pipe_len} must divide the {self.num_processes} devices per node (each pipeline replica "
+                f"spans pipe_len of them, and the freed ones become replicas): use pipe_len in {divisors}, or "
+                f"Trainer(devices=...) a multiple of {pipe_len}."
+            )
+        self._launcher = (
+            lightning_internals.SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            if self.is_distributed else None
+        )  # fmt: skip
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        dev.bind_process_device(self.root_device)
+        self._replicas = OneProcess()
+        if self.is_distributed:  # DDPStrategy.setup_distributed: the seed, the ranks, the world process group
+            reset_seed()
+            self.set_world_ranks()
+            self._process_group_backend = self._get_process_group_backend()
+            assert self.cluster_environment is not None
+            device_id = self.root_device if self.root_device.type != "cpu" else None
+            lightning_internals.init_dist_connection(
+                self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+            )
+            self._replicas = Elastic(self.global_rank, self.world_size, self._process_group_backend, self._timeout)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None and self.is_distributed:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def _get_process_group_backend(self) -> str:
+        return self._process_group_backend or lightning_internals.default_process_group_backend(self.root_device)
+
+    # ------------------------------------------------------------------ collectives: data on the active group, control on all
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        # Metric syncs (self.log(sync_dist=True)) run where the metric was logged: on the active ranks.
+        # A shadow rank logs nothing, and must not join (it would hang the replicas).
+        if self.world_size > 1 and isinstance(tensor, Tensor) and group is None:
+            if not self.is_active:
+                return tensor
+            group = self._replicas.active_group
+        if isinstance(tensor, Tensor):
+            return lightning_internals.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        # In steps and module hooks: on the active ranks only (idle ranks get their input back, as a group of one).
+        if group is None and self._replicas.active_group is not None:
+            if not self.is_active:
+                return tensor.unsqueeze(0)
+            group = self._replicas.active_group
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        # Every rank, over the gloo control group (no device ids, whatever the data backend).
+        if self._replicas.control_group is not None:
+            dist.barrier(group=self._replicas.control_group)
+        elif lightning_internals.distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        # Callbacks' broadcasts (ModelCheckpoint paths, times) are control messages: all ranks.
+        if self._replicas.control_group is not None:
+            return groups.broadcast_object(obj, src=src, group=self._replicas.control_group)
+        if not lightning_internals.distributed_is_initialized():
+            return obj
+        return groups.broadcast_object(obj, src=src, group=None)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # Control flow (should_stop, checkpoint decisions) must agree on every rank: over all of them.
+        if self._replicas.control_group is None:
+            return super().reduce_boolean_decision(decision, all=all)
+        votes = torch.tensor(int(decision))
+        dist.all_reduce(votes, op=dist.ReduceOp.SUM, group=self._replicas.control_group)
+        return bool(votes == self.world_size) if all else bool(votes)
