@@ -51,7 +51,7 @@ def test_the_strategy_keeps_its_arguments_in_a_frozen_config():
 
 def test_every_field_has_a_docstring_and_the_docs_hold_the_generated_table():
     table = argument_table()
-    rows = [line for line in table.splitlines()[2:]]
+    rows = table.splitlines()[2:]
     fields = [f.name for f in dataclasses.fields(PipeTransformerConfig) if f.name != "cache"] + [
         f.name for f in dataclasses.fields(CacheConfig)
     ]

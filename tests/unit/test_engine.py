@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lightning_pipetransformer.config import PipeTransformerConfig
+from lightning_pipetransformer.dp.replicas import OneProcess
 from lightning_pipetransformer.engine import Engine, make_planner
 from lightning_pipetransformer.plan import Plan
 from lightning_pipetransformer.stack.discovery import find_block_stack
@@ -46,9 +47,8 @@ def freeze(engine: Engine, num_frozen: int) -> None:
 
 
 def local(plan: Plan) -> Plan:
-    import dataclasses
-
-    return dataclasses.replace(plan, devices=plan.devices[:1], active_ranks=(0,))
+    """The plan as one process runs it (what the strategy hands the engine)."""
+    return OneProcess().localize(plan)
 
 
 def test_propose_does_not_change_the_plan_in_force_and_apply_does():
