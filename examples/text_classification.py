@@ -42,13 +42,14 @@ if __package__:  # imported as examples.text_classification (the benchmarks)
 else:
     from rotten_tomatoes import Batch, RottenTomatoesDataModule  # noqa: E402
 
-__all__ = ["SentimentClassifier", "TextCLI", "layerwise_lr_groups", "main"]
+__all__ = ["SEQUENCE_CLASSIFIERS", "SentimentClassifier", "TextCLI", "layerwise_lr_groups", "main", "sequence_classifier_class"]
 
 NO_DECAY = ("bias", "LayerNorm.weight", "LayerNorm.bias")
 
 
 class SentimentClassifier(pl.LightningModule):
-    """``BertForSequenceClassification`` from a local checkpoint, with accuracy and AdamW.
+    """A pretrained encoder with a new classification head (``BertForSequenceClassification``, or the
+    class of the checkpoint's ``model_type``: see :data:`SEQUENCE_CLASSIFIERS`), with accuracy and AdamW.
 
     Args:
         pretrained: a local folder with a BERT-family checkpoint (``config.json`` +
@@ -76,10 +77,8 @@ class SentimentClassifier(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        from transformers import BertForSequenceClassification
-
         path = pretrained or _asset_path("minilm-l6")
-        self.model = BertForSequenceClassification.from_pretrained(path, num_labels=num_labels, local_files_only=True)
+        self.model = sequence_classifier_class(path).from_pretrained(path, num_labels=num_labels, local_files_only=True)
         self.train_acc = MulticlassAccuracy(num_classes=num_labels, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes=num_labels, average="micro")
 
@@ -180,6 +179,27 @@ def _adamw(groups: list[dict[str, Any]], lr: float, fused: bool | None) -> torch
         if fused:
             raise
         return torch.optim.AdamW(groups, lr=lr)
+
+
+#: The classes this module loads, by the checkpoint's ``config.json`` ``model_type``: listed, so that a
+#: checkpoint of another family fails with a clear message instead of loading into the wrong class.
+SEQUENCE_CLASSIFIERS = {"bert": "BertForSequenceClassification", "mpnet": "MPNetForSequenceClassification"}
+
+
+def sequence_classifier_class(path: str | Path) -> Any:
+    """The ``transformers`` class that adds a classification head to the checkpoint in ``path``."""
+    import json
+
+    import transformers
+
+    config = Path(path) / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    if model_type not in SEQUENCE_CLASSIFIERS:
+        raise ValueError(
+            f"{config}: model_type {model_type!r} is not one this example loads ({', '.join(SEQUENCE_CLASSIFIERS)}); "
+            "add its *ForSequenceClassification class to SEQUENCE_CLASSIFIERS in examples/text_classification.py."
+        )
+    return getattr(transformers, SEQUENCE_CLASSIFIERS[model_type])
 
 
 def _asset_path(name: str) -> str:

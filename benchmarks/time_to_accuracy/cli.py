@@ -19,8 +19,18 @@ import torch
 from examples.assets import fetch
 
 from .data import BenchData, tokens_per_batch
-from .estimate import estimate_seconds
-from .plots import plot_path_for, speedup_plot_path_for, write_plot, write_speedup_plot
+from .estimate import CALIBRATIONS, estimate_seconds
+from .models import MODELS
+from .paired import plateau_target
+from .paired_report import frontier_curves, frontier_times, paired_goal_text, paired_rows, paired_table
+from .plots import (
+    frontier_plot_path_for,
+    plot_path_for,
+    speedup_plot_path_for,
+    write_frontier_plot,
+    write_plot,
+    write_speedup_plot,
+)
 from .report import (
     ROOT,
     bound_text,
@@ -34,8 +44,17 @@ from .report import (
     write_docs,
 )
 from .runner import anneal_supported, cache_supported, check_interval, interval_supported, peft_supported, quiet, run_one
-from .summary import summarize
-from .variants import KINDS, RunRecord, Variant, llrd_variants, peer_variants, smooth_variants, sub_epoch_variants
+from .summary import GOAL_DROP, summarize
+from .variants import (
+    KINDS,
+    RunRecord,
+    Variant,
+    early_stopping_variants,
+    llrd_variants,
+    peer_variants,
+    smooth_variants,
+    sub_epoch_variants,
+)
 
 __all__ = ["main", "parse_args"]
 
@@ -48,6 +67,27 @@ FULL: dict[str, Any] = {"train_size": 3000, "val_size": None, "epochs": 5, "seed
 SMOKE: dict[str, Any] = {"train_size": 960, "val_size": 320, "epochs": 3, "seeds": "0,1", "threads": 1}
 
 DEFAULT_DOCS = ROOT / "docs" / "benchmarks.md"
+
+#: The 12-layer setting (issue 34, ``--model mpnet-base``): the defaults it gives every argument the command
+#: line leaves open. Sized for about 6 hours of ONE core for 3 seeds (the reasons are in docs/benchmarks_34.md;
+#: ``--dry-run`` prints the estimate): 3 epochs, the fewest where the cache serves training steps (a snippet is
+#: stored at its first visit after a freeze and served from the next epoch on), 1,600 training snippets (what
+#: one core affords at 3 epochs: 7 ms per token for a training step of MPNet-base), 1,500 validation snippets
+#: for the final paired accuracy, checks on a fixed subset of 300 every quarter epoch (the time-to-accuracy
+#: curve, the frontier and EarlyStopping's signal). Rows: full fine-tuning, EarlyStopping, freeze+cache at
+#: epoch starts, the best sub-epoch rule of the MiniLM runs (autofreeze p50 every 0.25 epoch), LoRA and
+#: BaseFinetuning (embeddings + the lower half).
+MPNET: dict[str, Any] = {
+    "train_size": 1600, "val_size": 1500, "epochs": 3, "seeds": "0,1,2", "threads": 1,
+    "variants": "full,es,cache,sub,lora,bft", "intervals": "0.25", "sub_rules": "autofreeze", "bft_blocks": 6,
+    "val_subset": "300", "llrd": "none", "tta_target": "plateau", "docs": ROOT / "docs" / "benchmarks_34.md",
+    "json": ROOT / "docs" / "time_to_accuracy_34.json", "compare": ROOT / "docs" / "time_to_accuracy.json",
+}  # fmt: skip
+#: ``--model mpnet-base --smoke``: one seed, tiny sizes, every row (a few minutes on one idle core).
+MPNET_SMOKE: dict[str, Any] = {
+    **MPNET, "train_size": 48, "val_size": 48, "epochs": 3, "seeds": "0", "val_subset": "32", "batch_size": 16, "max_length": 32,
+    "docs": ROOT / "outputs" / "smoke34" / "benchmarks.md", "json": None, "compare": None,
+}  # fmt: skip
 
 
 def parse_alphas(text: str) -> list[tuple[float, str]]:
@@ -102,22 +142,47 @@ def parse_optional_float(text: str, flag: str) -> float | None:
 
 
 #: The values the arguments added by issue 25 had before it, for records that lack them (``--resume``).
-LEGACY = {"val_every": 1.0, "val_subset": None, "val_subset_seed": 0}
+LEGACY = {"val_every": 1.0, "val_subset": None, "val_subset_seed": 0, "model": "minilm-l6"}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = _parser()
+    # The model picks the setting: its preset becomes the defaults, so any flag given still wins.
+    first, _ = p.parse_known_args(argv)
+    if first.model == "mpnet-base":
+        p.set_defaults(**(MPNET_SMOKE if first.smoke else MPNET))
+    args = p.parse_args(argv)
+    return _finish(p, args)
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.time_to_accuracy", description=DESCRIPTION)
+    p.add_argument("--model", choices=sorted(MODELS), default="minilm-l6",
+                   help="the pretrained encoder (default minilm-l6, the 6-block setting of issues 8-25). mpnet-base: the "
+                        "12-layer setting of issue 34, whose preset sets every default below that it names (see "
+                        "benchmarks/time_to_accuracy/README.md)")  # fmt: skip
+    p.add_argument("--es-patience", type=int, default=2,
+                   help="the EarlyStopping row (es): validation checks without improvement before it stops (default 2: half an epoch at --val-every 0.25)")
+    p.add_argument("--tta-target", choices=("last", "plateau"), default="last",
+                   help="time-to-accuracy target: the baseline's mean accuracy at its last check (last, the MiniLM pages), or its "
+                        "plateau, the mean of its checks over the second half of training (plateau, issue 34), minus 0.3 points")  # fmt: skip
+    p.add_argument("--compare", type=Path, default=None,
+                   help="with --write: another run's records (e.g. the MiniLM rows, docs/time_to_accuracy.json) whose paired "
+                        "table goes beside this run's in the report")  # fmt: skip
+    p.add_argument("--commit", action="store_true",
+                   help="git-commit the --json records after every run (a long run's records survive the machine)")
     p.add_argument("--smoke", action="store_true", help="tiny preset: 960/320 snippets, 3 epochs, seeds 0,1, 1 thread unless --threads (~5 min idle, ~10 loaded)")
     p.add_argument("--train-size", type=int, default=None, help="training snippets (default 3000; smoke 960)")
     p.add_argument("--val-size", type=int, default=None,
                    help="validation snippets (default: the whole held-out side, ~5,100; smoke 320)")  # fmt: skip
     p.add_argument("--epochs", type=int, default=None, help="epoch budget (default 5; smoke 3)")
     p.add_argument("--seeds", default=None, help="comma-separated training seeds (default 0,1,2; smoke 0,1)")
-    p.add_argument("--variants", default=",".join(KINDS),
+    p.add_argument("--variants", default=",".join(k for k in KINDS if k != "es"),
                    help="any of full (the baseline), freeze and cache (AutoFreeze at epoch starts, without / with AutoCache), "
                         "sub (freeze+cache with freeze points inside epochs: --intervals x --sub-rules), smooth (the --smooth "
                         "rows with AutoFreeze(anneal=--anneal), without and with --llrd), llrd (full fine-tuning with --llrd), "
-                        "lora (peft LoRA), bft (Lightning's BaseFinetuning); default: all. Without full, ratios are "
+                        "lora (peft LoRA), bft (Lightning's BaseFinetuning), es (full fine-tuning with Lightning's EarlyStopping "
+                        "on the checks, --es-patience); default: all but es. Without full, ratios are "
                         "freeze+cache vs freeze and --write needs a --docs path of its own")  # fmt: skip
     p.add_argument("--alphas", default="1/3", help="AutoFreeze alphas for the epoch-level freeze/cache variants, e.g. 1/4,1/3,1/2")
     p.add_argument("--sweep-alphas", default="", help="extra epoch-level freeze+cache variants at these alphas (the accuracy cost of other settings), e.g. 1/4,1/2")
@@ -160,7 +225,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--val-batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=5e-5)
-    p.add_argument("--accelerator", default="cpu")
+    p.add_argument("--accelerator", "--device", dest="accelerator", default="cpu",
+                   help="cpu (default) or cuda: Lightning's accelerator, and where the final evaluation runs")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice). On a machine busy with other jobs, fewer threads "
                         "than cores avoids OpenMP threads spinning against each other, which can inflate times many-fold")  # fmt: skip
@@ -177,7 +243,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--docs", type=Path, default=DEFAULT_DOCS,
                    help="the markdown report --write writes (default docs/benchmarks.md, the full benchmark's); "
                         "its plot goes next to it as <stem>_time_to_accuracy.png")  # fmt: skip
-    args = p.parse_args(argv)
+    return p
+
+
+def _finish(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the presets' remaining defaults, parse the lists and check what depends on several flags."""
     if args.json is None:
         docs = args.docs.resolve()
         if docs.is_relative_to((ROOT / "docs").resolve()):
@@ -215,6 +285,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             f"--variants {args.variants} has no full fine-tuning baseline, so its report must not replace "
             f"{DEFAULT_DOCS.relative_to(ROOT)} (the full benchmark's): pass --docs PATH, e.g. docs/cache_benchmark.md."
         )
+    if args.es_patience < 1:
+        p.error(f"--es-patience must be >= 1 validation check, got {args.es_patience}.")
+    if "es" in kinds and args.val_subset is None and args.val_every >= 1.0:
+        p.error("the EarlyStopping row needs validation checks inside the run: keep --val-every below 1 or a --val-subset.")
     args.kinds = kinds
     args.alpha_list = parse_alphas(args.alphas)
     args.sweep_list = [a for a in parse_alphas(args.sweep_alphas) if a not in args.alpha_list] if args.sweep_alphas else []
@@ -231,9 +305,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         at = given.index("--note")
         given[at : at + 2] = ["--note", "..."]
     command = "python -m benchmarks.time_to_accuracy " + " ".join(shlex.quote(a) for a in given)
-    model_dir = str(fetch("minilm-l6"))
+    spec = MODELS[args.model]
+    args.blocks = spec.blocks  # the estimate's and the report's block count
+    model_dir = str(fetch(spec.asset))
+    if args.accelerator in ("cuda", "gpu"):
+        if not torch.cuda.is_available():
+            raise SystemExit("time_to_accuracy: --device cuda, but this torch sees no CUDA device (torch.cuda.is_available() is False).")
+        torch.backends.cuda.matmul.allow_tf32 = True  # every row alike; fp32 weights and optimizer states
+        torch.backends.cudnn.allow_tf32 = True
     has_cache = cache_supported()
     variants: list[Variant] = [Variant("full")] if "full" in args.kinds else []
+    variants += early_stopping_variants(args)
     variants += llrd_variants(args) if "llrd" in args.kinds else []
     for kind in ("freeze", "cache"):
         if kind in args.kinds:
@@ -295,10 +377,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         + f"variants: {', '.join(v.name for v in variants)}.\n"
         f"time_to_accuracy: estimated seconds per run (training + validation + set-up): "
         + "; ".join(f"{name} {sec:.0f}" for name, sec in per_run.items()) + ".\n"
-        f"time_to_accuracy: estimated duration on an idle 2-core CPU with 2 threads{skipped}: {est / 60:.0f} min "
-        f"(+-30%: calibrated on the 2026-12-01 run of this benchmark; the sub-epoch rules' freezing is an "
-        f"assumption, see planned_frozen; a loaded machine takes longer). {len(requested)} rows x "
-        f"{len(args.seed_list)} seeds.",
+        f"time_to_accuracy: estimated duration on {CALIBRATIONS[args.model].machine}{skipped}: {est / 60:.0f} min "
+        + ("(+-30%: calibrated on the 2026-12-01 run of this benchmark; " if args.model == "minilm-l6" else
+           "(from a few timed training steps on one core, not from a run: +-50%; the freeze rows' step ratios are the "
+           "MiniLM run's at the same share of frozen blocks, the EarlyStopping row is counted as if it never stopped; ")
+        + "the sub-epoch rules' freezing is an assumption, see planned_frozen; a loaded machine takes longer"
+        + ("; on CUDA the estimate does not apply: it is for the CPU" if args.accelerator in ("cuda", "gpu") else "")
+        + f"). {len(requested)} rows x {len(args.seed_list)} seeds.",
         flush=True,
     )
     if args.dry_run:
@@ -324,19 +409,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"time_to_accuracy: seed {seed} {v.name}: {status} ({time.perf_counter() - t0:.0f} s wall)", flush=True)
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps({"command": command, "args": _jsonable(vars(args)), "records": [asdict(r) for r in records]}, indent=1))
+            if args.commit:
+                commit_records(args.json, f"benchmark records: seed {seed} {v.name} ({len(records)} in {args.json.name})")
 
-    rows, target = summarize(records, variants)
+    baseline = [r for r in records if r.variant == Variant("full").name]
+    plateau = plateau_target(baseline, GOAL_DROP) if args.tta_target == "plateau" else None
+    rows, target = summarize(records, variants, target=plateau)
     table = markdown_table(rows, target)
     print("\n" + table + "\n", flush=True)
     print(training_table(rows) + "\n", flush=True)
     print(epoch_table(rows) + "\n", flush=True)
     goal = goal_text(rows, records)
+    paired, times, curves = paired_section(records, variants, target, args)
+    goal += "\n\n" + paired
     print(goal + "\n", flush=True)
     if args.write:
         plot, speed_plot = plot_path_for(args.docs), speedup_plot_path_for(args.docs)
-        write_plot(records, variants, target, plot)
+        title = MODELS[args.model].title
+        write_plot(records, variants, target, plot, title)
         if target is not None:
-            write_speedup_plot(rows, speed_plot)
+            write_speedup_plot(rows, speed_plot, title)
+        if times:
+            write_frontier_plot(times, curves, variants, target, frontier_plot_path_for(args.docs), title)
         val_frac = _val_share(rows)
         where = (
             f"- Padding (measured on this data, no timing involved): mean tokens per training batch of "
@@ -392,13 +486,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 #: validation schedule is among them: it changes what every row measures (and costs).
 SETTING_ARGS = (
     "train_size", "val_size", "epochs", "padding", "max_length", "batch_size", "val_batch_size", "lr", "accelerator", "threads",
-    "val_every", "val_subset", "val_subset_seed",
+    "val_every", "val_subset", "val_subset_seed", "model",
 )  # fmt: skip
 #: Arguments that change only some rows: when they differ, those rows are rerun and the others kept. (The
 #: smooth rows' curve, rule, interval and LLRD are in their names: another value is another row.)
 ROW_ARGS = {
     "lora": ("lora_r", "lora_alpha", "lora_dropout", "lora_lr"),
     "bft": ("bft_blocks",),
+    "es": ("es_patience",),
     "sub": ("percentile", "sub_min_active"),
     "smooth": ("percentile", "sub_min_active"),
     "epoch-level": ("rule",),
@@ -406,7 +501,7 @@ ROW_ARGS = {
 
 
 def _row_group(v: Variant) -> str:
-    if v.kind in ("lora", "bft", "llrd"):
+    if v.kind in ("lora", "bft", "llrd", "es"):
         return v.kind
     if v.anneal:
         return "smooth"
@@ -428,7 +523,7 @@ def resumed_records(args: argparse.Namespace, variants: list[Variant]) -> dict[t
             "row measures differently, so this is a fresh run: give it a fresh --json (e.g. --json "
             "outputs/benchmarks/time_to_accuracy_25.json) and no --resume; or pass --val-every 1 --val-subset all "
             "to add rows to these records under their schedule."
-            if any(k in LEGACY for k in differ) else ""
+            if any(k in ("val_every", "val_subset", "val_subset_seed") for k in differ) else ""
         )
         raise SystemExit(
             f"time_to_accuracy: --resume {args.resume} was run with another setting ({', '.join(f'{k}={theirs.get(k)!r} here {ours.get(k)!r}' for k in differ)}); "
@@ -445,6 +540,63 @@ def resumed_records(args: argparse.Namespace, variants: list[Variant]) -> dict[t
             continue
         kept[(r.variant, r.seed)] = r
     return kept
+
+
+def paired_section(
+    records: list[RunRecord], variants: list[Variant], target: float | None, args: argparse.Namespace
+) -> tuple[str, list[float], dict[str, list[float]]]:
+    """The paired statistics (issue 34) as markdown, with the frontier's time grid and curves for its plot;
+    with ``--compare``, the other run's paired table (the MiniLM rows) beside it."""
+    if not any(v.baseline for v in variants):
+        return "", [], {}
+    names = [v.name for v in variants]
+    rows = paired_rows(records, names, target)
+    times = frontier_times(records)
+    curves = frontier_curves(records, variants, times)
+    how = (f"the baseline's plateau (the mean of its checks over the second half of training, mean over seeds) minus {GOAL_DROP:g} points"
+           if args.tta_target == "plateau" else f"the baseline's mean accuracy at its last check minus {GOAL_DROP:g} points")  # fmt: skip
+    text = (
+        "### Paired with full fine-tuning (issue 34)\n\n"
+        "Every row of a seed trains on the same snippets in the same order from the same head initialisation as full "
+        "fine-tuning of that seed. Per seed: the row's final accuracy (whole validation set) minus the baseline's, and "
+        "the baseline's training time over the row's; the mean difference with a 95% t-interval, the speed-ups as a "
+        "geometric mean with a 95% interval (a t-interval of the log ratios). Time to accuracy: to the first check at or above "
+        + (f"{100 * target:.2f}%, " if target is not None else "the target, ") + f"{how}.\n\n"
+        + paired_table(rows) + "\n\n"
+        + (f"![frontier]({frontier_plot_path_for(args.docs).name})\n\n" if times else "")
+        + paired_goal_text(rows, variants, curves, times)
+    )
+    if args.compare is not None and args.compare.is_file():
+        other = [RunRecord(**r) for r in json.loads(args.compare.read_text())["records"]]
+        other_names = list(dict.fromkeys(r.variant for r in other))
+        other_base = [r for r in other if r.variant == Variant("full").name]
+        other_target = plateau_target(other_base, GOAL_DROP)
+        text += (
+            f"\n\n#### For comparison: the rows of `{_relative(args.compare)}`, paired the same way\n\n"
+            + paired_table(paired_rows(other, other_names, other_target))
+        )
+    return text, times, curves
+
+
+def commit_records(path: Path, message: str) -> None:
+    """Commit the record file alone (``git commit --only``: whatever else is staged stays staged). A failure is
+    reported and the run goes on: the records are on disk either way."""
+    import subprocess
+
+    cwd = path.resolve().parent
+    for cmd in (["git", "add", "--", str(path.resolve())], ["git", "commit", "-q", "--only", "-m", message, "--", str(path.resolve())]):
+        done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"time_to_accuracy: --commit: `{' '.join(cmd[:3])} ...` failed ({(done.stderr or done.stdout).strip()[-300:]}); "
+                  "the records are on disk, not committed.", flush=True)  # fmt: skip
+            return
+
+
+def _relative(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
 
 
 def _version(package: str) -> str:

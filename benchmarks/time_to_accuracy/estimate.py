@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from lightning_pipetransformer.freeze.rules import geometric_num_frozen
 
@@ -27,6 +28,29 @@ ADVANCE_S_PER_BLOCK_PER_SAMPLE = 2.0 / 3000  # cache boundary advance, per block
 SETUP_S = 10.0  # model load + Trainer set-up per run
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """What one model costs on the machine its estimate is for. ``STEP_RATIO`` and ``STEP_RATIO_CACHED`` are
+    read at the same SHARE of frozen blocks (F of 6 for MiniLM, 2F of 12 for MPNet): an assumption for the
+    12-layer model, where no freeze run has been timed yet."""
+
+    train_s_per_token: float
+    val_s_per_token: float
+    setup_s: float
+    machine: str
+
+
+CALIBRATIONS = {
+    "minilm-l6": Calibration(TRAIN_S_PER_TOKEN, VAL_S_PER_TOKEN, SETUP_S, "an idle 2-core CPU with 2 threads"),
+    # MPNet-base, ONE torch thread pinned to one core (taskset -c 1), measured on 2026-12-03: a training step of
+    # 32 x 32 tokens (fused AdamW, all 109.5 M parameters) took 7.3-8.0 s with the other core busy (load ~1.6),
+    # 7.1 ms per token; a no-grad forward of the same batch 2.6 s (2.5 ms per token). MiniLM-L6 costs ~0.9 ms
+    # per token on one thread: 8x less, as its blocks' sizes say (6 x 384-wide against 12 x 768-wide).
+    # Under the heavy load of that session (load average 6-8 on 2 cores) the same step took 20-34 s.
+    "mpnet-base": Calibration(7.1e-3, 2.5e-3, 25.0, "one idle core (1 torch thread)"),
+}
+
+
 def _interp(table: dict[int, float], f: float) -> float:
     keys = sorted(table)
     lo = max(k for k in keys if k <= f)
@@ -42,7 +66,8 @@ def planned_frozen(variant: Variant, epochs: int, steps: int, args: argparse.Nam
     point from the geometric first step (its slowest: each point freezes at least one block, the geometric
     step is its upper bound), ``autofreeze`` as it did on 2026-12-01 (its decisions follow the gradients: every
     0.25 and 0.5 epoch it first froze 1.5-2.5 epochs in, then about one block per half epoch; taken here as 2
-    blocks at the first point from epoch 2 on, then one more per half epoch).
+    blocks at the first point from epoch 2 on, then one more per half epoch; on a deeper stack, the same share
+    of the blocks: 4 of 12, then 2 more per half epoch; in a run shorter than 5 epochs, from 40% of the run).
     With ``anneal`` the gradient rules freeze one interval after their decision (the blocks anneal in between):
     their plan is shifted by one interval; ``schedule`` freezes at the same points as without.
     """
@@ -65,8 +90,9 @@ def planned_frozen(variant: Variant, epochs: int, steps: int, args: argparse.Nam
                 frozen = geometric_num_frozen(blocks, alpha, point)
             elif variant.rule == "paper":
                 frozen = geometric_num_frozen(blocks, alpha, 1) if frozen == 0 else frozen + 1
-            elif point * every >= 2 * steps:
-                frozen = max(frozen, 2 + (point * every - 2 * steps) // max(1, steps // 2))
+            elif point * every >= (start := min(2 * steps, round(0.4 * total))):
+                per = max(1, blocks // 6)
+                frozen = max(frozen, 2 * per + per * ((point * every - start) // max(1, steps // 2)))
             frozen = min(frozen, limit)
         out.append(frozen)
     return out
@@ -83,14 +109,17 @@ def estimate_seconds(
     epoch: the served share is the share of snippets stored before the epoch); moving the boundary
     advances the stored entries. Validation through a stored boundary runs the active blocks only.
     Validation: ``check_every`` None is the whole set (``val_tokens``) at every epoch end; otherwise a check of
-    ``check_tokens`` every ``check_every`` optimizer steps across epochs, and after training the subset and the
-    whole set once more at full cost (a plain forward, no cache).
+    ``check_tokens`` every ``check_every`` optimizer steps across epochs, and after training the whole set once
+    more at full cost (a plain forward, no cache; the subset's end-of-training point is read from it).
     """
-    frozen = planned_frozen(variant, epochs, steps, args)
-    full_step = TRAIN_S_PER_TOKEN * tokens
-    full_val = VAL_S_PER_TOKEN * val_tokens
-    check = VAL_S_PER_TOKEN * (check_tokens if check_tokens is not None else val_tokens)
-    total, stored, prev, val_at = SETUP_S, 0.0, 0, 0  # stored: share of training snippets in the cache
+    blocks = getattr(args, "blocks", 6)
+    cal = CALIBRATIONS[getattr(args, "model", "minilm-l6")]
+    frozen = planned_frozen(variant, epochs, steps, args, blocks)
+    share = 6 / blocks  # the step-ratio tables are per 6 blocks (Calibration)
+    full_step = cal.train_s_per_token * tokens
+    full_val = cal.val_s_per_token * val_tokens
+    check = cal.val_s_per_token * (check_tokens if check_tokens is not None else val_tokens)
+    total, stored, prev, val_at = cal.setup_s, 0.0, 0, 0  # stored: share of training snippets in the cache
     cached = variant.kind == "cache"
     val_stored = n_val if check_every is None or not val_tokens else n_val * check / full_val  # validation snippets in the cache
     step = 0
@@ -99,25 +128,26 @@ def estimate_seconds(
         for f in frozen[e * steps : (e + 1) * steps]:
             step += 1
             if check_every is not None and step % check_every == 0:  # a check after this step, on the subset
-                total += check * (blocks_active(f) if cached and val_at else 1.0)
+                total += check * (blocks_active(f, blocks) if cached and val_at else 1.0)
                 val_at = f if cached and f > 0 else 0
             if variant.kind in ("lora", "bft"):
                 total += full_step * (LORA_STEP_RATIO if variant.kind == "lora" else BFT_STEP_RATIO)
                 continue
             if cached and f > prev:
                 now = 1 - (1 - stored) * (1 - seen_frozen / steps)
-                total += (f - prev) * ADVANCE_S_PER_BLOCK_PER_SAMPLE * (now * n_train + (val_stored if val_at else 0))
+                per_block = ADVANCE_S_PER_BLOCK_PER_SAMPLE * cal.train_s_per_token / TRAIN_S_PER_TOKEN
+                total += (f - prev) * per_block * (now * n_train + (val_stored if val_at else 0))
             hit = stored if cached and f > 0 else 0.0
-            total += full_step * (hit * _interp(STEP_RATIO_CACHED, f) + (1 - hit) * _interp(STEP_RATIO, f))
+            total += full_step * (hit * _interp(STEP_RATIO_CACHED, f * share) + (1 - hit) * _interp(STEP_RATIO, f * share))
             seen_frozen += f > 0
             prev = f
         stored = 1 - (1 - stored) * (1 - seen_frozen / steps) if cached else 0.0
         if check_every is None:
             f = frozen[(e + 1) * steps - 1]
-            total += full_val * (blocks_active(f) if cached and val_at else 1.0)
+            total += full_val * (blocks_active(f, blocks) if cached and val_at else 1.0)
             val_at = f if cached and f > 0 else 0
     if check_every is not None:
-        total += check + full_val  # the end of training: the subset and the whole set, plain forwards
+        total += full_val  # the end of training: one plain forward of the whole set gives the subset's point too
     return total
 
 

@@ -16,7 +16,7 @@ def plot_path_for(docs: Path) -> Path:
     name); docs/cache_benchmark.md -> docs/cache_benchmark_time_to_accuracy.png, never the other's."""
     return docs.with_name(f"{docs.stem}_time_to_accuracy.png")
 
-def write_plot(records: list[RunRecord], variants: list[Variant], target: float | None, path: Path) -> None:
+def write_plot(records: list[RunRecord], variants: list[Variant], target: float | None, path: Path, title: str = "MiniLM-L6") -> None:
     """Validation accuracy at every check against the training time up to it, one line per variant (mean over
     seeds of each check: the checks fall on the same optimizer steps in every run of a variant)."""
     import matplotlib
@@ -41,12 +41,12 @@ def write_plot(records: list[RunRecord], variants: list[Variant], target: float 
     ax.set_xlim(left=0)
     ax.set_xlabel("training wall-clock (s, validation excluded)")
     ax.set_ylabel("validation accuracy at each check (%)")
-    ax.set_title("MiniLM-L6 on Rotten Tomatoes: accuracy vs training time (mean ± sd over seeds)", fontsize=10)
+    ax.set_title(f"{title} on Rotten Tomatoes: accuracy vs training time (mean ± sd over seeds)", fontsize=10)
     _save(fig, ax, path)
 
 
 def _style(v: Variant) -> str:
-    return "-" if v.kind in ("full", "llrd", "lora", "bft") else ":" if v.kind == "freeze" else "-" if v.anneal else "--" if v.sub_epoch else "-."
+    return "-" if v.kind in ("full", "llrd", "lora", "bft", "es") else ":" if v.kind == "freeze" else "-" if v.anneal else "--" if v.sub_epoch else "-."
 
 
 def speedup_plot_path_for(docs: Path) -> Path:
@@ -54,7 +54,7 @@ def speedup_plot_path_for(docs: Path) -> Path:
     return docs.with_name(f"{docs.stem}_speedup_vs_accuracy.png")
 
 
-def write_speedup_plot(rows: list[dict[str, Any]], path: Path) -> None:
+def write_speedup_plot(rows: list[dict[str, Any]], path: Path, title: str = "MiniLM-L6") -> None:
     """Every variant as a point: mean training speed-up over the baseline (x) and mean final accuracy with its
     spread over seeds (y); the goal (issue 25: >= 2x, >= baseline - 0.3 points) drawn as a shaded corner."""
     import matplotlib
@@ -85,7 +85,37 @@ def write_speedup_plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.set_ylim(top=top)
     ax.set_xlabel("training speed-up over full fine-tuning (mean train time ratio, validation excluded)")
     ax.set_ylabel("final validation accuracy (%), mean ± sd over seeds")
-    ax.set_title("MiniLM-L6 on Rotten Tomatoes: speed-up vs final accuracy", fontsize=10)
+    ax.set_title(f"{title} on Rotten Tomatoes: speed-up vs final accuracy", fontsize=10)
+    _save(fig, ax, path)
+
+
+def frontier_plot_path_for(docs: Path) -> Path:
+    """The frontier PNG next to a report: docs/benchmarks_34.md -> docs/benchmarks_34_frontier.png."""
+    return docs.with_name(f"{docs.stem}_frontier.png")
+
+
+def write_frontier_plot(
+    times: list[float], curves: dict[str, list[float]], variants: list[Variant], target: float | None, path: Path, title: str
+) -> None:
+    """The frontier: for each row, the best check accuracy reached by training time t (mean over seeds of each
+    run's best so far; :func:`.paired.frontier`), one step line per row on one plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11.5, 5.0))
+    for v in variants:
+        curve = curves.get(v.name)
+        if curve is None or all(math.isnan(c) for c in curve):
+            continue
+        ax.step(times, [100 * c for c in curve], where="post", label=v.name, linestyle=_style(v))
+    if target is not None:
+        ax.axhline(100 * target, color="grey", linestyle="--", linewidth=1, label="time-to-accuracy target")
+    ax.set_xlim(left=0)
+    ax.set_xlabel("training wall-clock t (s, validation excluded)")
+    ax.set_ylabel("best validation-check accuracy reached by t (%)")
+    ax.set_title(f"{title} on Rotten Tomatoes: the frontier (mean over seeds of the best so far)", fontsize=10)
     _save(fig, ax, path)
 
 

@@ -19,10 +19,11 @@ from examples.timeline import Timeline
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 
 from .data import BenchData
+from .models import MODELS, ModelSpec
 from .variants import RunRecord, Variant
 
 __all__ = [
-    "CheckClock", "StepClock", "build_model", "build_trainer", "check_interval", "evaluate", "lora_config",
+    "CheckClock", "CudaSync", "StepClock", "build_model", "build_trainer", "check_interval", "correct_by_position", "evaluate", "lora_config",
     "lower_blocks_finetuning", "quiet", "run_one",
 ]
 
@@ -90,6 +91,16 @@ class StepClock(pl.Callback):
         self._mark = time.perf_counter()
 
 
+class CudaSync(pl.Callback):
+    """First in the callback list of a GPU run: waits for the queued kernels where the clocks after it read
+    the time (epoch start and end, validation start and end), so a segment does not end before its work."""
+
+    def _sync(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        sync(pl_module.device)
+
+    on_train_epoch_start = on_train_epoch_end = on_validation_start = on_validation_end = _sync  # type: ignore[assignment]
+
+
 class CheckClock(pl.Callback):
     """Every validation check of ``fit``: the global step, the training seconds up to it and the accuracy.
 
@@ -135,12 +146,14 @@ def check_interval(args: argparse.Namespace, steps_per_epoch: int) -> int | None
 
 
 @torch.inference_mode()
-def evaluate(model: pl.LightningModule, loader: Any) -> float:
-    """Accuracy of ``model`` over ``loader`` with a plain loop (after ``fit``: no strategy, no cache, eval mode)."""
+def evaluate(model: pl.LightningModule, loader: Any, device: str | torch.device = "cpu") -> float:
+    """Accuracy of ``model`` over ``loader`` with a plain loop (after ``fit``: no strategy, no cache, eval mode),
+    on ``device`` (Lightning's teardown leaves the module on the CPU; a GPU run evaluates on the GPU)."""
     was_training = model.training
-    model.eval()
+    model.to(device).eval()
     right = total = 0
     for batch in loader:
+        batch = {k: v.to(device) for k, v in batch.items()}
         logits = model(batch["input_ids"], batch["attention_mask"])
         right += int((logits.argmax(dim=-1) == batch["labels"]).sum())
         total += int(batch["labels"].numel())
@@ -148,7 +161,34 @@ def evaluate(model: pl.LightningModule, loader: Any) -> float:
     return right / max(total, 1)
 
 
-def lower_blocks_finetuning(blocks: int) -> pl.Callback:
+@torch.inference_mode()
+def correct_by_position(model: pl.LightningModule, loader: Any, device: str | torch.device = "cpu") -> dict[int, bool]:
+    """Whether ``model`` classifies each validation snippet right, keyed by its position in the validation
+    set (the loader's ``batch_sampler`` lists the positions of each batch). One pass over the whole set gives
+    the final accuracy and the subset's end-of-training point both, instead of a second forward of the subset."""
+    was_training = model.training
+    model.to(device).eval()
+    out: dict[int, bool] = {}
+    for positions, batch in zip(loader.batch_sampler, loader, strict=True):
+        batch = {k: v.to(device) for k, v in batch.items()}
+        right = (model(batch["input_ids"], batch["attention_mask"]).argmax(dim=-1) == batch["labels"]).tolist()
+        out.update(zip(positions, right, strict=True))
+    model.train(was_training)
+    return out
+
+
+def eval_device(args: argparse.Namespace) -> torch.device:
+    """Where the plain evaluation after ``fit`` runs: the GPU of a ``--device cuda`` run, else the CPU."""
+    return torch.device("cuda") if args.accelerator in ("cuda", "gpu") else torch.device("cpu")
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the GPU's queued work before reading a clock (kernels run asynchronously on CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def lower_blocks_finetuning(blocks: int, backbone: str = "bert") -> pl.Callback:
     """Lightning's own way to freeze part of a model: a ``BaseFinetuning`` subclass that freezes the
     embeddings and the first ``blocks`` encoder blocks before training and keeps them frozen.
 
@@ -163,13 +203,21 @@ def lower_blocks_finetuning(blocks: int) -> pl.Callback:
 
     class FreezeLowerBlocks(BaseFinetuning):
         def freeze_before_training(self, pl_module: pl.LightningModule) -> None:
-            bert = pl_module.model.bert  # type: ignore[union-attr]
-            self.freeze([bert.embeddings, *list(bert.encoder.layer)[:blocks]])
+            encoder = getattr(pl_module.model, backbone)  # BertModel, MPNetModel
+            # MPNet's relative-position bias (encoder.relative_attention_bias) feeds every block: a user
+            # freezing the lower blocks would freeze it too, or its gradient flows through all of them.
+            extra = [encoder.encoder.relative_attention_bias] if hasattr(encoder.encoder, "relative_attention_bias") else []
+            self.freeze([encoder.embeddings, *extra, *list(encoder.encoder.layer)[:blocks]])
 
         def finetune_function(self, pl_module: pl.LightningModule, epoch: int, optimizer: Any) -> None:
             pass  # frozen for the whole run
 
     return FreezeLowerBlocks()
+
+
+def model_spec(args: argparse.Namespace) -> ModelSpec:
+    """The ``--model`` being fine-tuned (MiniLM-L6 for namespaces that predate the flag)."""
+    return MODELS[getattr(args, "model", "minilm-l6")]
 
 
 def lora_config(args: argparse.Namespace) -> Any:
@@ -178,7 +226,7 @@ def lora_config(args: argparse.Namespace) -> Any:
 
     return LoraConfig(
         task_type=TaskType.SEQ_CLS, r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-        target_modules=["query", "value"], modules_to_save=["classifier"],
+        target_modules=list(model_spec(args).lora_targets), modules_to_save=["classifier"],
     )  # fmt: skip
 
 
@@ -199,6 +247,8 @@ def build_trainer(variant: Variant, args: argparse.Namespace, cache_dir: str) ->
     # The clocks first: callbacks run in list order, and AutoFreeze's epoch-start freeze (re-plan, cache
     # advance over every stored sample) must fall inside the epoch they time.
     callbacks: list[pl.Callback] = [Timeline(print_table=False), StepClock(), CheckClock()]
+    if eval_device(args).type == "cuda":
+        callbacks.insert(0, CudaSync())
     strategy: Any = "auto"
     if variant.autofreeze:
         assert variant.alpha is not None
@@ -207,12 +257,22 @@ def build_trainer(variant: Variant, args: argparse.Namespace, cache_dir: str) ->
             extra = {"freeze_interval": variant.interval, "percentile": args.percentile, "min_active": variant.min_active}
         if variant.anneal:
             extra["anneal"] = variant.anneal
+        spec = model_spec(args)
+        if spec.pre is not None:
+            extra["pre"] = list(spec.pre)  # MPNet: the relative-position bias runs before the blocks (models.py)
         callbacks.append(AutoFreeze(alpha=variant.alpha, rule=variant.rule or args.rule, **extra))  # type: ignore[arg-type]
         # The same strategy for freeze and freeze+cache: the cache is the only difference (module docstring).
         cache = variant.kind == "cache"
         strategy = PipeTransformerStrategy(pipe_len=1, cache=cache, cache_dir=cache_dir if cache else None)  # type: ignore[call-arg]
     elif variant.kind == "bft":
-        callbacks.append(lower_blocks_finetuning(args.bft_blocks))
+        callbacks.append(lower_blocks_finetuning(args.bft_blocks, model_spec(args).backbone))
+    elif variant.kind == "es":
+        # The peer a user who wants speed picks: stop once the validation checks stop improving. It watches
+        # the same checks as every row (every --val-every epoch, on the subset); the learning-rate schedule
+        # is the baseline's, planned for the whole epoch budget.
+        from lightning.pytorch.callbacks import EarlyStopping
+
+        callbacks.append(EarlyStopping(monitor="val/acc", mode="max", patience=args.es_patience, min_delta=0.0))
     every = check_interval(args, args.steps_per_epoch)
     # Checks every `every` optimizer steps counted across epochs (no accumulation here: a batch is a step).
     checks: dict[str, Any] = {} if every is None else {"val_check_interval": every, "check_val_every_n_epoch": None}
@@ -244,8 +304,10 @@ def run_one(variant: Variant, seed: int, dm: BenchData, args: argparse.Namespace
             # whole validation set (the final accuracy), by a plain loop after fit, outside every clock above.
             checks = next(c for c in trainer.callbacks if isinstance(c, CheckClock)).checks  # type: ignore[attr-defined]
             start = time.perf_counter()
-            subset = evaluate(model, dm.val_dataloader())
-            record.final_full_acc = evaluate(model, dm.full_val_dataloader()) if dm.subset_indices() is not None else subset
+            correct = correct_by_position(model, dm.full_val_dataloader(), eval_device(args))
+            subset_positions = dm.subset_indices() or list(correct)
+            subset = sum(correct[p] for p in subset_positions) / len(subset_positions)
+            record.final_full_acc = sum(correct.values()) / len(correct)
             record.final_eval_s = time.perf_counter() - start
             end = {"step": int(trainer.global_step), "train_s": record.train_s, "acc": subset}
             record.checks = [c for c in checks if c["step"] < end["step"]] + [end]

@@ -35,20 +35,22 @@ def reference_of(variant: Variant, variants: Sequence[Variant], has_baseline: bo
         return next((v for v in variants if v.kind == "freeze" and not v.sub_epoch and v.alpha == variant.alpha), None)
     return None
 
-def summarize(records: list[RunRecord], variants: list[Variant]) -> tuple[list[dict[str, Any]], float | None]:
+def summarize(records: list[RunRecord], variants: list[Variant], target: float | None = None) -> tuple[list[dict[str, Any]], float | None]:
     """Per-variant aggregates and the time-to-accuracy target.
 
     The target is the baseline's mean accuracy at its last check (the end of training) minus 0.3 points,
     on what the checks measure (the fixed validation subset; the whole set in the older records), so that
     every check is compared with the baseline on the same snippets: a subset's own sampling offset (about a
     point for 1,000 snippets) would otherwise move the target. The goal compares final accuracies on the
-    whole validation set.
+    whole validation set. A ``target`` given (issue 34: the baseline's plateau minus 0.3 points, from
+    :func:`.paired.plateau_target`) replaces that one.
     """
     ok = [r for r in records if r.error is None and r.epochs]
     baseline = [r for r in ok if r.variant == "full fine-tuning"]
     base = [r.final_acc for r in baseline if r.final_acc is not None]
     base_check = [r.final_check_acc for r in baseline if r.final_check_acc is not None]
-    target = statistics.fmean(base_check) - GOAL_DROP / 100 if base_check else None
+    if target is None:
+        target = statistics.fmean(base_check) - GOAL_DROP / 100 if base_check else None
     train_of = {v.name: [r.train_s for r in ok if r.variant == v.name] for v in variants}
     fit_of = {v.name: [r.fit_s for r in ok if r.variant == v.name] for v in variants}
     base_tta = None

@@ -7,13 +7,18 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["KINDS", "Kind", "RunRecord", "Variant", "llrd_variants", "peer_variants", "smooth_variants", "sub_epoch_variants"]
+from .models import MODELS
 
-Kind = Literal["full", "freeze", "cache", "lora", "bft", "llrd"]
+__all__ = [
+    "KINDS", "Kind", "RunRecord", "Variant", "early_stopping_variants", "llrd_variants", "peer_variants", "smooth_variants",
+    "sub_epoch_variants",
+]  # fmt: skip
+
+Kind = Literal["full", "freeze", "cache", "lora", "bft", "llrd", "es"]
 #: What --variants takes: the kinds, ``sub`` for the sub-epoch freeze+cache rows, ``smooth`` for those rows
 #: with smooth freezing (``--anneal``, with and without ``--llrd``) and ``llrd`` for full fine-tuning with
-#: layer-wise learning-rate decay.
-KINDS = ("full", "freeze", "cache", "sub", "smooth", "llrd", "lora", "bft")
+#: layer-wise learning-rate decay, ``es`` for full fine-tuning stopped by Lightning's ``EarlyStopping``.
+KINDS = ("full", "freeze", "cache", "sub", "smooth", "llrd", "lora", "bft", "es")
 
 
 @dataclass(frozen=True)
@@ -22,7 +27,8 @@ class Variant:
 
     ``kind``: ``full`` (the baseline), ``freeze`` / ``cache`` (AutoFreeze without / with AutoCache;
     with ``interval`` set, freeze points inside epochs; with ``anneal`` set, smooth freezing), ``llrd``
-    (full fine-tuning with layer-wise learning-rate decay), ``lora`` (peft LoRA) or ``bft`` (Lightning's
+    (full fine-tuning with layer-wise learning-rate decay), ``es`` (full fine-tuning with Lightning's
+    ``EarlyStopping`` on the validation checks), ``lora`` (peft LoRA) or ``bft`` (Lightning's
     ``BaseFinetuning`` freezing the embeddings and the lower blocks for the whole run). ``llrd`` (a
     decay factor) on a freeze row builds the module's optimizer with layer-wise decay. The names of
     the rows without ``anneal`` and ``llrd`` are those of the earlier records (``--resume``).
@@ -52,6 +58,8 @@ class Variant:
     def _base_name(self) -> str:
         if self.kind in ("full", "llrd"):
             return "full fine-tuning"
+        if self.kind == "es":
+            return f"full fine-tuning, EarlyStopping {self.detail}"
         if self.kind == "lora":
             return f"LoRA {self.detail}"
         if self.kind == "bft":
@@ -185,7 +193,13 @@ def peer_variants(args: argparse.Namespace) -> list[Variant]:
     out = []
     if "lora" in args.kinds:
         lr = "" if args.lora_lr is None or args.lora_lr == args.lr else f" lr={args.lora_lr:g}"
-        out.append(Variant("lora", detail=f"r={args.lora_r} (query, value){lr}"))
+        targets = ", ".join(MODELS[getattr(args, "model", "minilm-l6")].lora_targets)  # (query, value) on BERT, (q, v) on MPNet
+        out.append(Variant("lora", detail=f"r={args.lora_r} ({targets}){lr}"))
     if "bft" in args.kinds:
         out.append(Variant("bft", detail=f"(embeddings + {args.bft_blocks} lower blocks)"))
     return out
+
+
+def early_stopping_variants(args: argparse.Namespace) -> list[Variant]:
+    """Full fine-tuning stopped by Lightning's ``EarlyStopping`` on the validation checks: the speed peer."""
+    return [Variant("es", detail=f"patience {args.es_patience}")] if "es" in args.kinds else []
