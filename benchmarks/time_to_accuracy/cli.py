@@ -71,16 +71,16 @@ DEFAULT_DOCS = ROOT / "docs" / "benchmarks.md"
 #: The 12-layer setting (issue 34, ``--model mpnet-base``): the defaults it gives every argument the command
 #: line leaves open. Sized for about 6 hours of ONE core for 3 seeds (the reasons are in docs/benchmarks_34.md;
 #: ``--dry-run`` prints the estimate): 3 epochs, the fewest where the cache serves training steps (a snippet is
-#: stored at its first visit after a freeze and served from the next epoch on), 1,600 training snippets (what
+#: stored at its first visit after a freeze and served from the next epoch on), 1,500 training snippets (what
 #: one core affords at 3 epochs: 7 ms per token for a training step of MPNet-base), 1,500 validation snippets
-#: for the final paired accuracy, checks on a fixed subset of 300 every quarter epoch (the time-to-accuracy
+#: for the final paired accuracy, checks on a fixed subset of 250 every quarter epoch (the time-to-accuracy
 #: curve, the frontier and EarlyStopping's signal). Rows: full fine-tuning, EarlyStopping, freeze+cache at
 #: epoch starts, the best sub-epoch rule of the MiniLM runs (autofreeze p50 every 0.25 epoch), LoRA and
 #: BaseFinetuning (embeddings + the lower half).
 MPNET: dict[str, Any] = {
-    "train_size": 1600, "val_size": 1500, "epochs": 3, "seeds": "0,1,2", "threads": 1,
+    "train_size": 1500, "val_size": 1500, "epochs": 3, "seeds": "0,1,2", "threads": 1,
     "variants": "full,es,cache,sub,lora,bft", "intervals": "0.25", "sub_rules": "autofreeze", "bft_blocks": 6,
-    "val_subset": "300", "llrd": "none", "tta_target": "plateau", "docs": ROOT / "docs" / "benchmarks_34.md",
+    "val_subset": "250", "llrd": "none", "tta_target": "plateau", "docs": ROOT / "docs" / "benchmarks_34.md",
     "json": ROOT / "docs" / "time_to_accuracy_34.json", "compare": ROOT / "docs" / "time_to_accuracy.json",
 }  # fmt: skip
 #: ``--model mpnet-base --smoke``: one seed, tiny sizes, every row (a few minutes on one idle core).
@@ -170,7 +170,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --write: another run's records (e.g. the MiniLM rows, docs/time_to_accuracy.json) whose paired "
                         "table goes beside this run's in the report")  # fmt: skip
     p.add_argument("--commit", action="store_true",
-                   help="git-commit the --json records after every run (a long run's records survive the machine)")
+                   help="git-commit the --json records after every run (a long run's records survive the machine), and "
+                        "with --write the report and its PNGs at the end")
     p.add_argument("--smoke", action="store_true", help="tiny preset: 960/320 snippets, 3 epochs, seeds 0,1, 1 thread unless --threads (~5 min idle, ~10 loaded)")
     p.add_argument("--train-size", type=int, default=None, help="training snippets (default 3000; smoke 960)")
     p.add_argument("--val-size", type=int, default=None,
@@ -419,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n" + table + "\n", flush=True)
     print(training_table(rows) + "\n", flush=True)
     print(epoch_table(rows) + "\n", flush=True)
-    goal = goal_text(rows, records)
+    goal = goal_text(rows, records, MODELS[args.model].blocks)
     paired, times, curves = paired_section(records, variants, target, args)
     goal += "\n\n" + paired
     print(goal + "\n", flush=True)
@@ -450,11 +451,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             + f"Batches are sorted by length, {args.val_batch_size} per batch, with no gradients. It is kept out of "
             f"the training time, and evaluating less often would cut it.\n"
-            f"- Optimizer: fused AdamW (the example's default) cost ~13 ms per step on this kind of CPU, against ~83 ms "
-            f"for the default implementation (measured earlier on this kind of CPU; not timed in this run). Once the embeddings freeze, their 11.7 M parameters, "
-            f"half the model, leave the update.\n"
-            f"- A sub-epoch freeze point stores nothing for the snippets already seen in the epoch: they miss the cache "
-            f"once, at their next visit, and are stored then (see the cache hits per epoch)."
+            + ("- Optimizer: fused AdamW (the example's default) cost ~13 ms per step on this kind of CPU, against ~83 ms "
+               "for the default implementation (measured earlier on this kind of CPU; not timed in this run). Once the embeddings freeze, their 11.7 M parameters, "
+               "half the model, leave the update.\n" if args.model == "minilm-l6" else
+               "- Optimizer: fused AdamW (the example's default). Once the embeddings freeze, their 23.8 M parameters (the "
+               "30,527-token vocabulary at width 768), a fifth of MPNet-base, leave the update.\n")
+            + "- A sub-epoch freeze point stores nothing for the snippets already seen in the epoch: they miss the cache "
+            "once, at their next visit, and are stored then (see the cache hits per epoch)."
         )
         where += bound_text(rows, args.epochs) + cache_text(rows) + exactness_text(records, variants)
         body = {
@@ -480,6 +483,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         }  # fmt: skip
         write_docs(args.docs, (plot, speed_plot), args, body, variants, target)
         print(f"time_to_accuracy: wrote {args.docs}, {plot}" + (f", {speed_plot}" if target is not None else "") + f" and {args.json}", flush=True)
+        if args.commit:
+            written = [args.docs, plot, speed_plot, frontier_plot_path_for(args.docs), args.json]
+            commit_records(written, f"benchmark report: {args.docs.name} from {len(records)} records")
     return 1 if any(r.error for r in records) else 0
 
 #: The arguments that define the setting: a resumed record must come from a run with the same ones. The
@@ -578,13 +584,16 @@ def paired_section(
     return text, times, curves
 
 
-def commit_records(path: Path, message: str) -> None:
-    """Commit the record file alone (``git commit --only``: whatever else is staged stays staged). A failure is
-    reported and the run goes on: the records are on disk either way."""
+def commit_records(paths: Path | Sequence[Path], message: str) -> None:
+    """Commit these files alone (``git commit --only``: whatever else is staged stays staged). A failure is
+    reported and the run goes on: the files are on disk either way."""
     import subprocess
 
-    cwd = path.resolve().parent
-    for cmd in (["git", "add", "--", str(path.resolve())], ["git", "commit", "-q", "--only", "-m", message, "--", str(path.resolve())]):
+    files = [str(p.resolve()) for p in ([paths] if isinstance(paths, Path) else paths) if p.exists()]
+    if not files:
+        return
+    cwd = Path(files[0]).parent
+    for cmd in (["git", "add", "--", *files], ["git", "commit", "-q", "--only", "-m", message, "--", *files]):
         done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
         if done.returncode != 0:
             print(f"time_to_accuracy: --commit: `{' '.join(cmd[:3])} ...` failed ({(done.stderr or done.stdout).strip()[-300:]}); "

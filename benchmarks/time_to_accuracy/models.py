@@ -25,6 +25,7 @@ class ModelSpec:
         pre: ``AutoFreeze(pre=...)``: attribute paths (from the LightningModule) of everything that runs
             before the blocks, frozen with the embeddings; ``None``: the package's discovery finds them.
         lora_targets: the attention projections LoRA adapts (query and value).
+        head_class: the ``transformers`` class the example loads it with (a new classification head).
     """
 
     asset: str
@@ -33,6 +34,7 @@ class ModelSpec:
     blocks: int
     pre: tuple[str, ...] | None
     lora_targets: tuple[str, ...]
+    head_class: str = "BertForSequenceClassification"
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -52,5 +54,6 @@ MODELS: dict[str, ModelSpec] = {
         # recognises a module that the blocks consume as part of the prefix by itself.
         pre=("model.mpnet.embeddings", "model.mpnet.encoder.relative_attention_bias"),
         lora_targets=("q", "v"),
+        head_class="MPNetForSequenceClassification",
     ),
 }

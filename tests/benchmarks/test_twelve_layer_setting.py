@@ -22,8 +22,8 @@ from lightning_pipetransformer.stack.discovery import find_block_stack
 
 def test_the_preset_fills_what_the_command_line_leaves_open():
     args = cli.parse_args(["--model", "mpnet-base"])
-    assert (args.train_size, args.val_size, args.epochs, args.seed_list, args.threads) == (1600, 1500, 3, [0, 1, 2], 1)
-    assert args.kinds == ["full", "es", "cache", "sub", "lora", "bft"] and args.val_subset == 300
+    assert (args.train_size, args.val_size, args.epochs, args.seed_list, args.threads) == (1500, 1500, 3, [0, 1, 2], 1)
+    assert args.kinds == ["full", "es", "cache", "sub", "lora", "bft"] and args.val_subset == 250
     assert args.docs.name == "benchmarks_34.md" and args.json.name == "time_to_accuracy_34.json"
     assert [v.name for v in sub_epoch_variants(args)] == ["freeze+cache autofreeze p50, every 0.25 epoch"]
     assert [v.name for v in early_stopping_variants(args)] == ["full fine-tuning, EarlyStopping patience 2"]
@@ -127,3 +127,27 @@ def test_one_pass_over_the_whole_set_gives_the_subsets_accuracy_too():
     subset = [1, 4, 9, 16]
     sub_loader = torch.utils.data.DataLoader(data, batch_sampler=[subset])
     assert sum(correct[i] for i in subset) / len(subset) == pytest.approx(evaluate(model, sub_loader))  # type: ignore[arg-type]
+
+
+def test_commit_records_commits_the_records_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    import subprocess
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True, text=True).stdout
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    (tmp_path / "other.txt").write_text("staged, not ours\n")
+    git("add", "other.txt")
+    records = tmp_path / "records.json"
+    records.write_text("{}\n")
+    cli.commit_records(records, "records: 1")
+    assert git("show", "--name-only", "--format=%s", "HEAD").split() == ["records:", "1", "records.json"]
+    assert git("diff", "--cached", "--name-only").split() == ["other.txt"]  # still staged, not committed
+    cli.commit_records(tmp_path / "absent.json", "nothing")  # nothing to commit: no commit, no error
+    assert git("rev-list", "--count", "HEAD").strip() == "1"
+    records.write_text('{"a": 1}\n')
+    (tmp_path / ".git" / "index.lock").write_text("")  # another git process holds the index
+    cli.commit_records(records, "records: 2")
+    assert "not committed" in capsys.readouterr().out
