@@ -418,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, target = summarize(records, variants, target=plateau)
     table = markdown_table(rows, target)
     print("\n" + table + "\n", flush=True)
-    print(training_table(rows) + "\n", flush=True)
+    print(training_table(rows, MODELS[args.model].blocks) + "\n", flush=True)
     print(epoch_table(rows) + "\n", flush=True)
     goal = goal_text(rows, records, MODELS[args.model].blocks)
     paired, times, curves = paired_section(records, variants, target, args)
@@ -461,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         where += bound_text(rows, args.epochs) + cache_text(rows) + exactness_text(records, variants)
         body = {
-            "command": command, "table": table, "training": training_table(rows), "epochs": epoch_table(rows),
+            "command": command, "table": table, "training": training_table(rows, MODELS[args.model].blocks), "epochs": epoch_table(rows),
             "where": where, "cache_note": cache_note, "goal": goal, "steps": str(steps), "n_check": str(n_check),
             "peft_version": _version("peft"),
             "ran": ran_text(records, variants),

@@ -65,7 +65,7 @@ def write_speedup_plot(rows: list[dict[str, Any]], path: Path, title: str = "Min
     base = next((r for r in rows if r["kind"] == "full" and r.get("runs")), None)
     fig, ax = plt.subplots(figsize=(11.5, 5.5))
     points = [r for r in rows if r.get("runs") and (r["kind"] == "full" or not math.isnan(r["speedup"]))]
-    markers = {"full": "s", "llrd": "X", "freeze": "v", "cache": "o", "lora": "D", "bft": "P"}
+    markers = {"full": "s", "es": "^", "llrd": "X", "freeze": "v", "cache": "o", "lora": "D", "bft": "P"}
     for r in points:
         x = 1.0 if r["kind"] == "full" else r["speedup"]
         sd = 0.0 if math.isnan(r["acc"][1]) else r["acc"][1]

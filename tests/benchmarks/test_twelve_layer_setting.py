@@ -151,3 +151,33 @@ def test_commit_records_commits_the_records_alone(tmp_path: Path, capsys: pytest
     (tmp_path / ".git" / "index.lock").write_text("")  # another git process holds the index
     cli.commit_records(records, "records: 2")
     assert "not committed" in capsys.readouterr().out
+
+
+def test_gpu_runs_wait_for_the_gpu_where_the_clocks_read_and_cpu_runs_do_not(monkeypatch: pytest.MonkeyPatch):
+    from benchmarks.time_to_accuracy.runner import CudaSync, eval_device
+
+    waited: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    hook_names = ("on_train_epoch_start", "on_train_epoch_end", "on_validation_start", "on_validation_end")
+    gpu, cpu = types.SimpleNamespace(device=torch.device("cuda", 0)), types.SimpleNamespace(device=torch.device("cpu"))
+    for name in hook_names:
+        getattr(CudaSync(), name)(None, gpu)
+        getattr(CudaSync(), name)(None, cpu)
+    assert waited == [torch.device("cuda", 0)] * len(hook_names)
+    assert eval_device(types.SimpleNamespace(accelerator="cuda")).type == "cuda"
+    assert eval_device(types.SimpleNamespace(accelerator="cpu")).type == "cpu"
+
+
+def test_the_example_loads_the_head_class_of_the_checkpoints_model_type(tmp_path: Path):
+    import transformers
+
+    from examples.text_classification import SentimentClassifier, sequence_classifier_class
+
+    Module().model.save_pretrained(tmp_path / "mpnet")
+    assert sequence_classifier_class(tmp_path / "mpnet") is transformers.MPNetForSequenceClassification
+    loaded = SentimentClassifier(pretrained=str(tmp_path / "mpnet"))
+    assert isinstance(loaded.model, transformers.MPNetForSequenceClassification)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text('{"model_type": "t5"}')
+    with pytest.raises(ValueError, match="model_type 't5'.*SEQUENCE_CLASSIFIERS"):
+        sequence_classifier_class(tmp_path / "other")
