@@ -21,5 +21,5 @@ resume=()
 if [ -f "$RECORDS" ]; then resume=(--resume "$RECORDS"); fi
 NOTE="The 12-layer setting's choices (sizes, rows, statistics) and why: docs/benchmarks_12layer.md. One core (taskset -c $CORE, 1 torch thread)."
 OMP_NUM_THREADS=1 PYTHONPATH=$PWD nohup taskset -c "$CORE" "$PYTHON" -m benchmarks.time_to_accuracy \
-    --model mpnet-base --write --commit "${resume[@]}" --note "$NOTE" >>"$LOG" 2>&1 &
+    --model mpnet-base --write --commit ${resume[@]+"${resume[@]}"} --note "$NOTE" >>"$LOG" 2>&1 &
 echo "started: pid $! on core $CORE; log $LOG; records $RECORDS${resume:+ (resumed)}"
