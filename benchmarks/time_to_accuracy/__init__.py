@@ -65,7 +65,18 @@ keys hit, and batches carry far less padding than with ``trim`` (the example's p
 longest snippet, where a sample's padded length depends on its batch-mates and content keys then
 miss) or ``max`` (always ``--max-length`` tokens).
 
-Modules: :mod:`.data` (the data module, length buckets), :mod:`.variants` (the rows and a run's record),
+The 12-layer setting (issue 34): ``--model mpnet-base`` fine-tunes MPNet-base (12 blocks) with its own preset (sizes
+for about 6 hours of one core, the rows full / ``es`` (EarlyStopping on the checks) / freeze+cache at epoch starts /
+autofreeze every 0.25 epoch / LoRA / BaseFinetuning, the time-to-accuracy target from the baseline's plateau), and
+every report with a baseline gets a section pairing each row with full fine-tuning of the same seed (per-seed
+differences, 95% t-intervals, the frontier: :mod:`.paired`, :mod:`.paired_report`). ``--device cuda`` runs it on a
+GPU. docs/benchmarks_12layer.md says what was chosen and why::
+
+    python -m benchmarks.time_to_accuracy --model mpnet-base --dry-run
+    bash benchmarks/time_to_accuracy/launch_12layer.sh      # the 3-seed run, background, one core, resumable
+
+Modules: :mod:`.data` (the data module, length buckets), :mod:`.models` (the encoders: MiniLM-L6, MPNet-base),
+:mod:`.variants` (the rows and a run's record),
 :mod:`.runner` (the Trainer of a variant, one fit), :mod:`.estimate` (``--dry-run``'s duration estimate),
 :mod:`.summary` (means over seeds, the goal), :mod:`.report` and :mod:`.plots` (the ``--docs`` page and its
 PNGs), :mod:`.cli` (the command line; ``__main__`` runs it). Run from the repository root (see
