@@ -109,3 +109,31 @@ def test_frontier_lead_names_the_worst_shortfall():
     assert share == pytest.approx(2 / 4)
     assert worst == pytest.approx(1.0) and where == "LoRA at 20 s"
     assert frontier_lead([0.9] * 4, peers, times)[1:] == (None, None)
+
+
+def test_the_goal_per_row_needs_speed_accuracy_time_to_accuracy_and_the_frontier():
+    from benchmarks.time_to_accuracy.paired_report import frontier_curves, frontier_times, paired_goal_text, paired_rows, paired_table
+    from benchmarks.time_to_accuracy.variants import Variant
+
+    full, ours, lora = Variant("full"), Variant("cache", 1 / 3, "1/3"), Variant("lora", detail="r=8")
+    records = []
+    for s, d in enumerate((-0.10, -0.20, -0.15)):
+        records.append(run(full.name, s, [(25.0, 0.70), (50.0, 0.80), (75.0, 0.85), (100.0, 0.85)], final=0.85))
+        records.append(run(ours.name, s, [(10.0, 0.80), (20.0, 0.85), (40.0, 0.85)], final=0.85 + d / 100))
+        records.append(run(lora.name, s, [(30.0, 0.60), (60.0, 0.70), (90.0, 0.75)], final=0.75))
+    target = plateau_target([r for r in records if r.variant == full.name], 0.3)
+    rows = paired_rows(records, [full.name, ours.name, lora.name], target)
+    assert [r.variant for r in rows] == [ours.name, lora.name]  # the baseline is not paired with itself
+    times = frontier_times(records, points=11)
+    curves = frontier_curves(records, [full, ours, lora], times)
+    text = paired_goal_text(rows, [full, ours, lora], curves, times)
+    assert "**The goal is met**" in text
+    assert f"**{ours.name}**: **met**" in text and "resolved: the whole interval is above -0.3" in text
+    assert "ahead of every peer at every time" in text
+    assert lora.name not in text.split("\n\n", 2)[-1]  # the goal is for rows of ours only
+    assert "| freeze+cache a=1/3 | 0,1,2 | -0.10, -0.20, -0.15 |" in paired_table(rows)
+    # The same row, one point worse on one seed: no longer resolved, and not met.
+    worse = [r if not (r.variant == ours.name and r.seed == 1) else run(ours.name, 1, [(10.0, 0.80), (20.0, 0.85), (40.0, 0.85)], final=0.84)
+             for r in records]  # fmt: skip
+    text = paired_goal_text(paired_rows(worse, [full.name, ours.name], target), [full, ours, lora], curves, times)
+    assert "**The goal is not met**" in text and "not resolved by 3 seeds" in text
