@@ -139,6 +139,32 @@ def wait(waiter: Stream, producer: Stream) -> None:
     waiter.wait_event(event)
 
 
+def until_done(work: Any, device: torch.device) -> None:
+    """Block the host until ``work`` (a collective or point-to-point request) no longer uses its buffers.
+
+    ``Work.wait()`` alone is not that under NCCL: it makes the current stream wait on the NCCL
+    stream and returns at once; :func:`host_catches_up` then blocks until the stream is past it.
+    On the CPU (gloo) ``wait()`` already blocks. Call it on a request not yet waited (gloo's
+    point-to-point ``wait`` is not idempotent: a second one waits for another message).
+    """
+    work.wait()
+    host_catches_up(device)
+
+
+def host_catches_up(device: torch.device) -> None:
+    """Block the host until everything queued so far on ``device``'s current stream has run
+    (requests it was made to wait on included): an event recorded there, synchronised.
+    Nothing to do on the CPU."""
+    if _stand_in is not None:
+        event = _stand_in.new_event()
+    elif device.type == "cuda":
+        event = torch.cuda.Event()
+    else:
+        return
+    event.record(current_stream(device))
+    event.synchronize()
+
+
 def record(tensor: Tensor, *streams: Stream) -> None:
     """Tell the caching allocator that ``tensor`` is also read on ``streams``.
 
@@ -354,9 +380,15 @@ class VirtualDevices:
         return tensor.device  # never placed: where torch says it is
 
     def live_bytes(self, device: torch.device) -> int:
-        """Bytes of the tensors tagged on ``device`` that are still alive (staging buffers, for a test's bound)."""
-        alive = [ref() for ref, where in list(self._where.values()) if where == device]
-        return sum(t.numel() * t.element_size() for t in alive if t is not None)
+        """Bytes of the memory held by tensors tagged on ``device`` that are still alive (staging
+        buffers, for a test's bound): each storage once, however many views of it are tagged."""
+        storages: dict[int, int] = {}
+        for ref, where in list(self._where.values()):
+            tensor = ref()
+            if tensor is not None and where == device:
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
 
     def placed(self, module: torch.nn.Module, device: torch.device) -> None:
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:

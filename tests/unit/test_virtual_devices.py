@@ -68,10 +68,13 @@ def test_a_collective_on_a_tensor_off_the_process_device_fails_and_staging_avoid
             dev.check_collective(on_stage, "test")
         pieces = list(state_transfer._pieces([on_stage], state_transfer.CHUNK_BYTES))  # without via: straight from cpu:1
         with pytest.raises(VirtualDeviceError):
-            dev.check_collective(pieces[0][2], "test")
-        for message, targets, source in state_transfer._pieces([on_stage], state_transfer.CHUNK_BYTES, via=CPU0):
-            dev.check_collective(source, "test")  # staged through a buffer on the process's device
-            assert targets and message.numel() == sum(t.numel() for t in targets)
+            dev.check_collective(pieces[0].direct, "test")
+        ring = state_transfer._StagingRing(1)
+        for piece in state_transfer._pieces([on_stage], state_transfer.CHUNK_BYTES, via=CPU0):
+            assert piece.direct is None and piece.device == CPU0
+            _, message = ring.take(piece)
+            dev.check_collective(message, "test")  # staged through a buffer on the process's device
+            assert message.numel() == sum(t.numel() for t in piece.targets)
 
 
 def test_same_device_hop_returns_a_tensor_an_in_place_op_may_change():
