@@ -478,7 +478,12 @@ class PipeTransformerStrategy(ProcessLayout):
         if module is None or plan is None:
             return
         shown = report.progress_values(plan, self.config, self.world_size, self.autocache)
-        module.log_dict({k: float(v) for k, v in shown.items()}, prog_bar=True, logger=False, on_step=True, on_epoch=False)
+        # CPU tensors, never Python numbers: Lightning keeps a logged tensor on its device, and the
+        # bar's ``.item()`` of a CPU tensor waits for nothing. A float would become
+        # ``torch.tensor(v, device=cuda)`` (a synchronising copy from pageable memory) and the bar's
+        # ``.item()`` of it a second host sync, every step, on every rank.
+        values = {k: torch.tensor(float(v)) for k, v in shown.items()}
+        module.log_dict(values, prog_bar=True, logger=False, on_step=True, on_epoch=False)
 
     def _report_engagement(self) -> None:
         """Once per epoch: whether the pipeline / cache ran the stack, and AutoCache's counters (:mod:`~lightning_pipetransformer.report`)."""
