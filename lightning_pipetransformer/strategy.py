@@ -278,7 +278,8 @@ class PipeTransformerStrategy(ProcessLayout):
             proposal = {
                 "plan": self.engine.propose(self._target_frozen(autofreeze)).to_dict(),
                 "planner": self.engine.planner.state_dict(),
-                "autofreeze": autofreeze.state_dict() if autofreeze is not None else None,
+                # The decisions only: the gradient sums stay on rank 0, the one rank that reads them.
+                "autofreeze": autofreeze.decision_state() if autofreeze is not None else None,
             }
         message = self._replicas.agree(proposal, (trainer.current_epoch, trainer.global_step))
         if self.global_rank != 0:
