@@ -30,7 +30,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -635,6 +635,11 @@ class PipeTransformerStrategy(ProcessLayout):
         self._kv_cache_configs = []
         if module is not None:
             self.model = self._gradients.unwrap(self.model, module)  # unwrap, as DDPStrategy does
+        trainer = module._trainer if module is not None else None
+        if trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED:
+            # This call's groups are freed (the next trainer call makes its own); after a failure
+            # they are left to the fault path, which may have aborted them.
+            self._replicas.close()
         if module is not None and module._trainer is not None and module._trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
             assert self.model is not None
             self.model = self._layer_sync.revert(self.model)

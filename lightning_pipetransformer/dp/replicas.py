@@ -50,6 +50,9 @@ class OneProcess:
         """One process cannot add data-parallel replicas: it keeps its single pipeline."""
         return dataclasses.replace(plan, devices=plan.devices[:1], active_ranks=(0,))
 
+    def close(self) -> None:
+        """No groups to free."""
+
 
 class Elastic:
     """Several processes (AutoDP): rank 0 decides, every rank applies, joiners receive state."""
@@ -119,6 +122,20 @@ class Elastic:
         """Free a group no longer used (its communicators would otherwise live as long as the process)."""
         if group is not None and group is not self.active_group and was_member:
             groups.destroy_group(group)
+
+    def close(self) -> None:
+        """Free this trainer call's groups; every rank calls this at teardown, in the same order.
+
+        Each trainer call (fit, then validate, then test) connects anew: without this every call
+        would leave a gloo control group and an NCCL communicator (with its device buffers) alive
+        for the rest of the process. WORLD (the control group under gloo) is Lightning's and stays;
+        a shadow rank holds no communicator of the active group.
+        """
+        active, control = self.active_group, self.control_group
+        self.active_group = self.control_group = None
+        self.peers = []
+        groups.destroy_group(active)
+        groups.destroy_group(control)
 
     def send_weights(self, module: nn.Module, joining: tuple[int, ...], via: torch.device) -> None:
         """Rank 0's parameters to ``joining`` and its buffers to every replica (active ranks only)."""

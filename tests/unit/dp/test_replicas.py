@@ -104,6 +104,19 @@ def test_regroup_returns_the_old_group_and_release_frees_it_only_for_its_members
     assert ("destroy", "active1") in fake.calls
 
 
+def test_close_frees_the_calls_groups_so_the_next_trainer_call_starts_clean(fake):
+    for rank, active in ((0, (0, 2)), (1, (0, 2))):  # a replica, and a shadow rank (not in the active group)
+        fake.calls.clear()
+        elastic = Elastic(rank, 4, "nccl", timedelta(seconds=5))
+        elastic.connect()
+        elastic.regroup(active)
+        elastic.close()
+        made = [c for c in fake.calls if c[0] in ("control_group", "active_group")]
+        destroyed = [c[1] for c in fake.calls if c[0] == "destroy"]
+        assert len(made) == 2 and destroyed == [f"active{fake.made}", "control"]  # every group it made, active first
+        assert elastic.control_group is None and elastic.active_group is None and elastic.peers == []
+
+
 def test_sending_goes_over_the_active_group_to_the_joining_ranks_only(monkeypatch):
     seen = []
     monkeypatch.setattr(
