@@ -18,9 +18,13 @@ block then fails on a micro-batch the executor's error names every such argument
 
 Splitting follows :func:`torch.tensor_split`: ``chunks`` need not divide the batch, the first
 ``batch % chunks`` micro-batches get one sample more, and a batch smaller than ``chunks`` (the
-last batch of an epoch) is cut into fewer micro-batches. The pieces are copies, not views: an
-in-place operation on one micro-batch's input (``ReLU(inplace=True)``) must not bump a version
-counter that another micro-batch's saved tensors share.
+last batch of an epoch) is cut into fewer micro-batches. The hidden state's pieces (and those of
+any argument that requires grad) are copies, not views: an in-place operation on one
+micro-batch's input (``ReLU(inplace=True)``) must not bump a version counter that another
+micro-batch's saved tensors share. The other batch-shaped arguments (masks, position ids, rotary
+tables: no gradient) are views: a Llama/BERT 4-D mask ``[B, 1, S, S]`` is not copied per pass.
+Their rows do not overlap, so a block that writes one in place changes what the model's own loop
+would change; only autograd's version check is shared between the views, and it fails loudly.
 """
 
 from __future__ import annotations
@@ -112,11 +116,12 @@ def scatter(
                     f"(the hidden state's first dimension) is {batch}."
                 )
             if (named is None and _is_batch_tensor(value, batch)) or named is True:
-                cut[id(value)] = _pieces(value, n)
+                cut[id(value)] = _pieces(value, n, copy=value.requires_grad)
                 cut_from.append((name, value, cut[id(value)]))  # type: ignore[arg-type]
             elif named is None and _folded(key, value, batch):
                 k = value.shape[0] // batch
-                cut[id(value)] = (value,) if n == 1 else _copies(torch.split(value, [s * k for s in sizes]), n)
+                folded = torch.split(value, [s * k for s in sizes])
+                cut[id(value)] = (value,) if n == 1 else (_copies(folded, n) if value.requires_grad else tuple(folded))
                 cut_from.append((name, value, cut[id(value)]))  # type: ignore[arg-type]
             else:
                 cut[id(value)] = None
@@ -168,8 +173,12 @@ def per_sample_view(key: int | str, value: Any, batch: int) -> Any:
     return value
 
 
-def _pieces(value: Tensor, n: int) -> tuple[Tensor, ...]:
-    return (value,) if n == 1 else _copies(torch.tensor_split(value, n), n)
+def _pieces(value: Tensor, n: int, copy: bool = True) -> tuple[Tensor, ...]:
+    """``n`` row blocks of ``value``: copies (``copy``) or views; one block is ``value`` itself."""
+    if n == 1:
+        return (value,)
+    views = torch.tensor_split(value, n)
+    return _copies(views, n) if copy else tuple(views)
 
 
 def _copies(pieces: Sequence[Tensor], n: int) -> tuple[Tensor, ...]:

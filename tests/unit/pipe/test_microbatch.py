@@ -70,6 +70,23 @@ def test_pieces_are_copies_so_in_place_ops_do_not_share_a_version_counter():
     assert scatter(x, one_block(), 1).hidden[0] is x  # one micro-batch: the tensor itself, no copy
 
 
+def test_masks_and_other_arguments_without_gradient_are_views_not_copies():
+    """A 4-D mask [B, 1, S, S] is not copied per pass; an argument that requires grad still is."""
+    x = torch.randn(4, 3, 2)
+    mask = torch.randn(4, 1, 3, 3)
+    bias = torch.randn(4, 3, requires_grad=True)
+    alibi = torch.randn(4 * 2, 1, 3)
+    split = scatter(x, [((), {"mask": mask, "bias": bias, "alibi": alibi})], 2)
+    for m, calls in enumerate(split.calls):
+        kwargs = calls[0][1]
+        piece = kwargs["mask"]
+        assert piece._base is mask and piece.data_ptr() == mask[2 * m].data_ptr()  # a view: no copy
+        assert kwargs["alibi"]._base is alibi  # a folded argument too
+        assert kwargs["bias"]._base is None and kwargs["bias"].data_ptr() != bias[2 * m].data_ptr()  # requires grad: a copy
+        assert torch.equal(piece, mask[2 * m : 2 * m + 2])
+    assert split.hidden[0]._base is None  # the hidden state's pieces stay copies
+
+
 def test_batch_major_folded_arguments_are_cut_by_sample():
     batch, heads = 6, 3
     alibi = torch.arange(batch * heads * 1.0).reshape(batch * heads, 1, 1)  # row b*heads+h: sample b
