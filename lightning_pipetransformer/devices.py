@@ -165,6 +165,19 @@ def host_catches_up(device: torch.device) -> None:
     event.synchronize()
 
 
+def release_cached_memory(device: torch.device) -> None:
+    """After blocks moved between GPUs: cuBLAS's per-stream workspaces and the caching allocator's
+    free blocks go back to the driver, on every GPU of this process, so that a GPU this process
+    left holds nothing of it when another rank's replica is placed there. The workspaces of the
+    GPUs still used are made again on their next matmul (a few MB each). Nothing to do on the CPU."""
+    if device.type != "cuda":
+        return
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_workspaces is not None:
+        clear_workspaces()
+    torch.cuda.empty_cache()
+
+
 def record(tensor: Tensor, *streams: Stream) -> None:
     """Tell the caching allocator that ``tensor`` is also read on ``streams``.
 

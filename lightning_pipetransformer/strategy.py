@@ -532,7 +532,8 @@ class PipeTransformerStrategy(ProcessLayout):
             clock.lap("plan_broadcast")
             if change.rebuild:
                 self.model = self._gradients.unwrap(self.model, module)  # 2
-                self._apply(change.new)  # 3
+                # 3: the ranks already active first (blocks off the GPUs they leave, caches freed), then the joiners.
+                self._replicas.place_in_turn(lambda: self._apply(change.new), joining=self.global_rank in change.joining)
                 clock.lap("partition")
                 old_group = self._replicas.active_group
                 if change.regroup:  # 4
@@ -586,8 +587,7 @@ class PipeTransformerStrategy(ProcessLayout):
             # Blocks may have moved between devices (K 4 -> 2): their optimizer state follows, and the
             # devices left keep no cached blocks for the replica that takes them over.
             dev.optimizer_state_to_param_devices(self.optimizers)
-            if self.root_device.type == "cuda":
-                torch.cuda.empty_cache()
+            dev.release_cached_memory(self.root_device)
         rank_zero_info(report.plan_text(plan))
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         # Like Lightning's own metrics: to the loggers while fitting only, never at validate/test/predict.

@@ -16,6 +16,7 @@ on which group: :mod:`lightning_pipetransformer.dp.groups`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -122,6 +123,22 @@ class Elastic:
         """Free a group no longer used (its communicators would otherwise live as long as the process)."""
         if group is not None and group is not self.active_group and was_member:
             groups.destroy_group(group)
+
+    def place_in_turn(self, apply: Callable[[], None], joining: bool) -> None:
+        """``apply`` (this rank's part of a new plan: blocks placed on their stages' GPUs) with the
+        ranks that were already active first, then, after a barrier over every rank, the joining ones.
+
+        Why: a joining rank places its whole replica on GPUs that the shrinking pipeline of another
+        rank held stages on; placed at once, such a GPU would hold the old stage and the new replica
+        together. The ranks already active move their blocks off those GPUs and release the cached
+        memory first (``apply`` does), so a GPU's peak is the larger of the two, not their sum.
+        Costs one barrier over the gloo control group per transition that rebuilds.
+        """
+        if not joining:
+            apply()
+        groups.barrier(self.control_group)
+        if joining:
+            apply()
 
     def close(self) -> None:
         """Free this trainer call's groups; every rank calls this at teardown, in the same order.

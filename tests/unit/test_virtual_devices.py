@@ -175,3 +175,13 @@ def test_the_first_hit_check_allows_tf32_matmuls():
     assert not torch.allclose(exact, rounded, rtol=1e-3, atol=1e-4)
     assert torch.allclose(exact, rounded, rtol=tf32[0], atol=tf32[1])
     assert not torch.allclose(exact, exact.flip(0), rtol=tf32[0], atol=tf32[1])
+
+
+def test_blocks_moved_between_gpus_release_cublas_workspaces_then_the_cache(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("workspaces"), raising=False)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    dev.release_cached_memory(torch.device("cpu"))
+    assert calls == []
+    dev.release_cached_memory(torch.device("cuda", 0))
+    assert calls == ["workspaces", "empty_cache"]  # the workspaces go back to the allocator first, then to the driver
