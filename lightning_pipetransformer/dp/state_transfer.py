@@ -421,6 +421,8 @@ def average_gradients(params: Sequence[torch.Tensor], group: Any, via: torch.dev
     ``via``, reduced in place, or up to ``chunk_bytes`` of small or off-``via`` gradients packed into
     one staging buffer, reused piece after piece) is one all-reduce with the average op.
     """
+    if not params:
+        return  # everything frozen: the same on every replica, so no rank enters the collectives
     used = used_anywhere(params, group, via)
     grads = []
     for param, anywhere in zip(params, used):
