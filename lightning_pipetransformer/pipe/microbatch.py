@@ -22,9 +22,10 @@ last batch of an epoch) is cut into fewer micro-batches. The hidden state's piec
 any argument that requires grad) are copies, not views: an in-place operation on one
 micro-batch's input (``ReLU(inplace=True)``) must not bump a version counter that another
 micro-batch's saved tensors share. The other batch-shaped arguments (masks, position ids, rotary
-tables: no gradient) are views: a Llama/BERT 4-D mask ``[B, 1, S, S]`` is not copied per pass.
-Their rows do not overlap, so a block that writes one in place changes what the model's own loop
-would change; only autograd's version check is shared between the views, and it fails loudly.
+tables: no gradient) share the argument's memory (:func:`_aliases`): a Llama/BERT 4-D mask
+``[B, 1, S, S]`` is not copied per pass. Their rows do not overlap, so a block that writes one in
+place changes what the model's own loop would change, and each piece has a version counter of its
+own, so autograd checks each micro-batch on its own rows.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def scatter(
             elif named is None and _folded(key, value, batch):
                 k = value.shape[0] // batch
                 folded = torch.split(value, [s * k for s in sizes])
-                cut[id(value)] = (value,) if n == 1 else (_copies(folded, n) if value.requires_grad else tuple(folded))
+                cut[id(value)] = (value,) if n == 1 else (_copies(folded, n) if value.requires_grad else _aliases(folded))
                 cut_from.append((name, value, cut[id(value)]))  # type: ignore[arg-type]
             else:
                 cut[id(value)] = None
@@ -174,11 +175,30 @@ def per_sample_view(key: int | str, value: Any, batch: int) -> Any:
 
 
 def _pieces(value: Tensor, n: int, copy: bool = True) -> tuple[Tensor, ...]:
-    """``n`` row blocks of ``value``: copies (``copy``) or views; one block is ``value`` itself."""
+    """``n`` row blocks of ``value``: copies (``copy``) or aliases; one block is ``value`` itself."""
     if n == 1:
         return (value,)
     views = torch.tensor_split(value, n)
-    return _copies(views, n) if copy else tuple(views)
+    return _copies(views, n) if copy else _aliases(views)
+
+
+def _aliases(views: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """The same memory as ``views``, each with a version counter of its own.
+
+    Views of one tensor share its version counter: a block that writes one micro-batch's rows in
+    place (``mask.clamp_()``) would make autograd refuse every other micro-batch's saved rows
+    ("modified by an inplace operation"), though they were not touched. An alias made with
+    ``set_`` shares the storage but not the counter, so each micro-batch is checked on its own
+    rows, as the model's own loop checks the whole tensor. Under inference mode (no autograd, no
+    version counters) views are enough.
+    """
+    if any(v.is_inference() for v in views):
+        return tuple(views)
+    with torch.no_grad():
+        return tuple(
+            torch.empty(0, dtype=v.dtype, device=v.device).set_(v.untyped_storage(), v.storage_offset(), v.size(), v.stride())
+            for v in views
+        )
 
 
 def _copies(pieces: Sequence[Tensor], n: int) -> tuple[Tensor, ...]:
