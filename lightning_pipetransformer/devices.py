@@ -54,7 +54,8 @@ class StreamBackend(Protocol):
 #: Test seam (see :func:`stand_in_streams`); ``None`` in production, where streams are CUDA's.
 _stand_in: StreamBackend | None = None
 
-#: The stream pool: ``(device, slot) -> stream``, made on first use (see :func:`stage_streams`).
+#: The stream pool: ``(device, slot) -> stream``, made on first use (see :func:`stage_streams`,
+#: :func:`copy_stream`).
 _pool: dict[tuple[torch.device, int], Stream] = {}
 
 
@@ -139,6 +140,45 @@ def wait(waiter: Stream, producer: Stream) -> None:
     waiter.wait_event(event)
 
 
+def until_done(work: Any, device: torch.device) -> None:
+    """Block the host until ``work`` (a collective or point-to-point request) no longer uses its buffers.
+
+    ``Work.wait()`` alone is not that under NCCL: it makes the current stream wait on the NCCL
+    stream and returns at once; :func:`host_catches_up` then blocks until the stream is past it.
+    On the CPU (gloo) ``wait()`` already blocks. Call it on a request not yet waited (gloo's
+    point-to-point ``wait`` is not idempotent: a second one waits for another message).
+    """
+    work.wait()
+    host_catches_up(device)
+
+
+def host_catches_up(device: torch.device) -> None:
+    """Block the host until everything queued so far on ``device``'s current stream has run
+    (requests it was made to wait on included): an event recorded there, synchronised.
+    Nothing to do on the CPU."""
+    if _stand_in is not None:
+        event = _stand_in.new_event()
+    elif device.type == "cuda":
+        event = torch.cuda.Event()
+    else:
+        return
+    event.record(current_stream(device))
+    event.synchronize()
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """After blocks moved between GPUs: cuBLAS's per-stream workspaces and the caching allocator's
+    free blocks go back to the driver, on every GPU of this process, so that a GPU this process
+    left holds nothing of it when another rank's replica is placed there. The workspaces of the
+    GPUs still used are made again on their next matmul (a few MB each). Nothing to do on the CPU."""
+    if device.type != "cuda":
+        return
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_workspaces is not None:
+        clear_workspaces()
+    torch.cuda.empty_cache()
+
+
 def record(tensor: Tensor, *streams: Stream) -> None:
     """Tell the caching allocator that ``tensor`` is also read on ``streams``.
 
@@ -158,8 +198,44 @@ def record(tensor: Tensor, *streams: Stream) -> None:
             tensor.record_stream(stream)
 
 
+#: The pool's slots of a device's two copy streams (stage streams take slots 0, 1, ...): one for
+#: the copies that leave the device, one for those that arrive.
+_COPY_OUT, _COPY_IN = -1, -2
+
+
+def copy_streams(src: torch.device, dst: torch.device) -> tuple[Stream, Stream]:
+    """The copy streams of a hand-over from ``src`` to ``dst``, from the per-process pool: ``src``'s
+    outgoing one and ``dst``'s incoming one. ``None`` off CUDA.
+
+    Cross-device hand-overs run there, off the stages' compute streams (as torchgpipe's copy
+    streams), so a copy overlaps the producer's next micro-batch instead of queueing behind it.
+    Two per device, not one: the outgoing stream waits for the device's compute (the copy reads
+    its output), and an arriving copy queued behind that wait would hold the next micro-batch
+    back until the current one is computed.
+    """
+    for key in ((src, _COPY_OUT), (dst, _COPY_IN)):
+        if key not in _pool:
+            _pool[key] = new_stream(key[0])
+    return _pool[src, _COPY_OUT], _pool[dst, _COPY_IN]
+
+
+def _same_device(a: Any, b: Any) -> bool:
+    a, b = torch.device(a), torch.device(b)
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
+
+
+def _copy_between_devices(x: Tensor, src_device: torch.device, device: torch.device) -> Tensor:
+    """``x.to(device)``; under stand-in streams, the backend sees the copy (a kernel that takes time)."""
+    copy = getattr(_stand_in, "copy", None) if _stand_in is not None else None
+    if copy is not None:
+        copy(src_device, device)
+    return x.to(device)
+
+
 def _move(x: Tensor, src: Stream, dst: Stream, device: torch.device) -> Tensor:
     """Make ``x`` (ready on ``src``) usable on ``dst`` on ``device``; no autograd involved."""
+    if src is not None and dst is not None and not _same_device(src.device, dst.device):
+        return _move_across(x, src, dst, device)
     with use_streams(src, dst):
         # 'x' may still be being written on 'src': nothing on 'dst' may read it before that.
         wait(dst, src)
@@ -171,12 +247,31 @@ def _move(x: Tensor, src: Stream, dst: Stream, device: torch.device) -> Tensor:
     return y
 
 
+def _move_across(x: Tensor, src: Stream, dst: Stream, device: torch.device) -> Tensor:
+    """A hand-over between devices, on the two devices' copy streams.
+
+    torch runs a copy between GPUs on the source device's current stream, after both devices'
+    current streams' earlier work, and makes the destination's current stream wait for it. With
+    the copy streams current, that is: the copy waits for ``x``'s producer (``src``) and earlier
+    copies only, and ``dst`` waits for the copy; the producer's next micro-batch does not.
+    """
+    src_copy, dst_copy = copy_streams(src.device, device)
+    with use_streams(src_copy, dst_copy):
+        wait(src_copy, src)  # the copy reads 'x' once its producer wrote it
+        y = _copy_between_devices(x, src.device, device)
+        record(x, src_copy)  # read by the copy: not reused on 'src' before it is done
+    wait(dst, dst_copy)  # the consumer reads 'y' once copied
+    record(y, dst)  # made on the copy stream, read on 'dst'
+    return y
+
+
 class _Hop(torch.autograd.Function):
     """Hand a tensor from one stream (and device) to another; gradients take the way back."""
 
     @staticmethod
     def forward(ctx: Any, src: Stream, dst: Stream, device: torch.device, x: Tensor) -> Tensor:
-        ctx.src, ctx.dst, ctx.src_device = src, dst, x.device
+        # The producer's device: where the gradient goes back to (its stream's, which stand-in streams keep apart on CPU).
+        ctx.src, ctx.dst, ctx.src_device = src, dst, src.device if src is not None else x.device
         y = _move(x, src, dst, device)
         # Same device: 'y' is 'x'. Returned as is, autograd would make it a view created in a
         # custom Function, and an in-place op on a stage's input would raise (torchgpipe's Wait
@@ -354,9 +449,15 @@ class VirtualDevices:
         return tensor.device  # never placed: where torch says it is
 
     def live_bytes(self, device: torch.device) -> int:
-        """Bytes of the tensors tagged on ``device`` that are still alive (staging buffers, for a test's bound)."""
-        alive = [ref() for ref, where in list(self._where.values()) if where == device]
-        return sum(t.numel() * t.element_size() for t in alive if t is not None)
+        """Bytes of the memory held by tensors tagged on ``device`` that are still alive (staging
+        buffers, for a test's bound): each storage once, however many views of it are tagged."""
+        storages: dict[int, int] = {}
+        for ref, where in list(self._where.values()):
+            tensor = ref()
+            if tensor is not None and where == device:
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
 
     def placed(self, module: torch.nn.Module, device: torch.device) -> None:
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:

@@ -30,7 +30,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -278,7 +278,8 @@ class PipeTransformerStrategy(ProcessLayout):
             proposal = {
                 "plan": self.engine.propose(self._target_frozen(autofreeze)).to_dict(),
                 "planner": self.engine.planner.state_dict(),
-                "autofreeze": autofreeze.state_dict() if autofreeze is not None else None,
+                # The decisions only: the gradient sums stay on rank 0, the one rank that reads them.
+                "autofreeze": autofreeze.decision_state() if autofreeze is not None else None,
             }
         message = self._replicas.agree(proposal, (trainer.current_epoch, trainer.global_step))
         if self.global_rank != 0:
@@ -478,7 +479,12 @@ class PipeTransformerStrategy(ProcessLayout):
         if module is None or plan is None:
             return
         shown = report.progress_values(plan, self.config, self.world_size, self.autocache)
-        module.log_dict({k: float(v) for k, v in shown.items()}, prog_bar=True, logger=False, on_step=True, on_epoch=False)
+        # CPU tensors, never Python numbers: Lightning keeps a logged tensor on its device, and the
+        # bar's ``.item()`` of a CPU tensor waits for nothing. A float would become
+        # ``torch.tensor(v, device=cuda)`` (a synchronising copy from pageable memory) and the bar's
+        # ``.item()`` of it a second host sync, every step, on every rank.
+        values = {k: torch.tensor(float(v)) for k, v in shown.items()}
+        module.log_dict(values, prog_bar=True, logger=False, on_step=True, on_epoch=False)
 
     def _report_engagement(self) -> None:
         """Once per epoch: whether the pipeline / cache ran the stack, and AutoCache's counters (:mod:`~lightning_pipetransformer.report`)."""
@@ -526,7 +532,8 @@ class PipeTransformerStrategy(ProcessLayout):
             clock.lap("plan_broadcast")
             if change.rebuild:
                 self.model = self._gradients.unwrap(self.model, module)  # 2
-                self._apply(change.new)  # 3
+                # 3: the ranks already active first (blocks off the GPUs they leave, caches freed), then the joiners.
+                self._replicas.place_in_turn(lambda: self._apply(change.new), joining=self.global_rank in change.joining)
                 clock.lap("partition")
                 old_group = self._replicas.active_group
                 if change.regroup:  # 4
@@ -580,8 +587,7 @@ class PipeTransformerStrategy(ProcessLayout):
             # Blocks may have moved between devices (K 4 -> 2): their optimizer state follows, and the
             # devices left keep no cached blocks for the replica that takes them over.
             dev.optimizer_state_to_param_devices(self.optimizers)
-            if self.root_device.type == "cuda":
-                torch.cuda.empty_cache()
+            dev.release_cached_memory(self.root_device)
         rank_zero_info(report.plan_text(plan))
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         # Like Lightning's own metrics: to the loggers while fitting only, never at validate/test/predict.
@@ -629,6 +635,11 @@ class PipeTransformerStrategy(ProcessLayout):
         self._kv_cache_configs = []
         if module is not None:
             self.model = self._gradients.unwrap(self.model, module)  # unwrap, as DDPStrategy does
+        trainer = module._trainer if module is not None else None
+        if trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED:
+            # This call's groups are freed (the next trainer call makes its own); after a failure
+            # they are left to the fault path, which may have aborted them.
+            self._replicas.close()
         if module is not None and module._trainer is not None and module._trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
             assert self.model is not None
             self.model = self._layer_sync.revert(self.model)

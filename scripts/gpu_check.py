@@ -50,6 +50,15 @@ NVIDIA_SMI_TIMEOUT, PROBE_TIMEOUT = 10.0, 40.0
 KILL_GRACE = 20.0
 #: Seconds after which no part is started (scaled like the timeouts): one H200 lease is 15 minutes, its start included.
 BUDGET = 450.0
+#: The versions this check (and the tests it runs) were written and dry-run against. The lent machine
+#: has others (torch 2.11 + CUDA 13, transformers 5.17, Python 3.12): a part that fails there while
+#: a version differs says so in its row, and an error that reads like an API change is named as one.
+WRITTEN_FOR = {"python": "3.11", "torch": "2.13", "lightning": "2.6", "transformers": "5.24", "peft": "0.21"}
+#: Errors that usually mean an API moved between versions rather than a bug in the code under test.
+API_ERRORS = re.compile(
+    r"ImportError|ModuleNotFoundError|AttributeError: module|has no attribute|unexpected keyword argument|"
+    r"missing \d+ required positional argument|takes \d+ positional arguments? but"
+)
 
 
 @dataclass(frozen=True)
@@ -89,7 +98,7 @@ PARTS: tuple[Part, ...] = (
          60, "gpu_check_trainers:part_precisions"),
     Part("lora", "5 LoRA + checkpointing + cache", "PEFT LoRA + reentrant gradient checkpointing, pipe_len=2 chunks=2 cache=True vs plain",
          50, "gpu_check_trainers:part_lora", needs=("torch", "lightning", "transformers", "peft")),
-    Part("compile", "6 model.compile()", "the whole model compiled (inductor), pipe_len=2 chunks=2 vs the eager model",
+    Part("compile", "6 model.compile()", "the whole model compiled (aot_eager; GPU_CHECK_COMPILE_BACKEND=inductor), pipe_len=2 chunks=2 vs eager",
          90, "gpu_check_trainers:part_compile"),
     Part("ddp", "7 two GPUs", "devices=2 pipe_len=2 16-mixed, K 2 -> 1 (scripts/gpu_check_ddp.py)",
          150, "gpu_check:part_ddp", cuda=True, gpus=2),
@@ -490,9 +499,36 @@ def part_rows(part: Part, timeout: float, run: Run, work: Path) -> list[Row]:
     timeout = min(timeout, left)
     print(f"-- {part.name}: running (timeout {timeout:.0f} s): {part.what}", flush=True)
     rows, seconds = run_part(part, run, timeout, work)
+    rows = [with_version_note(row, run.env) for row in rows]
     counts = ", ".join(f"{sum(r.status == s for r in rows)} {s}" for s in (PASS, FAIL, SKIP, TIMEOUT, ERROR) if any(r.status == s for r in rows))
     print(f"-- {part.name}: {counts or 'nothing checked'} in {seconds:.0f} s", flush=True)
     return rows
+
+
+def version_differences(env: dict[str, Any]) -> list[str]:
+    """``"torch 2.11 here, written for 2.13"`` for each module whose major.minor differs from :data:`WRITTEN_FOR`."""
+    if not env:
+        return []
+    found = {"python": env.get("python", ""), **env.get("modules", {})}
+    differ = []
+    for name, written in WRITTEN_FOR.items():
+        here = found.get(name)
+        if here and ".".join(here.split("+")[0].split(".")[:2]) != written:
+            differ.append(f"{name} {here} here, written for {written}")
+    return differ
+
+
+def with_version_note(row: Row, env: dict[str, Any]) -> Row:
+    """A failed, crashed or killed row names the versions that differ from those the check was written
+    for, and an error that reads like an API change as one: the fix may be a version's, not the code's."""
+    if row.status not in FAILURES:
+        return row
+    differ = version_differences(env)
+    if not differ:
+        return row
+    api = API_ERRORS.search(row.detail)
+    kind = f"'{api.group(0)}' looks like an API difference between versions" if api else "may be a version difference"
+    return Row(row.part, row.case, row.status, f"{row.detail} [{kind}: {'; '.join(differ)}]", row.seconds)
 
 
 def exit_code(run: Run) -> int:

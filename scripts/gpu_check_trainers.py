@@ -17,6 +17,7 @@ one-off check of the first hits.
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from collections import Counter
@@ -412,14 +413,23 @@ def part_lora(accelerator: str, emit: Emit) -> None:
 
 
 def part_compile(accelerator: str, emit: Emit) -> None:
-    """``model.compile()`` (inductor) of the whole model, pipelined at K=2 in every epoch, against the eager model."""
+    """``model.compile()`` of the whole model, pipelined at K=2 in every epoch, against the eager model.
+
+    The backend is ``aot_eager`` unless ``GPU_CHECK_COMPILE_BACKEND`` names another: what this part
+    checks (Dynamo tracing through the block interception, AOT autograd's backward through the
+    pipeline's stages, the pipeline engaged under compile) happens before code generation, and
+    inductor's cold Triton compile of every graph between the blocks' breaks could take minutes of
+    the part's 90 s. ``GPU_CHECK_COMPILE_BACKEND=inductor`` (with a larger ``--timeout compile=``)
+    runs the real kernels.
+    """
     from tests.helpers.families import FamilyModule
 
     part, steps = "6 model.compile()", recipe_steps()
+    backend = os.environ.get("GPU_CHECK_COMPILE_BACKEND", "aot_eager")
 
     def build_compiled() -> pl.LightningModule:
         module = FamilyModule("llama")
-        module.model.compile()
+        module.model.compile(backend=backend)
         return module
 
     def check(engagement: Engagement, strategy: PipeTransformerStrategy) -> tuple[bool, str]:
@@ -428,7 +438,7 @@ def part_compile(accelerator: str, emit: Emit) -> None:
 
     torch._dynamo.reset()
     emit(recipe_row(
-        part, "llama model.compile() (inductor), pipe_len=2 chunks=2, no freeze", build_compiled,
+        part, f"llama model.compile(backend={backend!r}), pipe_len=2 chunks=2, no freeze", build_compiled,
         lambda: PipeTransformerStrategy(pipe_len=2, chunks=2), None, accelerator, check,
         build_reference=lambda: FamilyModule("llama"),
     ))

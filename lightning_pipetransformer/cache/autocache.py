@@ -649,6 +649,13 @@ class AutoCache:
 
     # ------------------------------------------------------------------ checks and decisions
 
+    def _prefix_convolves(self) -> bool:
+        """Whether the frozen blocks of the current boundary hold a convolution (cuDNN's TF32 then counts)."""
+        if self._where is None or self.store is None:
+            return True  # unknown: the looser tolerance, never a false alarm
+        blocks = self._where[0].blocks[: self.store.boundary]
+        return any(isinstance(m, torch.nn.modules.conv._ConvNd) for block in blocks for m in block.modules())
+
     def after_hits(
         self, rows: Callable[[Tensor], Tensor], calls: Sequence[BlockArgs], hit_mask: Tensor,
         boundary: Tensor, prefix: Callable[[Tensor, Sequence[BlockArgs]], Tensor], total: float, batch: int,
@@ -662,7 +669,8 @@ class AutoCache:
             with torch.no_grad():
                 fresh = prefix(rows(hit_mask), select_rows(calls, hit_mask, batch))
             cached = boundary[hit_mask.to(boundary.device)]
-            rtol, atol = verification_tolerance(fresh.dtype, cached.dtype, _autocast_dtype(fresh.device), _fp32_math_dtype(fresh.device))
+            math_dtype = _fp32_math_dtype(fresh.device, convolutions=self._prefix_convolves())
+            rtol, atol = verification_tolerance(fresh.dtype, cached.dtype, _autocast_dtype(fresh.device), math_dtype)
             # equal_nan: a NaN computed the same way both times is the same value (a NaN input feature).
             if not torch.allclose(fresh.float(), cached.float(), rtol=rtol, atol=atol, equal_nan=True):
                 self._refuse(StaleCacheError(
@@ -748,16 +756,18 @@ def verification_tolerance(*dtypes: torch.dtype | None) -> tuple[float, float]:
 _TF32 = torch.float16
 
 
-def _fp32_math_dtype(device: torch.device) -> torch.dtype | None:
-    """The precision fp32 matmuls really run at: ``torch.set_float32_matmul_precision("high")`` (which
-    Lightning suggests on every Ampere/Hopper GPU) means TF32, ``"medium"`` bf16; cuDNN convolutions run
-    in TF32 by default on CUDA. ``None``: full fp32."""
+def _fp32_math_dtype(device: torch.device, convolutions: bool = False) -> torch.dtype | None:
+    """The precision the frozen prefix's fp32 math really runs at: ``torch.set_float32_matmul_precision("high")``
+    (which Lightning suggests on every Ampere/Hopper GPU) means TF32 matmuls, ``"medium"`` bf16.
+    ``convolutions``: whether the prefix runs any; only then does ``cudnn.allow_tf32`` (True by
+    default on CUDA) count: Transformer blocks run matmuls only, and counting it for them would
+    loosen every fp32 check on CUDA about 40x. ``None``: full fp32."""
     precision = torch.get_float32_matmul_precision()
     if precision == "medium":
         return torch.bfloat16
     if precision == "high":
         return _TF32
-    if device.type == "cuda" and (torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32):
+    if device.type == "cuda" and (torch.backends.cuda.matmul.allow_tf32 or (convolutions and torch.backends.cudnn.allow_tf32)):
         return _TF32
     return None
 

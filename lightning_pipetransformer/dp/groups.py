@@ -47,6 +47,11 @@ def broadcast_object(obj: Any, src: int, group: Any) -> Any:
     return box[0]
 
 
+def barrier(group: Any) -> None:
+    """Every member of ``group`` has reached this point (the gloo control group: no device involved)."""
+    dist.barrier(group=group)
+
+
 def destroy_group(group: Any) -> None:
     """Release a group no longer used (its communicators would otherwise live as long as the process)."""
     if group is None or group is dist.group.WORLD or group == dist.GroupMember.NON_GROUP_MEMBER:

@@ -16,6 +16,7 @@ on which group: :mod:`lightning_pipetransformer.dp.groups`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -49,6 +50,9 @@ class OneProcess:
     def localize(self, plan: Plan) -> Plan:
         """One process cannot add data-parallel replicas: it keeps its single pipeline."""
         return dataclasses.replace(plan, devices=plan.devices[:1], active_ranks=(0,))
+
+    def close(self) -> None:
+        """No groups to free."""
 
 
 class Elastic:
@@ -119,6 +123,36 @@ class Elastic:
         """Free a group no longer used (its communicators would otherwise live as long as the process)."""
         if group is not None and group is not self.active_group and was_member:
             groups.destroy_group(group)
+
+    def place_in_turn(self, apply: Callable[[], None], joining: bool) -> None:
+        """``apply`` (this rank's part of a new plan: blocks placed on their stages' GPUs) with the
+        ranks that were already active first, then, after a barrier over every rank, the joining ones.
+
+        Why: a joining rank places its whole replica on GPUs that the shrinking pipeline of another
+        rank held stages on; placed at once, such a GPU would hold the old stage and the new replica
+        together. The ranks already active move their blocks off those GPUs and release the cached
+        memory first (``apply`` does), so a GPU's peak is the larger of the two, not their sum.
+        Costs one barrier over the gloo control group per transition that rebuilds.
+        """
+        if not joining:
+            apply()
+        groups.barrier(self.control_group)
+        if joining:
+            apply()
+
+    def close(self) -> None:
+        """Free this trainer call's groups; every rank calls this at teardown, in the same order.
+
+        Each trainer call (fit, then validate, then test) connects anew: without this every call
+        would leave a gloo control group and an NCCL communicator (with its device buffers) alive
+        for the rest of the process. WORLD (the control group under gloo) is Lightning's and stays;
+        a shadow rank holds no communicator of the active group.
+        """
+        active, control = self.active_group, self.control_group
+        self.active_group = self.control_group = None
+        self.peers = []
+        groups.destroy_group(active)
+        groups.destroy_group(control)
 
     def send_weights(self, module: nn.Module, joining: tuple[int, ...], via: torch.device) -> None:
         """Rank 0's parameters to ``joining`` and its buffers to every replica (active ranks only)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -78,24 +78,103 @@ def send_tensors(
     _relay(_pieces(tensors, chunk_bytes, via), parent, children, group)
 
 
-#: Pieces a rank holds at once (receives posted ahead, and pieces still being sent on): with
-#: staging, at most this many staging buffers of ``chunk_bytes`` live on the process's device.
+#: Pieces a rank holds at once (receives posted ahead, and pieces still being sent on): the
+#: process's device holds at most this many staging buffers of ``chunk_bytes`` (a fixed ring).
 IN_FLIGHT = 4
 
 
+class _Piece(NamedTuple):
+    """One message: a slice of a large tensor sent from (received into) its own memory
+    (``direct``), or a staging buffer of ``numel`` elements standing for ``targets`` in order."""
+
+    direct: torch.Tensor | None
+    targets: list[torch.Tensor]
+    dtype: torch.dtype
+    numel: int
+    #: Where the message lives: the tensor's device (direct), or the staging device.
+    device: torch.device
+
+
+class _Request:
+    """A point-to-point request, waited at most once: gloo's ``wait`` is not idempotent (a second
+    call waits for another message)."""
+
+    def __init__(self, work: Any) -> None:
+        self.work, self.waited = work, False
+
+    def wait(self) -> None:
+        if not self.waited:
+            self.work.wait()
+            self.waited = True
+
+
+class _StagingRing:
+    """``slots`` staging buffers per device, taken in turn; a slot is handed out again only after
+    every transfer that used it is known done.
+
+    Why a ring and why "known done": under NCCL ``Work.wait()`` returns at once (it only makes the
+    current stream wait) and the caching allocator keeps a buffer a point-to-point op used until
+    the NCCL stream has passed it, so dropping each piece's buffer and allocating the next bounds
+    nothing: the host runs ahead and every piece is staged at once. Here the memory is fixed
+    (``slots`` buffers of the largest piece) whatever the backend, and before a slot is reused the
+    host waits for its last transfers (:func:`~lightning_pipetransformer.devices.host_catches_up`
+    after ``Work.wait()``: on CUDA an event recorded after the waits, synchronised).
+    """
+
+    def __init__(self, slots: int) -> None:
+        self._buffers: list[dict[torch.device, torch.Tensor]] = [{} for _ in range(slots)]
+        self._users: list[list[tuple[_Request, torch.device]]] = [[] for _ in range(slots)]
+        self._next = 0
+
+    def take(self, piece: _Piece) -> tuple[int, torch.Tensor]:
+        """The next slot (waiting for its last transfers), viewed as ``piece``'s message."""
+        slot = self._next
+        self._next = (slot + 1) % len(self._buffers)
+        self.settle(slot)
+        nbytes = piece.numel * _itemsize(piece.dtype)
+        buffer = self._buffers[slot].get(piece.device)
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=piece.device)
+            dev.tag_as(buffer, piece.device)
+            self._buffers[slot][piece.device] = buffer
+        message = buffer[:nbytes].view(piece.dtype)
+        dev.tag_as(message, piece.device)
+        return slot, message
+
+    def used_by(self, slot: int, requests: list[_Request], device: torch.device) -> None:
+        """``requests`` read or write slot ``slot``: it is not handed out again before they are done."""
+        self._users[slot].extend((request, device) for request in requests)
+
+    def settle(self, slot: int | None = None) -> None:
+        """Block until the transfers of ``slot`` (default: of every slot) are done."""
+        devices: set[torch.device] = set()
+        for index in range(len(self._users)) if slot is None else (slot,):
+            for request, device in self._users[index]:
+                request.wait()
+                devices.add(device)
+            self._users[index] = []
+        for device in devices:
+            dev.host_catches_up(device)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def _relay(
-    pieces: Iterator[tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]], parent: int | None, children: list[int],
-    group: Any, in_flight: int = IN_FLIGHT,
+    pieces: Iterator[_Piece], parent: int | None, children: list[int], group: Any, in_flight: int = IN_FLIGHT,
 ) -> None:
     """Receive each piece from ``parent`` (none at the root), then send it to ``children``, in order.
 
     A window of ``in_flight`` pieces: the next pieces' receives are posted while the current one
-    is unpacked and sent on, so the tree stays pipelined, but the pieces (whose staging buffers
-    sit on the root GPU next to stage 0's activations) are made only as the window moves, and a
-    piece is dropped once its sends are done.
+    is unpacked and sent on, so the tree stays pipelined. Staged pieces live in a fixed ring of
+    ``in_flight`` buffers on the process's device (:class:`_StagingRing`): peak staging is
+    ``in_flight`` pieces on every backend, whether or not ``Work.wait()`` blocks the host.
     """
-    receiving: deque[tuple[torch.Tensor, list[torch.Tensor], Any]] = deque()  # posted, oldest first
-    sending: deque[tuple[torch.Tensor, list[Any]]] = deque()  # sent on, not yet delivered
+    ring = _StagingRing(in_flight)
+    # Posted, oldest first: (message, piece, slot or None, receive or None).
+    receiving: deque[tuple[torch.Tensor, _Piece, int | None, _Request | None]] = deque()
+    sending: deque[list[_Request]] = deque()  # sent on, not yet delivered
     pending = True
     while True:
         while pending and len(receiving) + len(sending) < in_flight:
@@ -103,46 +182,49 @@ def _relay(
             if piece is None:
                 pending = False
                 break
-            message, targets, source = piece
-            dev.check_collective(source, "state transfer to a joining replica")
-            work = dist.irecv(message, src=parent, group=group) if parent is not None else None
-            receiving.append((message, targets, work))
+            slot, message = (None, piece.direct) if piece.direct is not None else ring.take(piece)
+            dev.check_collective(message, "state transfer to a joining replica")
+            work = _Request(dist.irecv(message, src=parent, group=group)) if parent is not None else None
+            receiving.append((message, piece, slot, work))
         if not receiving:
             break
-        message, targets, work = receiving.popleft()
+        message, piece, slot, work = receiving.popleft()
         if work is not None:
-            work.wait()
-            _unpack(message, targets)
-        elif targets:
-            _pack(message, targets)
-        sending.append((message, [dist.isend(message, dst=child, group=group) for child in children]))
+            work.wait()  # the unpack and the sends below are ordered after the receive (the stream waits on NCCL)
+            if slot is not None:
+                ring.used_by(slot, [work], piece.device)
+                _unpack(message, piece.targets)
+        elif slot is not None:
+            _pack(message, piece.targets)
+        works = [_Request(dist.isend(message, dst=child, group=group)) for child in children]
+        sending.append(works)
+        if slot is not None:
+            ring.used_by(slot, works, piece.device)
         while sending and len(receiving) + len(sending) >= in_flight:
-            for done in sending.popleft()[1]:  # a full window: the oldest piece must be delivered first
+            for done in sending.popleft():  # a full window: the oldest piece must be delivered first
                 done.wait()
-    for _, works in sending:
+    for works in sending:
         for done in works:
             done.wait()
+    ring.settle()  # the next transfer starts from a free ring; an error leaves the buffers to the group's abort
 
 
 def _pieces(
     tensors: Sequence[torch.Tensor], chunk_bytes: int, via: torch.device | None = None,
-) -> Iterator[tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]]:
-    """``(message, targets, source)``: a slice of one large contiguous tensor (``targets`` empty), or a
-    staging buffer standing for the tensors ``targets`` (one dtype, in order); ``source`` is the
-    tensor whose device the message is on. With ``via``, every tensor not on ``via`` is staged
-    through buffers there."""
+) -> Iterator[_Piece]:
+    """The messages for ``tensors``, in order: slices of large contiguous tensors sent from their
+    own memory, and staged pieces (coalesced small tensors of one dtype, or slices that are not
+    contiguous or not on ``via``) that the caller gives a staging buffer. With ``via``, every
+    tensor not on ``via`` is staged through buffers there. No memory is allocated here."""
     small: list[torch.Tensor] = []
 
-    def buffer_for(numel: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
-        device = via if via is not None else like.device
-        buffer = torch.empty(numel, dtype=dtype, device=device)
-        dev.tag_as(buffer, device)
-        return buffer
+    def staged(targets: list[torch.Tensor], dtype: torch.dtype) -> _Piece:
+        device = via if via is not None else dev.device_of(targets[0])
+        return _Piece(None, list(targets), dtype, sum(t.numel() for t in targets), device)
 
-    def staged() -> Iterator[tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]]:
+    def flush() -> Iterator[_Piece]:
         if small:
-            buffer = buffer_for(sum(t.numel() for t in small), small[0].dtype, small[0])
-            yield buffer, list(small), buffer
+            yield staged(small, small[0].dtype)
             small.clear()
 
     for t in tensors:
@@ -151,22 +233,22 @@ def _pieces(
         direct = via is None or dev.device_of(t) == via
         nbytes = t.numel() * t.element_size()
         if nbytes >= COALESCE_BYTES or nbytes > chunk_bytes:
-            yield from staged()
-            for piece in _blocks(t, max(1, chunk_bytes // t.element_size())):
-                if direct and piece.is_contiguous():
-                    yield piece, [], t
+            yield from flush()
+            for block in _blocks(t, max(1, chunk_bytes // t.element_size())):
+                if direct and block.is_contiguous():
+                    dev.tag_as(block, dev.device_of(t))
+                    yield _Piece(block, [], t.dtype, block.numel(), dev.device_of(t))
                 else:  # on another device, or not contiguous: through a buffer of one piece
-                    buffer = buffer_for(piece.numel(), t.dtype, t)
-                    yield buffer, [piece], buffer
+                    yield staged([block], t.dtype)
             continue
         if small and (
             small[0].dtype != t.dtype
-            or (via is None and small[0].device != t.device)
+            or (via is None and dev.device_of(small[0]) != dev.device_of(t))
             or (sum(s.numel() for s in small) + t.numel()) * t.element_size() > chunk_bytes
         ):
-            yield from staged()
+            yield from flush()
         small.append(t)
-    yield from staged()
+    yield from flush()
 
 
 def _blocks(t: torch.Tensor, numel: int) -> Iterator[torch.Tensor]:
@@ -298,31 +380,75 @@ def _send_object(obj: Any, tree: dict[int, tuple[int | None, list[int]]], group:
     return obj
 
 
+def average_op(group: Any) -> tuple[Any, bool]:
+    """``(op, divide_after)``: ``ReduceOp.AVG`` where the group's backend has it (NCCL; gloo since
+    torch 2.8, where it is a sum and a division inside gloo), else a sum the caller divides."""
+    if dist.get_backend(group) == "gloo" and _torch_version() < (2, 8):
+        return dist.ReduceOp.SUM, True
+    return dist.ReduceOp.AVG, False
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def used_anywhere(params: Sequence[torch.Tensor], group: Any, via: torch.device) -> list[bool]:
+    """For each parameter: whether any replica of ``group`` gave it a gradient this step.
+
+    One all-reduce (MAX) of a byte per parameter, then one read on the host: what DDP's
+    ``find_unused_parameters`` also pays. The flags go up without a synchronising copy (pinned
+    memory on CUDA); reading the result back is the step's one host synchronisation.
+    """
+    flags = torch.tensor([param.grad is not None for param in params], dtype=torch.uint8)
+    if via.type == "cuda":
+        flags = flags.pin_memory().to(via, non_blocking=True)
+    dev.tag_as(flags, via)
+    dev.check_collective(flags, "gradient averaging (which parameters were used)")
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return [bool(flag) for flag in flags.tolist()]
+
+
 def average_gradients(params: Sequence[torch.Tensor], group: Any, via: torch.device, chunk_bytes: int = CHUNK_BYTES) -> None:
-    """The replicas' mean gradient of ``params``, in place, through buffers on ``via``.
+    """The replicas' mean gradient of ``params``, in place, through buffers on ``via``, as DDP averages.
 
     For a replica whose pipeline stages span several devices, where DDP cannot be used (its
     buckets live on every device, the process's groups only on ``via``). Every active rank calls
-    this after its last backward of the step, with the same parameters in the same order. A
-    parameter without a gradient counts as zero (and gets one), as on a replica where it was used.
+    this after its last backward of the step, with the same parameters in the same order.
+    DDP's semantics: a parameter no replica used keeps ``grad = None`` (so AdamW's weight decay
+    and momentum leave it alone, as with one process); one that some replica used and this one
+    did not counts as zero here (and gets a gradient). Each piece (a slice of a large gradient on
+    ``via``, reduced in place, or up to ``chunk_bytes`` of small or off-``via`` gradients packed into
+    one staging buffer, reused piece after piece) is one all-reduce with the average op.
     """
-    world = dist.get_world_size(group)
+    if not params:
+        return  # everything frozen: the same on every replica, so no rank enters the collectives
+    used = used_anywhere(params, group, via)
     grads = []
-    for param in params:
+    for param, anywhere in zip(params, used):
+        if not anywhere:
+            continue  # no replica used it: no gradient, as with one process
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         dev.tag_as(param.grad, dev.device_of(param))  # test mode: a gradient is where its parameter is
         grads.append(param.grad)
+    op, divide_after = average_op(group)
+    world = dist.get_world_size(group)
+    # One staging buffer per device, reused: pack, all-reduce and unpack all run in order on the
+    # current stream (a blocking collective makes it wait for NCCL), so reuse needs no host wait.
+    staging = _StagingRing(1)
     with torch.no_grad():
-        # A large gradient on ``via`` is reduced in place, slice by slice; the rest through staging buffers.
-        for message, targets, source in _pieces(grads, chunk_bytes, via):
-            if targets:
-                _pack(message, targets)
-            dev.check_collective(source, "gradient averaging")
-            dist.all_reduce(message, group=group)
-            message.div_(world)
-            if targets:
-                _unpack(message, targets)
+        for piece in _pieces(grads, chunk_bytes, via):
+            message = piece.direct
+            if message is None:
+                _, message = staging.take(piece)
+                _pack(message, piece.targets)
+            dev.check_collective(message, "gradient averaging")
+            dist.all_reduce(message, op=op, group=group)
+            if divide_after:
+                message.div_(world)
+            if piece.direct is None:
+                _unpack(message, piece.targets)
 
 
 def without_state_of(optimizer_state: dict[str, Any], optimizer: torch.optim.Optimizer, params: Any) -> dict[str, Any]:

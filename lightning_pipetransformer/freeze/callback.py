@@ -711,6 +711,17 @@ class AutoFreeze(Callback):
     # ------------------------------------------------------------------ checkpointing
 
     def state_dict(self) -> dict[str, Any]:
+        return {
+            **self.decision_state(),
+            # rule="autofreeze" mid-interval: the summed gradients (a copy of the active blocks' size).
+            "grad_sums": [[t.detach().cpu() for t in block] for block in self._grad_sums] if self._grad_sums is not None else None,
+        }
+
+    def decision_state(self) -> dict[str, Any]:
+        """What every rank needs of rank 0's decisions (what AutoDP's agree message carries): the
+        state without the summed gradients, which only the deciding rank reads and which are a copy
+        of the active blocks' size (~340 MB for BERT-base). :meth:`load_state_dict` takes it; the
+        receiving rank's own sums restart empty, as they are never read there."""
         norms = self._mean_sum_list()
         return {
             "num_frozen": self.num_frozen,
@@ -724,8 +735,6 @@ class AutoFreeze(Callback):
             "points": self._points,
             "previous_l1": self._previous_l1,
             "pre_frozen": self._pre_frozen,
-            # rule="autofreeze" mid-interval: the summed gradients (a copy of the active blocks' size).
-            "grad_sums": [[t.detach().cpu() for t in block] for block in self._grad_sums] if self._grad_sums is not None else None,
             # anneal: the interval that anneals now (blocks, steps); None without one.
             "anneal": self._annealer.state_dict() if self._annealer is not None else None,
         }

@@ -18,9 +18,14 @@ block then fails on a micro-batch the executor's error names every such argument
 
 Splitting follows :func:`torch.tensor_split`: ``chunks`` need not divide the batch, the first
 ``batch % chunks`` micro-batches get one sample more, and a batch smaller than ``chunks`` (the
-last batch of an epoch) is cut into fewer micro-batches. The pieces are copies, not views: an
-in-place operation on one micro-batch's input (``ReLU(inplace=True)``) must not bump a version
-counter that another micro-batch's saved tensors share.
+last batch of an epoch) is cut into fewer micro-batches. The hidden state's pieces (and those of
+any argument that requires grad) are copies, not views: an in-place operation on one
+micro-batch's input (``ReLU(inplace=True)``) must not bump a version counter that another
+micro-batch's saved tensors share. The other batch-shaped arguments (masks, position ids, rotary
+tables: no gradient) share the argument's memory (:func:`_aliases`): a Llama/BERT 4-D mask
+``[B, 1, S, S]`` is not copied per pass. Their rows do not overlap, so a block that writes one in
+place changes what the model's own loop would change, and each piece has a version counter of its
+own, so autograd checks each micro-batch on its own rows.
 """
 
 from __future__ import annotations
@@ -112,11 +117,12 @@ def scatter(
                     f"(the hidden state's first dimension) is {batch}."
                 )
             if (named is None and _is_batch_tensor(value, batch)) or named is True:
-                cut[id(value)] = _pieces(value, n)
+                cut[id(value)] = _pieces(value, n, copy=value.requires_grad)
                 cut_from.append((name, value, cut[id(value)]))  # type: ignore[arg-type]
             elif named is None and _folded(key, value, batch):
                 k = value.shape[0] // batch
-                cut[id(value)] = (value,) if n == 1 else _copies(torch.split(value, [s * k for s in sizes]), n)
+                folded = torch.split(value, [s * k for s in sizes])
+                cut[id(value)] = (value,) if n == 1 else (_copies(folded, n) if value.requires_grad else _aliases(folded))
                 cut_from.append((name, value, cut[id(value)]))  # type: ignore[arg-type]
             else:
                 cut[id(value)] = None
@@ -168,8 +174,31 @@ def per_sample_view(key: int | str, value: Any, batch: int) -> Any:
     return value
 
 
-def _pieces(value: Tensor, n: int) -> tuple[Tensor, ...]:
-    return (value,) if n == 1 else _copies(torch.tensor_split(value, n), n)
+def _pieces(value: Tensor, n: int, copy: bool = True) -> tuple[Tensor, ...]:
+    """``n`` row blocks of ``value``: copies (``copy``) or aliases; one block is ``value`` itself."""
+    if n == 1:
+        return (value,)
+    views = torch.tensor_split(value, n)
+    return _copies(views, n) if copy else _aliases(views)
+
+
+def _aliases(views: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """The same memory as ``views``, each with a version counter of its own.
+
+    Views of one tensor share its version counter: a block that writes one micro-batch's rows in
+    place (``mask.clamp_()``) would make autograd refuse every other micro-batch's saved rows
+    ("modified by an inplace operation"), though they were not touched. An alias made with
+    ``set_`` shares the storage but not the counter, so each micro-batch is checked on its own
+    rows, as the model's own loop checks the whole tensor. Under inference mode (no autograd, no
+    version counters) views are enough.
+    """
+    if any(v.is_inference() for v in views):
+        return tuple(views)
+    with torch.no_grad():
+        return tuple(
+            torch.empty(0, dtype=v.dtype, device=v.device).set_(v.untyped_storage(), v.storage_offset(), v.size(), v.stride())
+            for v in views
+        )
 
 
 def _copies(pieces: Sequence[Tensor], n: int) -> tuple[Tensor, ...]:

@@ -250,3 +250,32 @@ def test_the_timing_part_catches_a_k2_that_computes_something_else(one_thread):
     right = found["K=2 M=2"]
     found["K=2 M=2"] = lambda h, m: right(h, m) * 1.001
     assert not timing.same_results(blocks, found, hidden, mask, torch.float32)[0]
+
+
+# ---------------------------------------------------------------------------------- the docs and the lent machine's versions
+
+
+def test_the_docs_table_lists_the_script_parts_files_and_timeouts():
+    """docs/gpu_check.md's table says what the script runs: part 1's files exactly, every part's timeout."""
+    docs = (ROOT / "docs" / "gpu_check.md").read_text()
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| \d `([a-z-]+)` \|.*$", docs, re.M)}
+    assert set(rows) == set(gpu_check.BY_NAME), sorted(rows)
+    for part in gpu_check.PARTS:
+        assert f"| {part.timeout:.0f} s |" in rows[part.name], part.name
+    named = set(re.findall(r"`(tests/[^`]+\.py)`", rows["cuda-tests"]))
+    assert named == set(gpu_check.CUDA_TESTS), named ^ set(gpu_check.CUDA_TESTS)
+    assert "aot_eager" in rows["compile"]
+
+
+def test_a_failure_on_other_versions_says_so_and_names_an_api_error():
+    lent = {"python": "3.12.3", "modules": {"torch": "2.11.0+cu130", "lightning": "2.6.1", "transformers": "5.17.0"}}
+    failed = gpu_check.Row("2 Trainers fp32", "bert", gpu_check.FAIL, "TypeError: forward() got an unexpected keyword argument 'x'", 1.0)
+    note = gpu_check.with_version_note(failed, lent).detail
+    assert "looks like an API difference" in note and "torch 2.11.0+cu130 here, written for 2.13" in note
+    assert "transformers 5.17.0 here" in note and "lightning" not in note  # 2.6 = 2.6
+    plain = gpu_check.with_version_note(gpu_check.Row("p", "c", gpu_check.FAIL, "|w - v| 0.3", 1.0), lent).detail
+    assert "may be a version difference" in plain
+    passed = gpu_check.Row("p", "c", gpu_check.PASS, "ok", 1.0)
+    assert gpu_check.with_version_note(passed, lent) is passed
+    same = {"python": "3.11.7", "modules": {"torch": "2.13.0", "transformers": "5.24.0"}}
+    assert gpu_check.with_version_note(failed, same) is failed  # nothing differs: no note

@@ -193,7 +193,20 @@ def test_fit_logs_the_plan_and_shows_it_in_the_progress_bar():
     recorder = Recorder()
     trainer = trainer_for(PipeTransformerStrategy(pipe_len=2, chunks=2), logger=recorder, max_epochs=2, log_every_n_steps=1,
                           callbacks=[AutoFreeze(schedule={1: 2})])
-    trainer.fit(Classifier("bert"), data_for("bert"))
+    module = Classifier("bert")
+    shown = []
+    log = module.log
+
+    def recording_log(name, value, *args, **kwargs):
+        if name.startswith("pt/"):
+            shown.append(value)
+        return log(name, value, *args, **kwargs)
+
+    module.log = recording_log
+    trainer.fit(module, data_for("bert"))
+    # No host sync per step: a Python number would be copied to the module's device by Lightning
+    # (torch.tensor(v, device=cuda)) and read back by the bar; a CPU tensor is neither.
+    assert shown and all(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in shown), shown[:4]
     bar = trainer.progress_bar_metrics
     assert bar["pt/frozen"] == 2 and bar["pt/pipe"] == 2
     assert not any(k.startswith("pt/") for call in recorder.calls for k in call)  # the bar only

@@ -68,10 +68,13 @@ def test_a_collective_on_a_tensor_off_the_process_device_fails_and_staging_avoid
             dev.check_collective(on_stage, "test")
         pieces = list(state_transfer._pieces([on_stage], state_transfer.CHUNK_BYTES))  # without via: straight from cpu:1
         with pytest.raises(VirtualDeviceError):
-            dev.check_collective(pieces[0][2], "test")
-        for message, targets, source in state_transfer._pieces([on_stage], state_transfer.CHUNK_BYTES, via=CPU0):
-            dev.check_collective(source, "test")  # staged through a buffer on the process's device
-            assert targets and message.numel() == sum(t.numel() for t in targets)
+            dev.check_collective(pieces[0].direct, "test")
+        ring = state_transfer._StagingRing(1)
+        for piece in state_transfer._pieces([on_stage], state_transfer.CHUNK_BYTES, via=CPU0):
+            assert piece.direct is None and piece.device == CPU0
+            _, message = ring.take(piece)
+            dev.check_collective(message, "test")  # staged through a buffer on the process's device
+            assert message.numel() == sum(t.numel() for t in piece.targets)
 
 
 def test_same_device_hop_returns_a_tensor_an_in_place_op_may_change():
@@ -111,6 +114,40 @@ def test_the_first_hit_check_allows_what_a_lower_precision_rounds():
     assert not torch.allclose(a, a.flip(0), rtol=bf16[0], atol=bf16[1])
 
 
+def test_the_first_hit_tolerance_follows_cudnn_tf32_only_for_a_prefix_with_convolutions(monkeypatch):
+    """cuDNN's TF32 switch (True by default) governs convolutions; Transformer blocks run matmuls
+    only, so it must not loosen their fp32 check ~40x; matmul TF32 always counts."""
+    from lightning_pipetransformer.cache import autocache
+    from lightning_pipetransformer.cache.autocache import AutoCache, _fp32_math_dtype
+
+    cuda = torch.device("cuda", 0)
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+        assert _fp32_math_dtype(cuda) is None  # matmuls only
+        assert _fp32_math_dtype(cuda, convolutions=True) is autocache._TF32
+        assert _fp32_math_dtype(torch.device("cpu"), convolutions=True) is None
+        torch.set_float32_matmul_precision("high")
+        assert _fp32_math_dtype(cuda) is autocache._TF32  # TF32 matmuls count whatever the prefix runs
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+    class Stack:
+        def __init__(self, blocks):
+            self.blocks = blocks
+
+    class Store:
+        boundary = 1
+
+    cache = AutoCache.__new__(AutoCache)
+    cache.store = Store()
+    cache._where = (Stack([nn.Linear(2, 2), nn.Conv1d(2, 2, 1)]), cuda)
+    assert not cache._prefix_convolves()  # the convolution is past the boundary
+    cache._where = (Stack([nn.Sequential(nn.Conv1d(2, 2, 1)), nn.Linear(2, 2)]), cuda)
+    assert cache._prefix_convolves()
+
+
 def test_the_first_hit_check_allows_tf32_matmuls():
     """Lightning suggests set_float32_matmul_precision("high") on Ampere/Hopper: fp32 matmuls then run in TF32."""
     from lightning_pipetransformer.cache.autocache import _fp32_math_dtype, verification_tolerance
@@ -138,3 +175,13 @@ def test_the_first_hit_check_allows_tf32_matmuls():
     assert not torch.allclose(exact, rounded, rtol=1e-3, atol=1e-4)
     assert torch.allclose(exact, rounded, rtol=tf32[0], atol=tf32[1])
     assert not torch.allclose(exact, exact.flip(0), rtol=tf32[0], atol=tf32[1])
+
+
+def test_blocks_moved_between_gpus_release_cublas_workspaces_then_the_cache(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("workspaces"), raising=False)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    dev.release_cached_memory(torch.device("cpu"))
+    assert calls == []
+    dev.release_cached_memory(torch.device("cuda", 0))
+    assert calls == ["workspaces", "empty_cache"]  # the workspaces go back to the allocator first, then to the driver

@@ -44,11 +44,14 @@ class FakeGroups:
     def destroy_group(self, group):
         self.calls.append(("destroy", group))
 
+    def barrier(self, group):
+        self.calls.append(("barrier", group))
+
 
 @pytest.fixture
 def fake(monkeypatch):
     groups = FakeGroups()
-    for name in ("control_group", "active_group", "broadcast_object", "destroy_group"):
+    for name in ("control_group", "active_group", "broadcast_object", "destroy_group", "barrier"):
         monkeypatch.setattr(replicas_module.groups, name, getattr(groups, name))
     monkeypatch.setattr(replicas_module.faults, "peer_processes", lambda group: [("host", 1), ("host", 2)])
     return groups
@@ -102,6 +105,31 @@ def test_regroup_returns_the_old_group_and_release_frees_it_only_for_its_members
     assert ("destroy", "active2") not in fake.calls  # the group in force is never freed
     elastic.release(old, was_member=True)
     assert ("destroy", "active1") in fake.calls
+
+
+def test_joining_ranks_place_their_replica_after_the_active_ranks_released_the_gpus(fake):
+    """The order of events on each rank: a rank already active applies the plan (moves its blocks
+    off the GPUs it leaves, frees their cache) before the barrier; a joining rank only after it."""
+    for joining in (False, True):
+        fake.calls.clear()
+        elastic = Elastic(2 if joining else 0, 4, "nccl", timedelta(seconds=5))
+        elastic.control_group = "control"
+        elastic.place_in_turn(lambda: fake.calls.append(("apply",)), joining=joining)
+        expected = [("barrier", "control"), ("apply",)] if joining else [("apply",), ("barrier", "control")]
+        assert fake.calls == expected
+
+
+def test_close_frees_the_calls_groups_so_the_next_trainer_call_starts_clean(fake):
+    for rank, active in ((0, (0, 2)), (1, (0, 2))):  # a replica, and a shadow rank (not in the active group)
+        fake.calls.clear()
+        elastic = Elastic(rank, 4, "nccl", timedelta(seconds=5))
+        elastic.connect()
+        elastic.regroup(active)
+        elastic.close()
+        made = [c for c in fake.calls if c[0] in ("control_group", "active_group")]
+        destroyed = [c[1] for c in fake.calls if c[0] == "destroy"]
+        assert len(made) == 2 and destroyed == [f"active{fake.made}", "control"]  # every group it made, active first
+        assert elastic.control_group is None and elastic.active_group is None and elastic.peers == []
 
 
 def test_sending_goes_over_the_active_group_to_the_joining_ranks_only(monkeypatch):

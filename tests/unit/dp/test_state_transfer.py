@@ -10,6 +10,7 @@ within the group's timeout rather than a hang. Every run has a hard deadline.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -118,10 +119,133 @@ def test_staging_on_the_process_device_stays_within_a_window_of_pieces(monkeypat
         assert torch.equal(got, want)  # still bit-exact
     for sent, forwarded in zip(root.sent[1], relay.sent[3]):
         assert torch.equal(sent, forwarded)
-    # Everything was staged at once before (about 'total' on each side); now the window, and the
-    # one piece the piece generator still holds.
-    bound = (state_transfer.IN_FLIGHT + 1) * chunk
+    # Everything was staged at once before (about 'total' on each side); now the ring's buffers.
+    bound = state_transfer.IN_FLIGHT * chunk
     assert 0 < root.peak <= bound and 0 < relay.peak <= bound, (root.peak, relay.peak, bound, total)
+
+
+class _NcclLikeStream:
+    def __init__(self):
+        self.waited = []  # requests this stream was made to wait on (Work.wait under NCCL)
+
+
+class _NcclLikeEvent:
+    def __init__(self):
+        self.works = []
+
+    def record(self, stream):
+        self.works = list(stream.waited)
+
+    def synchronize(self):  # the host blocks until the stream has passed every request it waited on
+        for work in self.works:
+            work.finish()
+
+
+class _NcclLike:
+    """NCCL's rules for one rank, on CPU: ``Work.wait()`` returns at once and only makes the current
+    stream wait; a request keeps its buffer (as the caching allocator does for the NCCL stream)
+    until the host has synchronised with a stream that waited on it. Also the stream backend
+    :func:`devices.stand_in_streams` takes, so :func:`devices.until_done` synchronises here."""
+
+    def __init__(self, rank, virtual, via, inbox=()):
+        self.rank, self.virtual, self.via = rank, virtual, via
+        self.inbox = list(inbox)
+        self.sent: dict[int, list[torch.Tensor]] = {}
+        self.stream = _NcclLikeStream()
+        self.unfinished: list[_NcclLikeWork] = []
+        self.peak = 0
+
+    # torch.distributed
+    def get_rank(self):
+        return self.rank
+
+    def _post(self, message, work):
+        storage = message.untyped_storage().data_ptr()
+        for other in self.unfinished:
+            if other.storage == storage and other.message is not message:
+                raise AssertionError("a staging buffer was reused while a transfer still used it")
+        self.unfinished.append(work)
+        self.peak = max(self.peak, self.virtual.live_bytes(self.via))
+        return work
+
+    def isend(self, message, dst, group):
+        self.sent.setdefault(dst, []).append(message.clone())
+        return self._post(message, _NcclLikeWork(self, message))
+
+    def irecv(self, message, src, group):
+        return self._post(message, _NcclLikeWork(self, message, self.inbox.pop(0)))
+
+    # the stream backend
+    def new_stream(self, device):
+        return self.stream
+
+    def current_stream(self, device):
+        return self.stream
+
+    def use_stream(self, stream):
+        return contextlib.nullcontext()
+
+    def new_event(self):
+        return _NcclLikeEvent()
+
+    def record_stream(self, tensor, stream):
+        pass
+
+
+class _NcclLikeWork:
+    def __init__(self, fake, message, data=None):
+        self.fake, self.message, self.data = fake, message, data
+        self.storage = message.untyped_storage().data_ptr()
+
+    def wait(self):  # returns at once; what runs next on the stream sees the received data
+        if self.data is not None:
+            self.message.copy_(self.data)
+            self.data = None
+        self.fake.stream.waited.append(self)
+
+    def finish(self):
+        if self in self.fake.unfinished:
+            self.fake.unfinished.remove(self)
+            self.message = None  # the buffer is free for the allocator only now
+
+
+def test_staging_is_bounded_by_the_ring_when_wait_does_not_block_the_host(monkeypatch):
+    """Under NCCL ``Work.wait()`` returns at once and a point-to-point buffer stays in use until the
+    NCCL stream is past it: dropping a piece after ``wait`` frees nothing, so a loop that
+    allocates a buffer per piece stages everything at once. The ring reuses its buffers, each
+    only after the host has synchronised with the transfers that used it."""
+    from lightning_pipetransformer import devices as dev
+    from lightning_pipetransformer.devices import VirtualDevices
+
+    cpu0, cpu1 = torch.device("cpu", 0), torch.device("cpu", 1)
+    chunk = 64 << 10
+    with VirtualDevices() as virtual:
+        dev.bind_process_device(cpu0)
+        sender = _tensors(seed=0)
+        for t in sender:
+            dev.tag_as(t, cpu1)
+        total = sum(t.numel() * t.element_size() for t in sender)
+        root = _NcclLike(0, virtual, cpu0)
+        monkeypatch.setattr(state_transfer, "dist", root)
+        with dev.stand_in_streams(root):
+            state_transfer.send_tensors(sender, src=0, receivers=[1, 2, 3], group=None, chunk_bytes=chunk, via=cpu0)
+        receiver = [torch.zeros(t.shape, dtype=t.dtype) for t in _tensors(seed=0)]
+        for t in receiver:
+            dev.tag_as(t, cpu1)
+        relay = _NcclLike(1, virtual, cpu0, inbox=root.sent[1])
+        monkeypatch.setattr(state_transfer, "dist", relay)
+        with dev.stand_in_streams(relay):
+            state_transfer.send_tensors(receiver, src=0, receivers=[1, 2, 3], group=None, chunk_bytes=chunk, via=cpu0)
+
+    for got, want in zip(receiver, sender):
+        assert torch.equal(got, want)
+    for sent, forwarded in zip(root.sent[1], relay.sent[3]):
+        assert torch.equal(sent, forwarded)
+    assert len(root.sent[1]) > 4 * state_transfer.IN_FLIGHT and total > 20 * state_transfer.IN_FLIGHT * chunk
+    bound = state_transfer.IN_FLIGHT * chunk
+    assert 0 < root.peak <= bound and 0 < relay.peak <= bound, (root.peak, relay.peak, bound, total)
+    # Nothing is left in use when the transfer returns: the next one starts from an empty ring.
+    assert not root.unfinished and not relay.unfinished
 
 
 # ---------------------------------------------------------------------------------- multi-process

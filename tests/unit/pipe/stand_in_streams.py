@@ -11,8 +11,12 @@ take its CUDA path (streams, events, the ``hop`` autograd function) on CPU tenso
 - ``launch_cost``: host time one launch takes. One Python thread launches everything, so the
   host clock only moves forward; a kernel cannot start before its launch has been issued.
 
-What it does not model: copies between devices (``Tensor.to`` is free here), the caching
-allocator, the GPU running several streams' kernels at less than full speed when they share
+- ``copy_cost``: a copy between devices (``devices._move_across``) is a kernel of that duration
+  on the source device's current stream, after both devices' current streams' earlier work, and
+  the destination's current stream waits for it: torch's two-way barrier around a peer copy.
+  Kept in ``copies``, apart from the blocks' ``kernels``. Free by default.
+
+What it does not model: the caching allocator, the GPU running several streams' kernels at less than full speed when they share
 its SMs, and the CUDA autograd engine's own per-device threads (on CPU the engine runs every
 backward node on this thread, in the order the one-GPU engine uses; see docs/executor.md).
 """
@@ -58,7 +62,9 @@ class Kernel:
 class Timeline:
     """The backend :func:`~lightning_pipetransformer.devices.stand_in_streams` takes."""
 
-    def __init__(self, launch_cost: float = 0.0) -> None:
+    def __init__(self, launch_cost: float = 0.0, copy_cost: float = 0.0) -> None:
+        self.copy_cost = copy_cost
+        self.copies: list[Kernel] = []
         self.made: list[Stream] = []  # streams made by new_stream (callers' streams are not counted)
         self.current: dict[torch.device, Stream] = {}
         self.kernels: list[Kernel] = []
@@ -93,6 +99,13 @@ class Timeline:
 
     def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
         self.log.append(("record", stream))
+
+    def copy(self, src_device: torch.device, dst_device: torch.device) -> None:
+        src, dst = self.current_stream(src_device), self.current_stream(dst_device)
+        start = max(src.tail, dst.tail, self.host)
+        src.tail = dst.tail = start + self.copy_cost
+        self.copies.append(Kernel(("copy", str(src_device), str(dst_device)), src, start, src.tail))
+        self.log.append(("copy", src, dst))
 
     # -- what the test's blocks do ------------------------------------------------------------
 
@@ -134,15 +147,19 @@ class TimedBlock(torch.nn.Module):
     The micro-batch index is read from the hidden state, which the tests fill with it.
     """
 
-    def __init__(self, timeline: Timeline, index: int, kernels: int = 1, duration: float = 1.0) -> None:
+    def __init__(
+        self, timeline: Timeline, index: int, kernels: int = 1, duration: float = 1.0, device: torch.device | None = None,
+    ) -> None:
         super().__init__()
         self.timeline, self.index, self.kernels, self.duration = timeline, index, kernels, duration
+        #: The (virtual) device its kernels run on: on CPU every tensor says "cpu".
+        self.device = device
         self.weight = torch.nn.Parameter(torch.ones(()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         micro_batch = int(x[0, 0].item())
         for _ in range(self.kernels):
-            x = UnitKernel.apply(self.timeline, x.device, (self.index, micro_batch), self.duration, x)
+            x = UnitKernel.apply(self.timeline, self.device or x.device, (self.index, micro_batch), self.duration, x)
         return x * self.weight
 
 

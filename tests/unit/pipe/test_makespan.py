@@ -98,3 +98,29 @@ def test_small_kernels_make_the_pipeline_launch_bound(launch_cost):
     assert stages * launch_cost > 0.1
     assert forward > 1.4 * (chunks + stages - 1)
     assert forward == pytest.approx(serial_launches, rel=0.1)
+
+
+@pytest.mark.parametrize("stages,chunks", [(2, 4), (3, 5), (4, 8)])
+def test_copies_between_devices_run_on_copy_streams_and_overlap_the_next_micro_batch(stages, chunks):
+    """Stages on K devices, each hand-over a copy of a quarter of a stage's time. On the devices'
+    copy streams a copy overlaps the producer's next micro-batch: M + K - 1 plus the K - 1 copies
+    on one micro-batch's way. On the producer's compute stream (before) each stage's step was
+    1 + copy: about (M + K - 1) * 1.25."""
+    copy = 0.25
+    timeline = Timeline(copy_cost=copy)
+    devices = [torch.device("cpu", j) for j in range(stages)]
+    with dev.stand_in_streams(timeline):
+        blocks = [TimedBlock(timeline, j, device=devices[j]) for j in range(stages)]
+        out = Pipeline(blocks, [1] * stages, devices, chunks)(numbered_batch(chunks))
+        forward = timeline.span()
+        computes = {s for s in timeline.made if s in {k.stream for k in timeline.kernels}}
+        copy_streams = {s for a, b in zip(devices, devices[1:]) for s in dev.copy_streams(a, b)}
+        launched = len(timeline.kernels)
+        forward_copies = len(timeline.copies)
+        out.sum().backward()
+    assert forward_copies == chunks * (stages - 1)  # one per hand-over between devices
+    assert {k.stream for k in timeline.copies[:forward_copies]} <= copy_streams and not computes & copy_streams
+    assert forward == chunks + stages - 1 + (stages - 1) * copy
+    assert len(timeline.copies) == 2 * forward_copies  # the gradients go back the same way
+    backward = max(k.end for k in timeline.kernels[launched:]) - min(k.start for k in timeline.kernels[launched:])
+    assert backward == chunks + stages - 1 + (stages - 1) * copy

@@ -70,6 +70,31 @@ def test_pieces_are_copies_so_in_place_ops_do_not_share_a_version_counter():
     assert scatter(x, one_block(), 1).hidden[0] is x  # one micro-batch: the tensor itself, no copy
 
 
+def test_masks_and_other_arguments_without_gradient_share_memory_not_copies():
+    """A 4-D mask [B, 1, S, S] is not copied per pass (its pieces alias its rows, each with a version
+    counter of its own); an argument that requires grad, and the hidden state, still are."""
+    x = torch.randn(4, 3, 2)
+    mask = torch.randn(4, 1, 3, 3)
+    bias = torch.randn(4, 3, requires_grad=True)
+    alibi = torch.randn(4 * 2, 1, 3)
+    split = scatter(x, [((), {"mask": mask, "bias": bias, "alibi": alibi})], 2)
+    for m, calls in enumerate(split.calls):
+        kwargs = calls[0][1]
+        piece = kwargs["mask"]
+        assert piece.data_ptr() == mask[2 * m].data_ptr() and torch.equal(piece, mask[2 * m : 2 * m + 2])  # no copy
+        assert kwargs["alibi"].data_ptr() == alibi[4 * m].data_ptr()  # a folded argument too
+        assert kwargs["bias"].data_ptr() != bias[2 * m].data_ptr()  # requires grad: a copy
+    assert split.hidden[0].data_ptr() != x.data_ptr()  # the hidden state's pieces stay copies
+    first, second = (calls[0][1]["mask"] for calls in split.calls)
+    before = second._version
+    first.mul_(2)  # a block writing its micro-batch's rows in place: the model's tensor changes as in its own loop ...
+    assert torch.equal(mask[:2], first) and second._version == before  # ... and the other micro-batch's counter does not move
+    with torch.inference_mode():
+        frozen = torch.randn(4, 3)
+        piece = scatter(torch.randn(4, 2), [((frozen,), {})], 2).calls[1][0][0][0]
+        assert piece.is_inference() and piece.data_ptr() == frozen[2].data_ptr()  # views there
+
+
 def test_batch_major_folded_arguments_are_cut_by_sample():
     batch, heads = 6, 3
     alibi = torch.arange(batch * heads * 1.0).reshape(batch * heads, 1, 1)  # row b*heads+h: sample b
