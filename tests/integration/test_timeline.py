@@ -111,3 +111,56 @@ def test_under_the_strategy_with_autocache_the_hits_are_per_epoch(tmp_path) -> N
     for before, now, r in zip(counts.seen[1:], counts.seen[2:], rows[2:]):
         assert now[0] == before[0] == 2 and r.cache_hit_count == now[1] - before[1]
     assert all(r.cache_mem_bytes and r.cache_mem_bytes > 0 for r in rows[1:])
+
+
+def _fake_trainer(callbacks=()):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(callbacks=list(callbacks), strategy=None, world_size=1, callback_metrics={}, current_epoch=0, sanity_checking=False)
+
+
+def test_speed_vs_epoch_0_is_each_epochs_samples_per_s_over_epoch_0s() -> None:
+    import torch
+
+    from lightning_pipetransformer.timeline import format_table
+
+    timeline = PipeTransformerTimeline(print_table=False)
+    trainer = _fake_trainer()
+    batch = {"labels": torch.zeros(10)}
+    for epoch, batches in enumerate((2, 3, 5)):  # 20, 30, 50 samples in about the same time
+        trainer.current_epoch = epoch
+        timeline.on_train_epoch_start(trainer, None)  # type: ignore[arg-type]
+        for i in range(batches):
+            timeline.on_train_batch_end(trainer, None, None, batch, i)  # type: ignore[arg-type]
+        timeline._epoch_start -= 1.0  # each epoch took 1 s (plus the test's own microseconds)
+        timeline.on_train_epoch_end(trainer, None)  # type: ignore[arg-type]
+    speeds = [r.speed_vs_epoch0 for r in timeline.rows]
+    assert speeds[0] == 1.0 and speeds[1] == pytest.approx(1.5, rel=0.01) and speeds[2] == pytest.approx(2.5, rel=0.01)
+    assert [r.samples for r in timeline.rows] == [20, 30, 50]
+    table = format_table(timeline.rows)
+    assert table.splitlines()[0].split()[2] == "speed*"
+    assert [line.split()[2] for line in table.splitlines()[2:5]] == ["1.00x", "1.50x", "2.50x"]
+    # A run resumed without epoch 0's row has nothing to compare with.
+    resumed = PipeTransformerTimeline(print_table=False)
+    trainer.current_epoch = 3
+    resumed.on_train_epoch_start(trainer, None)  # type: ignore[arg-type]
+    resumed.on_train_batch_end(trainer, None, None, batch, 0)  # type: ignore[arg-type]
+    resumed.on_train_epoch_end(trainer, None)  # type: ignore[arg-type]
+    assert resumed.rows[0].speed_vs_epoch0 is None and format_table(resumed.rows).splitlines()[2].split()[2] == "-"
+    # The rows survive a checkpoint.
+    restored = PipeTransformerTimeline()
+    restored.load_state_dict(timeline.state_dict())
+    assert restored.rows == timeline.rows
+
+
+def test_warns_when_listed_after_autofreeze() -> None:
+    """An epoch-level freeze (re-plan, cache advance) runs in AutoFreeze's on_train_epoch_start: a
+    timeline listed after it starts the epoch's clock too late and says so."""
+    timeline = PipeTransformerTimeline(print_table=False)
+    with pytest.warns(UserWarning, match="PipeTransformerTimeline is listed after AutoFreeze"):
+        timeline.on_fit_start(_fake_trainer([AutoFreeze(), timeline]), None)  # type: ignore[arg-type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        timeline.on_fit_start(_fake_trainer([timeline, AutoFreeze()]), None)  # type: ignore[arg-type]
+        # Sub-epoch points in one process freeze at batch starts, inside the epoch's clock either way.
+        timeline.on_fit_start(_fake_trainer([AutoFreeze(freeze_interval=0.5), timeline]), None)  # type: ignore[arg-type]
