@@ -53,6 +53,7 @@ from lightning_pipetransformer.stack.declared import stack_for_strategy
 from lightning_pipetransformer.stack.discovery import BlockStack
 from lightning_pipetransformer.stack.input_grad import FrozenOutputs
 from lightning_pipetransformer.stack.interception import remove_pipeline
+from lightning_pipetransformer.stack.kv_cache import builds_kv_cache
 from lightning_pipetransformer.stack.model_flags import check_layer_outputs, turn_off_kv_cache
 
 __all__ = ["PipeTransformerStrategy"]
@@ -239,12 +240,14 @@ class PipeTransformerStrategy(ProcessLayout):
         return stack
 
     def _turn_off_kv_cache(self, module: torch.nn.Module) -> None:
-        """Fit with ``use_cache=False`` (a key-value cache shared by micro-batches); restored at teardown."""
+        """Fit with ``use_cache=False`` (a key-value cache shared by micro-batches); restored at teardown.
+        Said only for a model that builds such a cache (a decoder), never for an encoder that ignores the flag."""
         self._kv_cache_configs = turn_off_kv_cache(module)
-        if self._kv_cache_configs:
+        if any(builds_kv_cache(module, config) for config in self._kv_cache_configs):
             rank_zero_info(
-                "PipeTransformer: use_cache=False while fitting (a key-value cache is for generation; shared by "
-                "micro-batches it would be updated once per micro-batch). It is restored after fit."
+                "PipeTransformer: the model's key-value cache for generation (config.use_cache) is off while fitting, "
+                "since micro-batches would share it; it is restored after fit. (Not AutoCache, the strategy's cache=, "
+                "which stores the frozen blocks' outputs.)"
             )
 
     def _target_frozen(self, autofreeze: Any) -> int:
@@ -473,12 +476,11 @@ class PipeTransformerStrategy(ProcessLayout):
         self._report_engagement()
 
     def _show_in_progress_bar(self) -> None:
-        """What changes during a run, in the progress bar (``prog_bar=True``, not sent to the loggers)."""
+        """What changes during a run, in the progress bar only (counts as integers; not sent to the loggers)."""
         module, plan = self.lightning_module, self.plan
         if module is None or plan is None:
             return
-        shown = report.progress_values(plan, self.config, self.world_size, self.autocache)
-        module.log_dict({k: float(v) for k, v in shown.items()}, prog_bar=True, logger=False, on_step=True, on_epoch=False)
+        lightning_internals.show_in_progress_bar(module.trainer, report.progress_values(plan, self.config, self.world_size, self.autocache))
 
     def _report_engagement(self) -> None:
         """Once per epoch: whether the pipeline / cache ran the stack, and AutoCache's counters (:mod:`~lightning_pipetransformer.report`)."""

@@ -196,6 +196,8 @@ def test_fit_logs_the_plan_and_shows_it_in_the_progress_bar():
     trainer.fit(Classifier("bert"), data_for("bert"))
     bar = trainer.progress_bar_metrics
     assert bar["pt/frozen"] == 2 and bar["pt/pipe"] == 2
+    assert type(bar["pt/frozen"]) is int and type(bar["pt/pipe"]) is int  # counts shown as counts: "2", not "2.000"
+    assert "pt/replicas" not in bar and "pt/cache_hit_rate" not in bar  # one process, no cache: nothing to show
     assert not any(k.startswith("pt/") for call in recorder.calls for k in call)  # the bar only
     frozen = [call["pipetransformer/num_frozen"] for call in recorder.calls if "pipetransformer/num_frozen" in call]
     assert frozen == [0.0, 2.0]  # at set-up and at the freeze
