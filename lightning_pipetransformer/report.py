@@ -21,7 +21,7 @@ __all__ = ["CACHE_DIAGNOSTICS", "CACHE_METRICS", "EngagementReport", "cache_metr
 def plan_text(plan: Plan) -> str:
     return (
         f"PipeTransformer: {plan.num_frozen} frozen, pipe length {plan.pipe_len}, {plan.chunks} micro-batch(es), "
-        f"partition {plan.partition}, {plan.num_replicas} replica(s)."
+        f"blocks per stage {plan.partition}, {plan.num_replicas} replica(s)."
     )
 
 
