@@ -385,3 +385,42 @@ def test_cli_fit_with_autofreeze_and_timeline(tiny_assets: tuple[Path, Path], tm
     # Nothing of Hugging Face's in the home directory (matplotlib keeps its font list there).
     assert not [p for p in (tmp_path / "home").rglob("*") if p.is_file() and "matplotlib" not in p.parts]
     assert list((tmp_path / "hf").rglob("cache-*.arrow"))  # the tokenized sides, where the config says
+
+
+def test_the_baseline_yaml_is_the_demos_setting_without_freezing() -> None:
+    """The demo's plain fine-tuning reference trains on the same batches: same model and data sections,
+    strategy auto, no AutoFreeze (else its speed would not be plain fine-tuning's)."""
+    demo = yaml.safe_load((EXAMPLES / "configs" / "text_minilm_pipetransformer.yaml").read_text())
+    base = yaml.safe_load((EXAMPLES / "configs" / "text_minilm_baseline.yaml").read_text())
+    assert base["model"] == demo["model"] and base["data"] == demo["data"] and base["seed_everything"] == demo["seed_everything"]
+    assert base["trainer"]["strategy"] == "auto" and base["trainer"]["precision"] == demo["trainer"]["precision"]
+    assert [cb["class_path"] for cb in base["trainer"]["callbacks"]] == ["lightning_pipetransformer.PipeTransformerTimeline"]
+
+
+def test_baseline_run_and_the_reference_lines(tiny_assets: tuple[Path, Path], tmp_path: Path) -> None:
+    """The baseline YAML runs (two short epochs, no validation); examples/reference.py compares a demo's
+    rows with its last epoch and quotes the committed benchmark with its date."""
+    model_dir, corpus = tiny_assets
+    config = yaml.safe_load((EXAMPLES / "configs" / "text_minilm_baseline.yaml").read_text())
+    config["model"]["pretrained"] = str(model_dir)
+    config["data"].update(csv_path=str(corpus), train_size=32, val_size=16, val_fraction=0.3, max_length=16, batch_size=8,
+                          datasets_cache_dir=str(tmp_path / "hf"))  # fmt: skip
+    config["trainer"].update(default_root_dir=str(tmp_path / "out"))
+    config["trainer"]["callbacks"][0]["init_args"]["dirpath"] = str(tmp_path / "base")
+    cfg_path = tmp_path / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump(config))
+    env = clean_env(PIPETRANSFORMER_ASSETS=str(tmp_path / "no-assets"), HF_HUB_OFFLINE="1", HOME=str(tmp_path / "home"))
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "text_classification.py"), "fit", "--config", str(cfg_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    base = json.loads((tmp_path / "base" / "timeline.json").read_text())["rows"]
+    assert [r["epoch"] for r in base] == [0, 1] and all(r["frozen"] == "-" and r["samples"] == 32 for r in base)
+
+    import reference
+
+    demo = [dict(base[0], epoch=0, samples_per_s=base[1]["samples_per_s"]), dict(base[1], epoch=1, samples_per_s=2 * base[1]["samples_per_s"])]
+    lines = reference.measured_lines(demo, base)
+    assert "per epoch: 0: 1.00x, 1: 2.00x" in lines[1]
+    bench = reference.benchmark_lines()[0]
+    assert "(docs/benchmarks_25_3seeds.md, 2026-12-02; 3,000 snippets, 5 epochs" in bench
+    assert "full fine-tuning 399 s" in bench and "198 s (2.02x less)" in bench and "(-0.89 points)" in bench
