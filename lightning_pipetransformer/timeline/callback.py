@@ -154,13 +154,14 @@ class PipeTransformerTimeline(Callback):
         )
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # trainer.log_dir broadcasts rank 0's folder: every rank must ask, before only rank 0 goes on.
+        folder = Path(self.dirpath) if self.dirpath else Path(trainer.log_dir or trainer.default_root_dir)
         if not trainer.is_global_zero or not self.rows:
             return
         autofreeze = _autofreeze(trainer)
         freezes = list(autofreeze.history) if autofreeze is not None else []
         num_blocks = autofreeze.num_blocks if autofreeze is not None and autofreeze.stack is not None else None
         self.summary = freeze_summary(self.rows, freezes, num_blocks)
-        folder = Path(self.dirpath or trainer.log_dir or trainer.default_root_dir)
         if self.save_json:
             self.json_path = folder / "timeline.json"
             self.json_path.parent.mkdir(parents=True, exist_ok=True)

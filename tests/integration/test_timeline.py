@@ -16,6 +16,7 @@ import pytest
 from lightning.pytorch.callbacks import Callback
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy, PipeTransformerTimeline
+from lightning_pipetransformer.timeline import EpochRecord
 from tests.helpers.models import TextClassifier, loader, text_dataset
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -164,3 +165,28 @@ def test_warns_when_listed_after_autofreeze() -> None:
         timeline.on_fit_start(_fake_trainer([timeline, AutoFreeze()]), None)  # type: ignore[arg-type]
         # Sub-epoch points in one process freeze at batch starts, inside the epoch's clock either way.
         timeline.on_fit_start(_fake_trainer([AutoFreeze(freeze_interval=0.5), timeline]), None)  # type: ignore[arg-type]
+
+
+def test_every_rank_asks_for_the_log_dir_at_fit_end(tmp_path) -> None:
+    """``trainer.log_dir`` is a broadcast from rank 0: a rank that skipped it would leave rank 0 waiting
+    forever. Every rank reads it; only global rank 0 writes."""
+
+    class Trainer:
+        def __init__(self, rank: int) -> None:
+            self.is_global_zero, self.asked = rank == 0, 0
+            self.default_root_dir, self.callbacks = str(tmp_path), []
+
+        @property
+        def log_dir(self) -> str:
+            self.asked += 1
+            return str(tmp_path / "logs")
+
+    for rank in (0, 1):
+        timeline = PipeTransformerTimeline(print_table=False, save_plot=False)
+        timeline.rows = [EpochRecord.from_dict(dict(epoch=0, frozen="-", pipe_len="-", replicas="-", cache_hits="-", samples_per_s=1.0,
+                                                    train_s=1.0, epoch_s=1.0, total_s=1.0, metric=None))]  # fmt: skip
+        trainer = Trainer(rank)
+        timeline.on_fit_end(trainer, None)  # type: ignore[arg-type]
+        assert trainer.asked == 1, rank
+        assert (timeline.json_path is not None) == (rank == 0)
+    assert (tmp_path / "logs" / "timeline.json").exists()
