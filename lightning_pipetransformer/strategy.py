@@ -23,7 +23,7 @@ outside the stack (embeddings, head, loss, metrics) stays on the first stage's d
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
@@ -118,7 +118,8 @@ class PipeTransformerStrategy(ProcessLayout):
         #: The validated arguments (frozen): the parts below read their settings from here.
         self.config = PipeTransformerConfig(
             pipe_len=pipe_len, chunks=chunks, frozen_cost=frozen_cost, layers=layers,
-            process_group_backend=process_group_backend, timeout=timeout, batch_policy=batch_policy,
+            process_group_backend=process_group_backend, batch_policy=batch_policy,
+            timeout=cast(float, timeout),  # a timedelta too: the config keeps it as seconds
             cache=CacheConfig(mode=cache, key=cache_key, dir=cache_dir, memory=cache_memory, skip_embeddings=cache_skip_embeddings),
         )  # fmt: skip
         # Lightning's own arguments through **lightning: the Trainer sets them, and LightningCLI's help

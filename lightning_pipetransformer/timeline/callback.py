@@ -271,5 +271,5 @@ def _metric(trainer: pl.Trainer, key: str | None) -> float | None:
     value = trainer.callback_metrics.get(key) if key is not None else None
     if value is None:
         return None
-    value = float(value)
-    return None if math.isnan(value) else value
+    number = float(value)
+    return None if math.isnan(number) else number
