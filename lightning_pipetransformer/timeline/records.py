@@ -142,7 +142,7 @@ def format_table(rows: list[EpochRecord], metric_name: str | None = "val/acc", w
     if empty:
         notes.append(f"Not shown (nothing to show in this run): {', '.join(empty)}.")
     wrapped = textwrap.wrap(" ".join(notes), width, initial_indent="* ", subsequent_indent="  ")
-    return "\n".join([line[:width] for line in lines] + wrapped)
+    return "\n".join(lines + wrapped)
 
 
 def _epoch0_words(rows: list[EpochRecord]) -> str:
