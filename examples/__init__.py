@@ -2,6 +2,6 @@
 
 Each example still runs as a script, ``python examples/text_classification.py fit --config ...``: then
 ``examples/`` is ``sys.path[0]`` and the modules import each other by their plain names (``rotten_tomatoes``,
-``assets``, ``timeline``: the names the YAML configs and the tests use). Imported as ``examples.<module>``,
+``assets``: the names the YAML configs and the tests use). Imported as ``examples.<module>``,
 they import each other through this package instead, so each module is loaded once.
 """

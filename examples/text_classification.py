@@ -8,7 +8,8 @@ A LightningCLI program::
         --data.train_size 1500 --data.val_size 1000 --trainer.max_epochs 3
     python examples/text_classification.py fit --config examples/configs/text_minilm_pipetransformer.yaml   # the demo
 
-The YAML picks the strategy (``trainer.strategy``), the AutoFreeze callback and the timeline;
+The YAML picks the strategy (``trainer.strategy``), the AutoFreeze callback and the timeline
+(``lightning_pipetransformer.PipeTransformerTimeline``);
 the LightningModule below is plain Lightning and knows nothing about freezing, pipelines or
 caching. The data (``rotten_tomatoes.py``) is read and tokenized by Hugging Face ``datasets``.
 ``model.pretrained`` (a local folder with a BERT checkpoint and its tokenizer; default: the
@@ -27,7 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 if not __package__:  # a script, or imported by its plain name: the siblings by theirs (see examples/__init__.py)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # assets, rotten_tomatoes, timeline
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # assets, rotten_tomatoes
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402

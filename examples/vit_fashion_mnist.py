@@ -37,7 +37,7 @@ from typing import Any, Literal
 # No model hub is reachable: transformers must never try one (read when it is imported).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # assets, timeline
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # assets
 
 import lightning.pytorch as pl  # noqa: E402
 import numpy as np  # noqa: E402

@@ -7,6 +7,8 @@ Public API:
 * :class:`PipeTransformerStrategy` - ``strategy="pipetransformer"``: the block stack runs as a
   pipeline that shrinks as AutoFreeze freezes blocks; ``trainer.strategy.plan`` is the current
   :class:`Plan`.
+* :class:`PipeTransformerTimeline` - a callback that prints and saves, per epoch, the frozen
+  blocks, the plan, the cache's hits, the throughput and the metric (any strategy).
 * :func:`find_block_stack` / :class:`BlockStack` - how the package sees a model: ``pre``
   modules, a stack of repeated blocks, ``post`` modules.
 """
@@ -21,6 +23,7 @@ from lightning_pipetransformer.stack.discovery import (
 from lightning_pipetransformer.strategy import (
     PipeTransformerStrategy,  # registers "pipetransformer"
 )
+from lightning_pipetransformer.timeline import PipeTransformerTimeline
 
-__all__ = ["AutoFreeze", "BlockStack", "BlockStackError", "Plan", "PipeTransformerStrategy", "find_block_stack"]
+__all__ = ["AutoFreeze", "BlockStack", "BlockStackError", "Plan", "PipeTransformerStrategy", "PipeTransformerTimeline", "find_block_stack"]
 __version__ = "0.1.0.dev0"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+from datetime import timedelta
 from typing import Literal
 
 __all__ = ["CacheConfig", "PipeTransformerConfig", "argument_table"]
@@ -90,7 +91,8 @@ class PipeTransformerConfig:
 
     timeout: float = 1800.0
     """seconds before any collective gives up, on every process group the strategy creates, so a
-    dead rank ends the run with an error instead of a hang."""
+    dead rank ends the run with an error instead of a hang. A `datetime.timedelta` works too (as
+    for Lightning's `DDPStrategy`); it is kept as seconds."""
 
     batch_policy: Literal["replica", "global"] = "replica"
     """with several processes: `"replica"` keeps each replica's batch (the paper's choice: the
@@ -114,11 +116,11 @@ class PipeTransformerConfig:
             raise ValueError(f"frozen_cost must be in [0, 1] (paper: 1/6), got {self.frozen_cost!r}.")
         object.__setattr__(self, "frozen_cost", frozen_cost)
         try:
-            timeout = float(self.timeout)
+            timeout = self.timeout.total_seconds() if isinstance(self.timeout, timedelta) else float(self.timeout)
         except (TypeError, ValueError):
             timeout = float("nan")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}.")
+        if isinstance(self.timeout, bool) or not timeout > 0 or timeout == float("inf"):
+            raise ValueError(f"timeout must be a positive number of seconds or a datetime.timedelta, got {self.timeout!r}.")
         object.__setattr__(self, "timeout", timeout)
         if self.batch_policy not in ("replica", "global"):
             raise ValueError(f"batch_policy must be 'replica' or 'global', got {self.batch_policy!r}.")

@@ -94,3 +94,20 @@ def set_callback_metrics(trainer: pl.Trainer, metrics: dict[str, Any]) -> None:
     and what ModelCheckpoint and EarlyStopping read. Exercised by the idle-rank checkpoint tests.
     """
     trainer._logger_connector._callback_metrics.update(metrics)
+
+
+def show_in_progress_bar(trainer: pl.Trainer, values: dict[str, int | float]) -> None:
+    """Show ``values`` in the progress bar as they are (an ``int`` without decimals), not sent to any logger.
+
+    ``LightningModule.log(prog_bar=True)`` turns every value into a float tensor, so a count of
+    frozen blocks would read ``5.000``. Private: ``trainer._logger_connector._progress_bar_metrics``,
+    which ``trainer.progress_bar_metrics`` returns (updated with the logged values, so these stay).
+    The two bars format differently: the TQDM bar shows an ``int`` as is (and pads a numeric string
+    to ``5.000``), the Rich bar formats every non-string with ``.3f``: it gets counts as strings.
+    Exercised by tests/integration/test_lightning_native.py.
+    """
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    rich = isinstance(trainer.progress_bar_callback, RichProgressBar)
+    shown = {k: str(v) if rich and isinstance(v, int) else v for k, v in values.items()}
+    trainer._logger_connector._progress_bar_metrics.update(shown)

@@ -15,13 +15,13 @@ from lightning_pipetransformer.plan import Plan
 from lightning_pipetransformer.stack.discovery import BlockStack
 from lightning_pipetransformer.stack.interception import InterceptionStats, installed_pipeline, interception_stats
 
-__all__ = ["EngagementReport", "cache_metrics", "plan_metrics", "plan_text", "progress_values"]
+__all__ = ["CACHE_DIAGNOSTICS", "CACHE_METRICS", "EngagementReport", "cache_metrics", "plan_metrics", "plan_text", "progress_values"]
 
 
 def plan_text(plan: Plan) -> str:
     return (
         f"PipeTransformer: {plan.num_frozen} frozen, pipe length {plan.pipe_len}, {plan.chunks} micro-batch(es), "
-        f"partition {plan.partition}, {plan.num_replicas} replica(s)."
+        f"blocks per stage {plan.partition}, {plan.num_replicas} replica(s)."
     )
 
 
@@ -34,15 +34,20 @@ def plan_metrics(plan: Plan) -> dict[str, float]:
     }
 
 
-def progress_values(plan: Plan, config: Any, world_size: int, cache: Any) -> dict[str, float]:
-    """What changes during a run, for the progress bar: frozen blocks, pipe length, replicas, hit rate."""
-    shown: dict[str, float] = {"pt/frozen": float(plan.num_frozen)}
+def progress_values(plan: Plan, config: Any, world_size: int, cache: Any) -> dict[str, int | float]:
+    """What changes during a run, for the progress bar: counts as ints, the cache's hit rate as a rate.
+
+    ``pt/frozen`` always; ``pt/pipe`` only when a pipeline or micro-batches were asked for
+    (``pipe_len > 1`` or ``chunks != 1``), ``pt/replicas`` only with several processes, and
+    ``pt/cache_hit_rate`` (hits / lookups at the current boundary, 0 to 1) only once a cache store is open.
+    """
+    shown: dict[str, int | float] = {"pt/frozen": int(plan.num_frozen)}
     if config.pipe_len > 1 or config.chunks != 1:
-        shown["pt/pipe"] = float(plan.pipe_len)
+        shown["pt/pipe"] = int(plan.pipe_len)
     if world_size > 1:
-        shown["pt/replicas"] = float(plan.num_replicas)
+        shown["pt/replicas"] = int(plan.num_replicas)
     if cache is not None and cache.store is not None:
-        shown["pt/cache_hits"] = round(cache.store.stats().hit_rate, 3)
+        shown["pt/cache_hit_rate"] = round(cache.store.stats().hit_rate, 2)
     return shown
 
 
@@ -91,12 +96,46 @@ class EngagementReport:
         return since.as_metrics("pipetransformer/")
 
 
+#: AutoCache's metrics logged under ``autocache/`` once per epoch: the few that say whether the cache pays.
+CACHE_METRICS = {
+    "hit_rate": "hits / lookups at the current boundary (training and validation; 0 to 1)",
+    "period_hit_rate": "hits / lookups since the previous report (about one epoch), from the second report at a boundary on: the one to watch",
+    "hits": "lookups the cache answered at the current boundary (its own entries, or an earlier boundary's advanced on read)",
+    "misses": "lookups it could not answer (the first epoch at a boundary stores them)",
+    "bytes_in_memory": "bytes of the current boundary's entries in host memory (this process)",
+    "bytes_on_disk": "bytes of its files on disk (every process of the node)",
+}
+
+#: The rest of AutoCache's counters, logged under ``autocache_diagnostics/`` for diagnosis.
+CACHE_DIAGNOSTICS = {
+    "boundary": "frozen blocks whose output the current store holds",
+    "enabled": "1 while the cache serves; 0 once cache='auto' measured it slower than the frozen blocks, or before a store opens",
+    "memory_hits": "hits answered from host memory",
+    "disk_hits": "hits answered from disk",
+    "stored": "entries written at this boundary",
+    "entries_in_memory": "entries held in host memory",
+    "files_on_disk": "entry files on disk",
+    "advanced": "entries of an earlier boundary carried through the newly frozen blocks (at the move, or on read)",
+    "embeddings_skipped": "forwards that skipped the embeddings because the cache answered the whole batch",
+    "batches_served": "batches the cache answered in full at this boundary (every row a hit)",
+    "served_fraction": "batches_served over the batches looked up at this boundary: 1.0 when every batch is served",
+    "batches_bypassed": "batches since the fit began that ran without the cache, for a reason warned once",
+    "rejected": "entries found with another shape than the lookup's (a miss, recomputed)",
+    "corrupt": "files whose checksum did not match (recomputed and rewritten)",
+    "nonfinite": "samples whose activation held NaN or inf (never stored)",
+    "unwritten": "entries that could not go to disk (disk full, write refused)",
+    "recreated": "times the store's directory was removed from outside and made again",
+}
+
+
 def cache_metrics(cache: Any) -> dict[str, float]:
-    """AutoCache's counters and the hit rate of the period since the last call."""
+    """AutoCache's counters for the loggers: :data:`CACHE_METRICS` under ``autocache/``, the rest
+    (:data:`CACHE_DIAGNOSTICS`) under ``autocache_diagnostics/``. A counter named in neither is logged
+    as a diagnostic too (never dropped)."""
     if cache is None:
         return {}
-    metrics = dict(cache.stats())
+    metrics = {str(k).rsplit("/", 1)[-1]: v for k, v in cache.stats().items()}
     rate = cache.period_hit_rate()
     if rate is not None:
-        metrics["autocache/period_hit_rate"] = rate
-    return metrics
+        metrics["period_hit_rate"] = rate
+    return {(f"autocache/{k}" if k in CACHE_METRICS else f"autocache_diagnostics/{k}"): float(v) for k, v in metrics.items()}

@@ -22,13 +22,11 @@ outside the stack (embeddings, head, loss, metrics) stays on the first stage's d
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from datetime import timedelta
+from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -38,6 +36,7 @@ from lightning_pipetransformer import devices as dev
 from lightning_pipetransformer import lightning_internals, report
 from lightning_pipetransformer.cache import hooks as cache_hooks
 from lightning_pipetransformer.cache.autocache import AutoCache
+from lightning_pipetransformer.cache.folders import remove_empty_folders
 from lightning_pipetransformer.config import CacheConfig, PipeTransformerConfig
 from lightning_pipetransformer.dp import data, faults, groups, idle, idle_hooks, loop_state, state_transfer
 from lightning_pipetransformer.dp.clock import PhaseClock
@@ -53,6 +52,7 @@ from lightning_pipetransformer.stack.declared import stack_for_strategy
 from lightning_pipetransformer.stack.discovery import BlockStack
 from lightning_pipetransformer.stack.input_grad import FrozenOutputs
 from lightning_pipetransformer.stack.interception import remove_pipeline
+from lightning_pipetransformer.stack.kv_cache import builds_kv_cache
 from lightning_pipetransformer.stack.model_flags import check_layer_outputs, turn_off_kv_cache
 
 __all__ = ["PipeTransformerStrategy"]
@@ -63,19 +63,38 @@ _CHECKPOINT_KEY = "pipetransformer"
 class PipeTransformerStrategy(ProcessLayout):
     """Pipeline-parallel training of a Transformer's block stack, repartitioned as blocks freeze.
 
-    Args (each field of :class:`~lightning_pipetransformer.config.PipeTransformerConfig` /
-    :class:`~lightning_pipetransformer.config.CacheConfig` says more; docs/configuration.md lists them):
-        pipe_len: stages per pipeline replica at the start (K0); with ``devices=G`` it must divide G.
-        chunks: micro-batches per mini-batch (M), or ``"auto"`` (measured once per pipe length).
-        frozen_cost: a frozen block's weight when partitioning (paper: 1/6).
-        layers: the block container's attribute path (default: AutoFreeze's stack, the module's
-            ``configure_block_stack()``, or discovery).
-        process_group_backend, timeout: the process groups' backend and timeout in seconds.
-        batch_policy: ``"replica"`` (each replica keeps the loader's batch size) or ``"global"``
-            (the loader's batch is split over the replicas).
-        cache, cache_key, cache_dir, cache_memory, cache_skip_embeddings: AutoCache (docs/cache.md).
+    ``strategy="pipetransformer"`` (or this class with arguments). The arguments are validated into
+    :attr:`config` when the strategy is built, before any process starts; docs/configuration.md
+    lists them with their defaults.
 
-    The arguments are validated into :attr:`config` when the strategy is built, before any process starts.
+    Args:
+        pipe_len: pipeline stages per replica at the start (K0). With ``devices=1`` the stages are
+            virtual (all on the one device); with ``devices=G`` it must divide G, and G/K0 processes
+            per node start as replicas while the others wait until the pipeline shrinks (AutoDP).
+        chunks: micro-batches per mini-batch (M), or ``"auto"``: M timed in K..6K on the first real
+            batch of each pipe length (kept in checkpoints).
+        frozen_cost: weight of a frozen block relative to a trainable one when partitioning and
+            deciding whether a shorter pipeline is as fast (paper: 1/6).
+        layers: attribute path of the block container, e.g. ``"model.bert.encoder.layer"``. Default:
+            AutoFreeze's stack, else the module's ``configure_block_stack()``, else discovery.
+        process_group_backend: ``"nccl"`` or ``"gloo"``; by default chosen from the device type.
+        timeout: how long any collective waits before it fails (a dead rank ends the run with an
+            error, not a hang): seconds, or a ``datetime.timedelta`` as for DDPStrategy.
+        batch_policy: with several replicas, ``"replica"`` keeps each replica's batch size (the global
+            batch grows, as in the paper) and ``"global"`` splits the loader's batch over the replicas
+            (the same optimisation as on one device).
+        cache: AutoCache, the store of the frozen blocks' outputs per sample: ``True`` serves them
+            whenever blocks are frozen, ``"auto"`` only while a lookup is measured faster than the
+            frozen blocks, ``False`` never. (Not the model's key-value cache, ``config.use_cache``.)
+        cache_key: how a sample is recognised: ``"content"`` (a fingerprint of its input; exact) or
+            ``"index"`` (the batch's ``index`` entry; faster, reuses the first augmented view).
+        cache_dir: node-local folder for entries beyond ``cache_memory``. Default:
+            ``<trainer.default_root_dir>/pipetransformer_cache``, removed at the end of the fit when empty.
+        cache_memory: host memory for cached entries, in bytes, for the whole node (default 4 GiB);
+            the rest spills to ``cache_dir``.
+        cache_skip_embeddings: on batches the cache serves in full, skip the embeddings too.
+        **lightning: ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
+            ``precision_plugin``: set by the Trainer; pass them only to override it (as for DDPStrategy).
     """
 
     strategy_name = "pipetransformer"
@@ -87,30 +106,26 @@ class PipeTransformerStrategy(ProcessLayout):
         frozen_cost: float = 1 / 6,
         layers: str | None = None,
         process_group_backend: str | None = None,
-        timeout: float = 1800.0,
+        timeout: float | timedelta = 1800.0,
         batch_policy: Literal["replica", "global"] = "replica",
         cache: bool | Literal["auto"] = False,
         cache_key: Literal["content", "index"] = "content",
         cache_dir: str | None = None,
         cache_memory: int = 4 * 2**30,
         cache_skip_embeddings: bool = True,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
+        **lightning: Any,
     ) -> None:
         #: The validated arguments (frozen): the parts below read their settings from here.
         self.config = PipeTransformerConfig(
             pipe_len=pipe_len, chunks=chunks, frozen_cost=frozen_cost, layers=layers,
-            process_group_backend=process_group_backend, timeout=timeout, batch_policy=batch_policy,
+            process_group_backend=process_group_backend, batch_policy=batch_policy,
+            timeout=cast(float, timeout),  # a timedelta too: the config keeps it as seconds
             cache=CacheConfig(mode=cache, key=cache_key, dir=cache_dir, memory=cache_memory, skip_embeddings=cache_skip_embeddings),
         )  # fmt: skip
-        super().__init__(
-            pipe_len=self.config.pipe_len, process_group_backend=process_group_backend, timeout=self.config.timeout,
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
-        )  # fmt: skip
+        # Lightning's own arguments through **lightning: the Trainer sets them, and LightningCLI's help
+        # then lists only this strategy's arguments.
+        parallel = _lightning_arguments(lightning)
+        super().__init__(pipe_len=self.config.pipe_len, process_group_backend=process_group_backend, timeout=self.config.timeout, **parallel)
         #: The plan's owner (None before setup, or when the model has no block stack).
         self.engine: Engine | None = None
         #: AutoCache of this fit (None without ``cache``).
@@ -239,12 +254,14 @@ class PipeTransformerStrategy(ProcessLayout):
         return stack
 
     def _turn_off_kv_cache(self, module: torch.nn.Module) -> None:
-        """Fit with ``use_cache=False`` (a key-value cache shared by micro-batches); restored at teardown."""
+        """Fit with ``use_cache=False`` (a key-value cache shared by micro-batches); restored at teardown.
+        Said only for a model that builds such a cache (a decoder), never for an encoder that ignores the flag."""
         self._kv_cache_configs = turn_off_kv_cache(module)
-        if self._kv_cache_configs:
+        if any(builds_kv_cache(module, config) for config in self._kv_cache_configs):
             rank_zero_info(
-                "PipeTransformer: use_cache=False while fitting (a key-value cache is for generation; shared by "
-                "micro-batches it would be updated once per micro-batch). It is restored after fit."
+                "PipeTransformer: the model's key-value cache for generation (config.use_cache) is off while fitting, "
+                "since micro-batches would share it; it is restored after fit. (Not AutoCache, the strategy's cache=, "
+                "which stores the frozen blocks' outputs.)"
             )
 
     def _target_frozen(self, autofreeze: Any) -> int:
@@ -474,17 +491,11 @@ class PipeTransformerStrategy(ProcessLayout):
         self._report_engagement()
 
     def _show_in_progress_bar(self) -> None:
-        """What changes during a run, in the progress bar (``prog_bar=True``, not sent to the loggers)."""
+        """What changes during a run, in the progress bar only (counts as integers; not sent to the loggers)."""
         module, plan = self.lightning_module, self.plan
         if module is None or plan is None:
             return
-        shown = report.progress_values(plan, self.config, self.world_size, self.autocache)
-        # CPU tensors, never Python numbers: Lightning keeps a logged tensor on its device, and the
-        # bar's ``.item()`` of a CPU tensor waits for nothing. A float would become
-        # ``torch.tensor(v, device=cuda)`` (a synchronising copy from pageable memory) and the bar's
-        # ``.item()`` of it a second host sync, every step, on every rank.
-        values = {k: torch.tensor(float(v)) for k, v in shown.items()}
-        module.log_dict(values, prog_bar=True, logger=False, on_step=True, on_epoch=False)
+        lightning_internals.show_in_progress_bar(module.trainer, report.progress_values(plan, self.config, self.world_size, self.autocache))
 
     def _report_engagement(self) -> None:
         """Once per epoch: whether the pipeline / cache ran the stack, and AutoCache's counters (:mod:`~lightning_pipetransformer.report`)."""
@@ -630,6 +641,8 @@ class PipeTransformerStrategy(ProcessLayout):
         if self.autocache is not None:
             self.autocache.detach()
             self.autocache.close()
+            trainer = module._trainer if module is not None else None
+            remove_empty_folders(self.autocache, trainer.default_root_dir if trainer is not None else None, self.config.cache.dir)
         for config in self._kv_cache_configs:
             config.use_cache = True
         self._kv_cache_configs = []
@@ -673,6 +686,22 @@ class PipeTransformerStrategy(ProcessLayout):
         strategy_registry.register(
             cls.strategy_name, cls, description="PipeTransformer: pipeline the block stack, repartition as AutoFreeze freezes blocks"
         )
+
+
+#: Lightning's arguments of a ParallelStrategy, which the Trainer fills in after construction.
+_LIGHTNING_ARGUMENTS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
+
+
+def _lightning_arguments(given: dict[str, Any]) -> dict[str, Any]:
+    """Check the keyword arguments beyond the strategy's own: Lightning's, or a clear error."""
+    unknown = sorted(set(given) - set(_LIGHTNING_ARGUMENTS))
+    if unknown:
+        raise TypeError(
+            f"PipeTransformerStrategy got unexpected argument(s) {unknown}. Its arguments: pipe_len, chunks, frozen_cost, "
+            "layers, process_group_backend, timeout, batch_policy, cache, cache_key, cache_dir, cache_memory, "
+            f"cache_skip_embeddings, and Lightning's {', '.join(_LIGHTNING_ARGUMENTS)}."
+        )
+    return dict(given)
 
 
 def _autofreeze_of(trainer: pl.Trainer) -> Any:

@@ -1,5 +1,11 @@
 #!/usr/bin/env bash
-# Create .venv and install the package with its test extras, idempotently.
+# Create .venv and install the package with the extras asked for (default: dev, the test tools),
+# idempotently:  bash scripts/setup.sh [EXTRAS]   e.g.  bash scripts/setup.sh examples,cli,plot
+#
+# Fast when nothing changed: a stamp in .venv records which extras were installed for which
+# pyproject.toml (its sha256); when it matches (or the dev extras, which include the others, were
+# installed for it) and torch imports, pip is not run at all. Set PIPETRANSFORMER_REINSTALL=1 to
+# install anyway.
 #
 # CPU-only machine (no nvidia-smi): torch is pinned to the CPU build 2.13.0 first,
 # so nothing later can pull a multi-GB CUDA build. PyPI's Linux torch wheels depend
@@ -11,11 +17,20 @@
 # environment with `pip install -e ".[dev]"` and keep the torch you have.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+EXTRAS="${1:-dev}"
 PY="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
+STAMP=.venv/.pipetransformer-setup
+HASH=$("$VPY" -c "import hashlib, sys; print(hashlib.sha256(open('pyproject.toml', 'rb').read()).hexdigest())")
+if [ -z "${PIPETRANSFORMER_REINSTALL:-}" ] && [ -f "$STAMP" ] \
+    && { grep -qx "$HASH $EXTRAS" "$STAMP" || grep -qx "$HASH dev" "$STAMP"; } \
+    && "$VPY" -c "import torch, lightning" 2>/dev/null; then
+    echo "setup: .venv is up to date for this pyproject.toml ([$EXTRAS]); skipping pip (PIPETRANSFORMER_REINSTALL=1 to reinstall)"
+    exit 0
+fi
 CPU_INDEX=https://download.pytorch.org/whl/cpu
 "$VPY" -m pip install -q --upgrade pip
 if ! "$VPY" -c "import torch" 2>/dev/null; then
@@ -33,5 +48,8 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
     # shellcheck disable=SC2086  # index_args is empty or two words
     "$VPY" -m pip install -q ${index_args:-} "$spec"
 fi
-"$VPY" -m pip install -q -e ".[dev]"
-"$VPY" -c "import torch, lightning, transformers; print(f'setup: torch {torch.__version__}, lightning {lightning.__version__}, transformers {transformers.__version__}')"
+"$VPY" -m pip install -q -e ".[$EXTRAS]"
+"$VPY" -c "import torch, lightning; print(f'setup: torch {torch.__version__}, lightning {lightning.__version__}')"
+# Stamp last: only a complete install counts (an older pyproject's lines are dropped).
+{ grep -s "^$HASH " "$STAMP" || true; echo "$HASH $EXTRAS"; } | sort -u > "$STAMP.new"
+mv "$STAMP.new" "$STAMP"

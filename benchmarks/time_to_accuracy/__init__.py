@@ -52,7 +52,7 @@ accuracy target or time-to-accuracy, and freeze+cache's speed-up is against free
 (cache off vs on); such a run needs its own ``--docs``. Raw per-run records always go to ``--json``
 (default ``outputs/benchmarks/time_to_accuracy.json``, or ``<docs stem>.json`` there with another ``--docs`` under
 ``docs/``, or next to a ``--docs`` outside ``docs/``): ``records`` with ``variant``, ``seed``, ``epochs`` (the
-Timeline's rows: ``train_s``, ``metric``, ...), ``fit_s``, ``freezes``, ``frozen_s`` / ``frozen_steps`` and ``trainable_params``. The cache's footprint (bytes in host memory
+PipeTransformerTimeline's rows: ``train_s``, ``metric``, ...), ``fit_s``, ``freezes``, ``frozen_s`` / ``frozen_steps`` and ``trainable_params``. The cache's footprint (bytes in host memory
 and on disk at each epoch end, from the strategy's ``cache_stats``) is in the per-epoch and summary
 tables::
 

@@ -15,8 +15,7 @@ import lightning.pytorch as pl
 import torch
 
 from examples.text_classification import SentimentClassifier
-from examples.timeline import Timeline
-from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
+from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy, PipeTransformerTimeline
 
 from .data import BenchData
 from .models import MODELS, ModelSpec
@@ -105,7 +104,7 @@ class CheckClock(pl.Callback):
     """Every validation check of ``fit``: the global step, the training seconds up to it and the accuracy.
 
     The training clock runs from each train-epoch start to its end and stops during validation, the
-    segments :class:`~examples.timeline.Timeline` counts as ``train_s`` (so the last check's seconds add
+    segments :class:`~lightning_pipetransformer.PipeTransformerTimeline` counts as ``train_s`` (so the last check's seconds add
     up to the run's training time). Listed before AutoFreeze: an epoch-start freeze counts as training.
     """
 
@@ -246,7 +245,7 @@ def build_trainer(variant: Variant, args: argparse.Namespace, cache_dir: str) ->
     """The Trainer of one run: the same settings for every variant except callbacks and strategy."""
     # The clocks first: callbacks run in list order, and AutoFreeze's epoch-start freeze (re-plan, cache
     # advance over every stored sample) must fall inside the epoch they time.
-    callbacks: list[pl.Callback] = [Timeline(print_table=False), StepClock(), CheckClock()]
+    callbacks: list[pl.Callback] = [PipeTransformerTimeline(print_table=False, save_json=False, save_plot=False), StepClock(), CheckClock()]
     if eval_device(args).type == "cuda":
         callbacks.insert(0, CudaSync())
     strategy: Any = "auto"
@@ -295,7 +294,7 @@ def run_one(variant: Variant, seed: int, dm: BenchData, args: argparse.Namespace
         start = time.perf_counter()
         trainer.fit(model, datamodule=dm)
         record.fit_s = time.perf_counter() - start
-        timeline = next(c for c in trainer.callbacks if isinstance(c, Timeline))  # type: ignore[attr-defined]
+        timeline = next(c for c in trainer.callbacks if isinstance(c, PipeTransformerTimeline))  # type: ignore[attr-defined]
         record.epochs = [asdict(r) for r in timeline.rows]
         clock = next(c for c in trainer.callbacks if isinstance(c, StepClock))  # type: ignore[attr-defined]
         record.frozen_s, record.frozen_steps = dict(clock.seconds), dict(clock.steps)

@@ -84,7 +84,7 @@ class Variant:
 
 @dataclass
 class RunRecord:
-    """One (variant, seed) run: per-epoch rows from the Timeline, plus the fit's wall time."""
+    """One (variant, seed) run: per-epoch rows from the PipeTransformerTimeline, plus the fit's wall time."""
 
     variant: str
     seed: int

@@ -126,7 +126,9 @@ class AutoCache:
         self.verified_modes: set[bool] = set()
         #: Forwards that got a placeholder instead of the embeddings' output (reported as a metric).
         self.embeddings_skipped = 0
-        #: Batches looked up in the store, those it answered in full, and those that ran without it.
+        #: Batches looked up in the current boundary's store, and those the cache answered in full (this
+        #: store's entries or an earlier boundary's, advanced on read), counted per boundary like the
+        #: store's hits; and the batches that ran without the cache since the fit began.
         self.batches_looked_up = 0
         self.batches_served = 0
         self.batches_skipped = 0
@@ -643,6 +645,7 @@ class AutoCache:
         )
         self._verified = False
         self.advanced = 0
+        self.batches_looked_up = self.batches_served = 0  # per boundary, like the new store's hits
         if self.mode == "auto":
             self.enabled = True  # measured again at this boundary
         return store
@@ -733,7 +736,7 @@ class AutoCache:
         metrics["autocache/embeddings_skipped"] = float(self.embeddings_skipped)
         metrics["autocache/batches_served"] = float(self.batches_served)
         metrics["autocache/batches_bypassed"] = float(self.batches_skipped)
-        looked = self.batches_looked_up + self.batches_skipped
+        looked = self.batches_looked_up
         metrics["autocache/served_fraction"] = self.batches_served / looked if looked else 0.0
         return metrics
 

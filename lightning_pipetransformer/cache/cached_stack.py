@@ -95,6 +95,7 @@ class CachedStack:
         if keys is None:
             return active(self._prefix_plain(full(), prefix_calls))
         timing: dict[str, float] = {}
+        from_older = [0]  # rows an earlier boundary's entries answered (a lazy advance): served by the cache too
         shape_in = tuple(hidden.shape[1:])
 
         def compute(miss: Tensor) -> Tensor:
@@ -110,6 +111,7 @@ class CachedStack:
                 with torch.no_grad():
                     parts.append((batch_rows, run_blocks(self.blocks[boundary:frozen])(hits, select_rows(prefix_calls[boundary:], batch_rows, batch))))
                 left &= ~batch_rows
+                from_older[0] += int(found.sum())
             if bool(left.any()):
                 start = time.perf_counter()
                 h = rows(left)
@@ -133,7 +135,7 @@ class CachedStack:
         total = time.perf_counter() - start
         if "compute" in timing:
             cache.compute_time = timing["compute"]
-        cache.served(int(hit_mask.sum()), batch)
+        cache.served(int(hit_mask.sum()) + from_older[0], batch)
         if bool(hit_mask.any()):
             cache.after_hits(rows, prefix_calls, hit_mask, boundary, self._prefix, total, batch)
         return active(boundary)

@@ -6,7 +6,6 @@ strategy's hooks are one call each and AutoCache never sees the strategy.
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipetransformer.cache.autocache import AutoCache
+from lightning_pipetransformer.cache.folders import default_cache_dir
 from lightning_pipetransformer.cache.store import probe_cache_dir
 from lightning_pipetransformer.config import CacheConfig
 from lightning_pipetransformer.stack.discovery import BlockStack
@@ -39,7 +39,7 @@ def make_autocache(
     ``include_pre``: key on the embeddings' inputs (the embeddings are frozen, or there is no
     AutoFreeze); with trainable embeddings the cache keys on the hidden state itself.
     """
-    directory = config.dir or os.path.join(default_root_dir, "pipetransformer_cache")
+    directory = config.dir or default_cache_dir(default_root_dir)
     probe_cache_dir(directory)
     cache = AutoCache(
         # The node's budget, split over its processes: 8 replicas must not hold 8 x cache_memory.

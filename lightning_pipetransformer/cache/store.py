@@ -641,6 +641,22 @@ class ActivationStore:
         _unlock(self._lock)
         self._lock = None
 
+    def remove_directory_if_empty(self) -> bool:
+        """End of a fit: let go of this store's directory and delete it if it holds no entry file.
+
+        The entries in memory stay readable (and counted in :meth:`stats`); a later write would make
+        the directory again. Another store still using the directory (another process of the node,
+        another run) keeps it: it is left for that one. Returns whether the directory is gone.
+        """
+        _unlock(self._lock)
+        self._lock = None
+        try:
+            if any(item.name.endswith(_SUFFIX) for item in os.scandir(self.directory)):
+                return False
+        except FileNotFoundError:
+            return True
+        return _remove_directory(self.directory)
+
     def clear(self, disk: bool = False) -> bool:
         """Drop the memory entries; with ``disk=True`` also delete this prefix's directory if no store uses it.
 

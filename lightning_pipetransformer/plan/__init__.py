@@ -37,8 +37,9 @@ class Plan:
         devices: ``devices[j]`` are the K device names of the node's replica ``j`` (one per
             stage), driven by local rank ``j*K``; the same on every node; ``len(devices) == G / K``.
         active_ranks: the global ranks that drive a replica, ascending; the others idle.
-        stage_costs: the weighted cost of each stage (for logs and the cost model).
-        budget: the largest stage cost at the start, which compression must not exceed.
+        stage_costs: the weighted cost of each stage (for logs and the cost model), in the planner's
+            unit: under the strategy, parameters, a frozen block's count times ``frozen_cost``.
+        budget: the largest stage cost at the start (same unit), which compression must not exceed.
     """
 
     num_frozen: int
@@ -69,6 +70,20 @@ class Plan:
             raise ValueError(f"Plan: active_ranks must be non-empty, unique and ascending, got {self.active_ranks}.")
         if self.stage_costs and len(self.stage_costs) != self.pipe_len:
             raise ValueError(f"Plan: {len(self.stage_costs)} stage costs for {self.pipe_len} stages.")
+
+    def __str__(self) -> str:
+        """The plan in words (``repr`` keeps the fields). Costs are in the planner's unit: under the
+        strategy, parameters, with a frozen block's count weighted by ``frozen_cost``."""
+        text = (
+            f"Plan: {self.num_frozen} of {self.num_blocks} blocks frozen; pipe length {self.pipe_len} "
+            f"(blocks per stage {self.partition}); {self.chunks} micro-batch(es) per batch; "
+            f"{len(self.active_ranks)} replica(s) on rank(s) {', '.join(map(str, self.active_ranks))}"
+        )
+        if self.stage_costs:
+            text += f"; stage costs {' / '.join(f'{c:,.0f}' for c in self.stage_costs)} weighted parameters"
+        if self.budget is not None:
+            text += f" (budget {self.budget:,.0f}: the largest stage cost at the start, which a shorter pipeline must not exceed)"
+        return text + "."
 
     @property
     def num_blocks(self) -> int:

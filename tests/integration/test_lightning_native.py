@@ -8,6 +8,8 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.trainer.connectors import accelerator_connector
 from lightning.pytorch.tuner import Tuner
@@ -204,14 +206,30 @@ def test_fit_logs_the_plan_and_shows_it_in_the_progress_bar():
 
     module.log = recording_log
     trainer.fit(module, data_for("bert"))
-    # No host sync per step: a Python number would be copied to the module's device by Lightning
-    # (torch.tensor(v, device=cuda)) and read back by the bar; a CPU tensor is neither.
-    assert shown and all(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in shown), shown[:4]
+    # No host sync per step: through `LightningModule.log` a Python number would be copied to the
+    # module's device (torch.tensor(v, device=cuda)) and read back by the bar. The values go straight
+    # into the bar's dictionary as host numbers instead: nothing is logged for them.
+    assert shown == [], shown[:4]
     bar = trainer.progress_bar_metrics
     assert bar["pt/frozen"] == 2 and bar["pt/pipe"] == 2
+    assert type(bar["pt/frozen"]) is int and type(bar["pt/pipe"]) is int  # counts shown as counts: "2", not "2.000"
+    assert Tqdm.format_num(bar["pt/frozen"]) == "2"  # as the default (TQDM) bar renders it
+    assert "pt/replicas" not in bar and "pt/cache_hit_rate" not in bar  # one process, no cache: nothing to show
     assert not any(k.startswith("pt/") for call in recorder.calls for k in call)  # the bar only
     frozen = [call["pipetransformer/num_frozen"] for call in recorder.calls if "pipetransformer/num_frozen" in call]
     assert frozen == [0.0, 2.0]  # at set-up and at the freeze
+
+
+def test_the_rich_progress_bar_shows_counts_as_integers_too():
+    """RichProgressBar formats every non-string value with ".3f": it gets the counts as strings."""
+    rich = RichProgressBar()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=PipeTransformerStrategy(pipe_len=2), max_epochs=2, logger=False,
+        callbacks=[AutoFreeze(schedule={1: 2}), rich], enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(Classifier("bert"), data_for("bert"))
+    bar = rich.get_metrics(trainer, trainer.lightning_module)
+    assert bar["pt/frozen"] == "2" and bar["pt/pipe"] == "2", bar
 
 
 def test_one_process_in_a_cluster_environment_asks_it_nothing(monkeypatch):

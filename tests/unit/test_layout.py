@@ -22,6 +22,7 @@ LIGHTNING_FACING = {
     "lightning_internals.py": "every private Lightning name, in one place",
     "freeze/callback.py": "AutoFreeze is a Callback",
     "dp/idle_hooks.py": "wraps the LightningModule's hooks on idle ranks",
+    "timeline/callback.py": "PipeTransformerTimeline is a Callback",
 }
 
 
@@ -108,7 +109,7 @@ FLOORS = {
     "stack": 1,
     "freeze": 2, "pipe": 2,
     "cache": 3, "costmodel": 3, "dp": 3,
-    "runners": 4, "report": 4,
+    "runners": 4, "report": 4, "timeline": 4,
     "engine": 5, "processes": 5,
     "strategy": 6,
     "__init__": 7,  # the package's face: `from lightning_pipetransformer import AutoFreeze` imports everything

@@ -7,7 +7,6 @@ import json
 import random
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -250,59 +249,13 @@ def test_length_buckets_give_each_snippet_the_same_input_every_epoch(tiny_assets
         rt.RottenTomatoesDataModule(trim_padding=False, bucket_tokens=8)
 
 
-def test_timeline_speed_vs_epoch_0() -> None:
-    """The table and the JSON rows carry each epoch's training throughput relative to epoch 0's."""
-    from types import SimpleNamespace
-
-    from timeline import Timeline, format_table
-
-    timeline = Timeline(print_table=False)
-    trainer = SimpleNamespace(callbacks=[], strategy=None, world_size=1, callback_metrics={}, current_epoch=0, sanity_checking=False)
-    batch = {"labels": torch.zeros(10)}
-    for epoch, batches in enumerate((2, 3, 5)):  # 20, 30, 50 samples in about the same time
-        trainer.current_epoch = epoch
-        timeline.on_train_epoch_start(trainer, None)  # type: ignore[arg-type]
-        for i in range(batches):
-            timeline.on_train_batch_end(trainer, None, None, batch, i)  # type: ignore[arg-type]
-        timeline._epoch_start -= 1.0  # each epoch took 1 s (plus the test's own microseconds)
-        timeline.on_train_epoch_end(trainer, None)  # type: ignore[arg-type]
-    speeds = [r.speed_vs_epoch0 for r in timeline.rows]
-    assert speeds[0] == 1.0 and speeds[1] == pytest.approx(1.5, rel=0.01) and speeds[2] == pytest.approx(2.5, rel=0.01)
-    for r in timeline.rows:
-        assert r.speed_vs_epoch0 == pytest.approx(r.samples_per_s / timeline.rows[0].samples_per_s)
-    table = format_table(timeline.rows)
-    assert "speed vs epoch 0" in table.splitlines()[0]
-    assert [line.split()[7] for line in table.splitlines()[2:]] == ["1.00x", "1.50x", "2.50x"]
-    # A run resumed without epoch 0's row has nothing to compare with.
-    resumed = Timeline(print_table=False)
-    trainer.current_epoch = 3
-    resumed.on_train_epoch_start(trainer, None)  # type: ignore[arg-type]
-    resumed.on_train_batch_end(trainer, None, None, batch, 0)  # type: ignore[arg-type]
-    resumed.on_train_epoch_end(trainer, None)  # type: ignore[arg-type]
-    assert resumed.rows[0].speed_vs_epoch0 is None and "  -  " in format_table(resumed.rows)
-
-
-def test_timeline_warns_when_listed_after_autofreeze() -> None:
-    """An epoch-level freeze (re-plan, cache advance) runs in AutoFreeze's on_train_epoch_start: a
-    Timeline listed after it starts the epoch's clock too late and says so; the shipped YAMLs list it first."""
-    from types import SimpleNamespace
-
-    from timeline import Timeline
-
-    from lightning_pipetransformer import AutoFreeze
-
-    timeline = Timeline(print_table=False)
-    with pytest.warns(UserWarning, match="Timeline is listed after AutoFreeze"):
-        timeline.on_fit_start(SimpleNamespace(callbacks=[AutoFreeze(), timeline]), None)  # type: ignore[arg-type]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        timeline.on_fit_start(SimpleNamespace(callbacks=[timeline, AutoFreeze()]), None)  # type: ignore[arg-type]
-        # Sub-epoch points in one process freeze at batch starts, inside the epoch's clock either way.
-        timeline.on_fit_start(SimpleNamespace(callbacks=[AutoFreeze(freeze_interval=0.5), timeline], world_size=1), None)  # type: ignore[arg-type]
+def test_the_shipped_yamls_list_the_timeline_before_autofreeze() -> None:
+    """An epoch-level freeze (re-plan, cache advance) runs in AutoFreeze's on_train_epoch_start: the
+    timeline must start the epoch's clock first (tests/integration/test_timeline.py: it warns otherwise)."""
     for config in sorted((EXAMPLES / "configs").glob("*.yaml")):
         paths = [cb["class_path"] for cb in yaml.safe_load(config.read_text())["trainer"].get("callbacks") or []]
         if any(p.endswith("Timeline") for p in paths) and any(p.endswith("AutoFreeze") for p in paths):
-            assert paths.index("timeline.Timeline") < paths.index("lightning_pipetransformer.AutoFreeze"), config.name
+            assert paths.index("lightning_pipetransformer.PipeTransformerTimeline") < paths.index("lightning_pipetransformer.AutoFreeze"), config.name
 
 
 def test_datamodule_batches_and_module_logits(tiny_assets: tuple[Path, Path], tmp_path: Path) -> None:
@@ -395,7 +348,7 @@ def test_cli_fit_with_autofreeze_and_timeline(tiny_assets: tuple[Path, Path], tm
     trainer.update(max_epochs=3, default_root_dir=str(tmp_path / "out"), enable_progress_bar=False, enable_model_summary=False)
     trainer["logger"]["init_args"]["save_dir"] = str(tmp_path / "out")
     timeline = next(cb for cb in trainer["callbacks"] if cb["class_path"].endswith("Timeline"))
-    timeline["init_args"].update(plot_path=str(tmp_path / "timeline.png"), json_path=str(tmp_path / "timeline.json"))
+    timeline["init_args"].update(dirpath=str(tmp_path))
     cfg_path = tmp_path / "config.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
 
@@ -407,8 +360,8 @@ def test_cli_fit_with_autofreeze_and_timeline(tiny_assets: tuple[Path, Path], tm
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Timeline is listed after" not in proc.stdout + proc.stderr  # the epoch-start freeze is timed
-    assert "PipeTransformer timeline" in proc.stdout and "speed vs epoch 0" in proc.stdout
-    rows = json.loads((tmp_path / "timeline.json").read_text())
+    assert "PipeTransformer timeline" in proc.stdout and "speed: samples/s over epoch 0's" in proc.stdout
+    rows = json.loads((tmp_path / "timeline.json").read_text())["rows"]
     assert [r["epoch"] for r in rows] == [0, 1, 2]
     frozen = [int(r["frozen"].split("/")[0]) for r in rows]
     assert frozen[0] == 0 and frozen == sorted(frozen) and rows[0]["frozen"].endswith("/3")
@@ -423,8 +376,8 @@ def test_cli_fit_with_autofreeze_and_timeline(tiny_assets: tuple[Path, Path], tm
         # The JSON carries the cache's bytes per epoch; text_minilm.yaml does not cache (cache=False by default).
         assert all(r["cache_mem_bytes"] is None and r["cache_disk_bytes"] is None for r in rows)
     else:
-        assert rows[0]["cache_hits"] == "-" and rows[1]["cache_hits"].startswith("0/")  # epoch 1 stores
-        lookups = int(rows[2]["cache_hits"].split("/")[1].split()[0])
+        assert rows[0]["cache_hits"] == "-" and rows[1]["cache_hit_count"] == 0 < rows[1]["cache_lookups"]  # epoch 1 stores
+        lookups = rows[2]["cache_lookups"]
         assert frozen[1] > 0 and rows[2]["cache_hits"] == f"{lookups}/{lookups} (100%)"  # then serves every lookup
         assert all(r["cache_mem_bytes"] > 0 for r in rows[1:])
     assert (tmp_path / "timeline.png").stat().st_size > 1000
@@ -432,3 +385,42 @@ def test_cli_fit_with_autofreeze_and_timeline(tiny_assets: tuple[Path, Path], tm
     # Nothing of Hugging Face's in the home directory (matplotlib keeps its font list there).
     assert not [p for p in (tmp_path / "home").rglob("*") if p.is_file() and "matplotlib" not in p.parts]
     assert list((tmp_path / "hf").rglob("cache-*.arrow"))  # the tokenized sides, where the config says
+
+
+def test_the_baseline_yaml_is_the_demos_setting_without_freezing() -> None:
+    """The demo's plain fine-tuning reference trains on the same batches: same model and data sections,
+    strategy auto, no AutoFreeze (else its speed would not be plain fine-tuning's)."""
+    demo = yaml.safe_load((EXAMPLES / "configs" / "text_minilm_pipetransformer.yaml").read_text())
+    base = yaml.safe_load((EXAMPLES / "configs" / "text_minilm_baseline.yaml").read_text())
+    assert base["model"] == demo["model"] and base["data"] == demo["data"] and base["seed_everything"] == demo["seed_everything"]
+    assert base["trainer"]["strategy"] == "auto" and base["trainer"]["precision"] == demo["trainer"]["precision"]
+    assert [cb["class_path"] for cb in base["trainer"]["callbacks"]] == ["lightning_pipetransformer.PipeTransformerTimeline"]
+
+
+def test_baseline_run_and_the_reference_lines(tiny_assets: tuple[Path, Path], tmp_path: Path) -> None:
+    """The baseline YAML runs (two short epochs, no validation); examples/reference.py compares a demo's
+    rows with its last epoch and quotes the committed benchmark with its date."""
+    model_dir, corpus = tiny_assets
+    config = yaml.safe_load((EXAMPLES / "configs" / "text_minilm_baseline.yaml").read_text())
+    config["model"]["pretrained"] = str(model_dir)
+    config["data"].update(csv_path=str(corpus), train_size=32, val_size=16, val_fraction=0.3, max_length=16, batch_size=8,
+                          datasets_cache_dir=str(tmp_path / "hf"))  # fmt: skip
+    config["trainer"].update(default_root_dir=str(tmp_path / "out"))
+    config["trainer"]["callbacks"][0]["init_args"]["dirpath"] = str(tmp_path / "base")
+    cfg_path = tmp_path / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump(config))
+    env = clean_env(PIPETRANSFORMER_ASSETS=str(tmp_path / "no-assets"), HF_HUB_OFFLINE="1", HOME=str(tmp_path / "home"))
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "text_classification.py"), "fit", "--config", str(cfg_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    base = json.loads((tmp_path / "base" / "timeline.json").read_text())["rows"]
+    assert [r["epoch"] for r in base] == [0, 1] and all(r["frozen"] == "-" and r["samples"] == 32 for r in base)
+
+    import reference
+
+    demo = [dict(base[0], epoch=0, samples_per_s=base[1]["samples_per_s"]), dict(base[1], epoch=1, samples_per_s=2 * base[1]["samples_per_s"])]
+    lines = reference.measured_lines(demo, base)
+    assert "per epoch: 0: 1.00x, 1: 2.00x" in lines[1]
+    bench = reference.benchmark_lines()[0]
+    assert "(docs/benchmarks_25_3seeds.md, 2026-12-02; 3,000 snippets, 5 epochs" in bench
+    assert "full fine-tuning 399 s" in bench and "198 s (2.02x less)" in bench and "(-0.89 points)" in bench

@@ -1,0 +1,145 @@
+"""What a newcomer meets first: the use_cache notice, the strategy's CLI help, ``timeout`` as a
+timedelta, and where the cache's folders go (and that empty ones do not stay behind)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import re
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
+from tests.helpers.families import FamilyModule, family_data
+
+
+@pytest.mark.parametrize(("family", "said"), [("bert", False), ("llama", True)])
+def test_the_notice_only_where_a_kv_cache_exists(family: str, said: bool, caplog) -> None:
+    module = FamilyModule(family)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=PipeTransformerStrategy(pipe_len=2), max_epochs=1, limit_train_batches=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    with caplog.at_level(logging.INFO):
+        trainer.fit(module, family_data(family))
+    notices = [r.getMessage() for r in caplog.records if "config.use_cache" in r.getMessage()]
+    assert bool(notices) == said, notices
+    if said:
+        assert "Not AutoCache" in notices[0]
+    assert module.model.config.use_cache is True  # restored after fit either way
+
+
+# ------------------------------------------------------------------------------------------ LightningCLI help
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+HIDDEN = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
+
+
+def _help_entries(text: str, prefix: str) -> dict[str, str]:
+    """``{argument: its description}`` from argparse's help (the words before ``(type: ...``)."""
+    entries: dict[str, str] = {}
+    current = None
+    for line in text.splitlines():
+        match = re.match(rf"  --{re.escape(prefix)}\.(\w+)\b", line)
+        if match:
+            current = match.group(1)
+            entries[current] = ""
+            line = line[match.end():]
+            line = re.sub(r"^\s*\S+", "", line)  # the metavar
+        elif current is None or not line.startswith(" " * 10):
+            current = None if not line.startswith(" ") else current
+            continue
+        entries[current] += " " + line.strip()
+    return {k: " ".join(v.split()) for k, v in entries.items()}
+
+
+def test_cli_help_describes_every_strategy_argument_and_hides_lightnings() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "synthetic_cli.py"), "fit", "--trainer.strategy.help", "lightning_pipetransformer.PipeTransformerStrategy"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "100"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    entries = _help_entries(proc.stdout, "trainer.strategy")
+    params = [p.name for p in inspect.signature(PipeTransformerStrategy.__init__).parameters.values()
+              if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]  # fmt: skip
+    assert set(entries) == set(params), (sorted(entries), params)
+    undescribed = [name for name in params if len(entries[name].split("(type:")[0].split()) < 4]
+    assert not undescribed, f"no description in --trainer.strategy.help: {undescribed}\n{proc.stdout[-3000:]}"
+    assert not [h for h in HIDDEN if f"--trainer.strategy.{h}" in proc.stdout]
+    assert "timedelta" in entries["timeout"] and "4 GiB" in entries["cache_memory"]
+
+
+def test_lightnings_arguments_still_work_and_unknown_ones_are_named() -> None:
+    strategy = PipeTransformerStrategy(parallel_devices=[torch.device("cpu")])
+    assert strategy.parallel_devices == [torch.device("cpu")]
+    with pytest.raises(TypeError, match=r"unexpected argument\(s\) \['pipe_length'\].*pipe_len"):
+        PipeTransformerStrategy(pipe_length=2)
+
+
+# ------------------------------------------------------------------------------------------ timeout
+
+@pytest.mark.parametrize(("given", "seconds"), [(timedelta(minutes=5), 300.0), (90, 90.0), (12.5, 12.5), ("60", 60.0)])
+def test_timeout_takes_a_timedelta_or_seconds(given, seconds) -> None:
+    strategy = PipeTransformerStrategy(timeout=given)
+    assert strategy.config.timeout == seconds
+    assert strategy._timeout == timedelta(seconds=seconds)  # what the process groups get
+
+
+@pytest.mark.parametrize("bad", [0, -1, timedelta(0), True, "soon", float("inf")])
+def test_a_bad_timeout_is_refused_with_what_to_pass(bad) -> None:
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds or a datetime.timedelta"):
+        PipeTransformerStrategy(timeout=bad)
+
+
+# ------------------------------------------------------------------------------------------ the cache's folders
+
+class StoreFolder(Callback):
+    """The current store's folder at each epoch end (it exists while the fit runs)."""
+
+    def __init__(self) -> None:
+        self.seen: list[Path] = []
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        store = trainer.strategy.autocache.store
+        if store is not None:
+            assert store.directory.is_dir()
+            self.seen.append(Path(store.directory))
+
+
+def _cached_fit(tmp_path: Path, **strategy_kwargs) -> tuple[pl.Trainer, StoreFolder]:
+    folders = StoreFolder()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=PipeTransformerStrategy(cache=True, **strategy_kwargs), max_epochs=3,
+        callbacks=[AutoFreeze(schedule={1: 1, 2: 2}), folders], default_root_dir=str(tmp_path / "run"), logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(FamilyModule("bert"), family_data("bert"))
+    return trainer, folders
+
+
+def test_the_default_cache_dir_is_under_the_runs_root_and_empty_folders_go(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # where a script would start: nothing may be left here
+    trainer, folders = _cached_fit(tmp_path)
+    root = tmp_path / "run" / "pipetransformer_cache"
+    assert folders.seen and all(f.parent == root for f in folders.seen)  # under default_root_dir while fitting
+    assert trainer.strategy.cache_stats["autocache/hits"] > 0  # the cache engaged (entries in memory)
+    assert not root.exists(), list(root.rglob("*"))  # every entry was in memory: the empty folders are gone
+    assert not (tmp_path / "pipetransformer_cache").exists()
+
+
+def test_folders_with_entries_stay_and_a_given_cache_dir_is_kept(tmp_path) -> None:
+    # cache_memory=0: every entry on disk, so the store's folder holds files and stays.
+    _, folders = _cached_fit(tmp_path, cache_memory=0)
+    assert folders.seen[-1].is_dir() and any(folders.seen[-1].iterdir())
+    # A cache_dir of one's own: the empty store folder inside goes, the folder itself stays.
+    mine = tmp_path / "mine"
+    _, folders = _cached_fit(tmp_path / "second", cache_dir=str(mine))
+    assert all(f.parent == mine for f in folders.seen) and mine.is_dir() and not any(mine.iterdir())

@@ -1,0 +1,67 @@
+"""scripts/setup.sh skips pip when .venv was set up for this pyproject.toml, and installs the extras asked for.
+
+Run on a copy of the script in a scratch folder whose ``.venv/bin/python`` stands in for the real
+one: ``-m pip`` calls are recorded instead of run, everything else goes to this interpreter with
+stand-in ``torch`` and ``lightning`` modules (importing the real ones would take most of the test).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture()
+def repo(tmp_path: Path) -> Path:
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "setup.sh", tmp_path / "scripts" / "setup.sh")
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    stubs = tmp_path / "stubs"
+    for name in ("torch", "lightning"):
+        (stubs / name).mkdir(parents=True)
+        (stubs / name / "__init__.py").write_text("__version__ = 'stand-in'\n")
+    python = bin_dir / "python"
+    python.write_text(
+        "#!/usr/bin/env bash\n"
+        f'if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then shift 2; echo "$*" >> "{tmp_path}/pip.log"; exit 0; fi\n'
+        f'PYTHONPATH="{stubs}" exec "{sys.executable}" -S "$@"\n'
+    )
+    python.chmod(0o755)
+    return tmp_path
+
+
+def setup(repo: Path, *extras: str) -> list[str]:
+    """Run setup.sh; return the pip commands it ran."""
+    log = repo / "pip.log"
+    log.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "PIPETRANSFORMER_REINSTALL"}
+    proc = subprocess.run(["bash", "scripts/setup.sh", *extras], cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_installs_once_then_skips_until_pyproject_changes(repo: Path) -> None:
+    first = setup(repo, "examples,cli,plot")
+    assert first[-1] == "install -q -e .[examples,cli,plot]"  # only what the demo needs: no pytest, mypy, ruff
+    assert setup(repo, "examples,cli,plot") == []  # set up for this pyproject.toml: pip is not run
+    assert setup(repo)[-1] == "install -q -e .[dev]"  # the tests' extras were never installed: installed now
+    assert setup(repo) == [] and setup(repo, "examples,cli,plot") == []  # dev includes the demo's extras
+    (repo / "pyproject.toml").write_text("[project]\nname = 'x'\nversion = '2'\n")
+    assert setup(repo, "examples,cli,plot")[-1] == "install -q -e .[examples,cli,plot]"  # changed: again
+    assert setup(repo) != []  # the dev stamp was for the old pyproject.toml
+
+
+def test_a_failed_install_leaves_no_stamp(repo: Path) -> None:
+    python = repo / ".venv" / "bin" / "python"
+    python.write_text(python.read_text().replace("exit 0; fi", "exit 1; fi"))
+    proc = subprocess.run(["bash", "scripts/setup.sh"], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and not (repo / ".venv" / ".pipetransformer-setup").exists()
