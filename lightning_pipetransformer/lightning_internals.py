@@ -28,9 +28,12 @@ __all__ = [
     "forget_logged_key_order",
     "init_dist_connection",
     "loader_with_batch_size",
+    "mark_sigterm_received",
+    "replace_sigterm_notifier",
     "rebuild_train_loader",
     "set_callback_metrics",
     "SubprocessScriptLauncher",
+    "stop_child_process_observer",
     "sync_ddp_if_available",
 ]
 
@@ -94,3 +97,42 @@ def set_callback_metrics(trainer: pl.Trainer, metrics: dict[str, Any]) -> None:
     and what ModelCheckpoint and EarlyStopping read. Exercised by the idle-rank checkpoint tests.
     """
     trainer._logger_connector._callback_metrics.update(metrics)
+
+
+def replace_sigterm_notifier(trainer: pl.Trainer, notifier: Any) -> None:
+    """Make ``notifier(signum, frame)`` the SIGTERM handler Lightning registers for this trainer.
+
+    Lightning 2.6's ``_SignalConnector._sigterm_notifier_fn`` forwards the signal to the launcher's
+    children and broadcasts over the world group inside the handler; the strategy replaces it (see
+    docs/autodp.md, "Operations"). ``register_signal_handlers`` reads the bound method when the trainer
+    runs, after ``strategy.setup``: an attribute on the instance wins. Exercised by
+    tests/integration/distributed/test_faults.py.
+    """
+    trainer._signal_connector._sigterm_notifier_fn = notifier  # type: ignore[method-assign]
+
+
+def mark_sigterm_received(trainer: pl.Trainer) -> None:
+    """Set what ``trainer.received_sigterm`` reads, so Lightning's loops stop at their own checks
+    (``SIGTERMException`` after the current batch). Exercised by test_faults.py."""
+    trainer._signal_connector.received_sigterm = True
+
+
+def stop_child_process_observer() -> bool:
+    """Stop Lightning's ``_ChildProcessObserver`` thread in this process (rank 0 of the subprocess launcher).
+
+    Once a rank handles an exception, the observer would SIGKILL rank 0 as soon as a child exits
+    with a non-zero code, also while rank 0 still writes its checkpoint or names the cause; the
+    strategy ends the children itself then. The observer calls ``_run`` once more after its sleep:
+    replaced on the instance. Returns whether one was found. Exercised by test_faults.py.
+    """
+    import threading
+
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
+    found = False
+    for thread in threading.enumerate():
+        if isinstance(thread, _ChildProcessObserver):
+            thread._finished = True
+            thread._run = lambda: True  # type: ignore[method-assign]
+            found = True
+    return found

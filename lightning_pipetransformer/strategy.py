@@ -22,6 +22,8 @@ outside the stack (embeddings, head, loss, metrics) stays on the first stage's d
 
 from __future__ import annotations
 
+import signal
+import sys
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -124,6 +126,8 @@ class PipeTransformerStrategy(ProcessLayout):
         self._synced_boundary: int | None = None  # the cache boundary all ranks opened together last
         self._kv_cache_configs: list[Any] = []  # configs whose use_cache this fit turned off
         self._frozen_outputs: FrozenOutputs | None = None
+        self._signals = faults.SignalNotice()  # SIGTERM noted by the handler, acted on at the next step
+        self._stopping_signal = 0  # the signal every rank agreed to stop for
 
     # ------------------------------------------------------------------ what users read
 
@@ -184,6 +188,10 @@ class PipeTransformerStrategy(ProcessLayout):
             raise ValueError("strategy='pipetransformer' with several processes supports automatic optimization only.")
         module = self.lightning_module
         assert module is not None
+        if self.is_distributed:  # Lightning's handler would run collectives inside the signal handler
+            self._signals.reset()
+            self._stopping_signal = 0
+            lightning_internals.replace_sigterm_notifier(trainer, self._signals)
         autofreeze = _autofreeze_of(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._stack = self._find_stack(module, autofreeze, fitting)
@@ -442,9 +450,11 @@ class PipeTransformerStrategy(ProcessLayout):
         return self._step_together("predict_step", lambda: None, super().predict_step, "predict", args, kwargs)
 
     def _step_together(self, where: str, idle_output: Any, step: Any, stage: str, args: Any, kwargs: Any) -> Any:
-        """A step on this rank (a shadow rank's stand-in). With the cache and several processes a
-        verdict one replica alone reaches (the first-hit check, a repeated index) ends every rank
-        within seconds, instead of leaving them in DDP until the timeout."""
+        """A step on this rank (a shadow rank's stand-in), then, with several processes, the step's
+        agreement over the control group (:func:`~lightning_pipetransformer.dp.faults.agree_at_step`):
+        a failure one rank alone reaches (its step raised, a cache verdict) ends every rank within
+        seconds, instead of leaving them in DDP until the timeout, and a signal any rank received
+        stops every rank after this same batch."""
         cache = self.autocache
 
         def run() -> Any:
@@ -455,17 +465,41 @@ class PipeTransformerStrategy(ProcessLayout):
             return step(*args, **kwargs)
 
         group = self._replicas.control_group
-        if cache is None or group is None:
+        if group is None:
             return run()
-        cache.defer_verdicts = True
+        if cache is not None:
+            cache.defer_verdicts = True
         error: BaseException | None = None
         output = None
         try:
             output = run()
         except Exception as err:  # noqa: BLE001 - raised below, on every rank together
             error = err
-        faults.raise_together(error or cache.take_verdict(), group, where)
+        if error is None and cache is not None:
+            error = cache.take_verdict()
+        signum = faults.agree_at_step(error, self._signals.signum, group, where)
+        if signum and not self._stopping_signal:
+            self._stop_for_signal(signum)
         return output
+
+    def _agree_on_signal(self, where: str) -> None:
+        group = self._replicas.control_group
+        if group is not None and not self._stopping_signal:
+            signum = faults.agree_at_step(None, self._signals.signum, group, where)
+            if signum:
+                self._stop_for_signal(signum)
+
+    def _stop_for_signal(self, signum: int) -> None:
+        """Every rank agreed at this step that a signal came: Lightning's loops stop after this batch
+        (``SIGTERMException``, with the ``on_exception`` checkpoints), on every rank together."""
+        self._stopping_signal = signum
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:
+            lightning_internals.mark_sigterm_received(trainer)
+        rank_zero_info(
+            f"PipeTransformer: {signal.Signals(signum).name} received; every rank stops after this batch "
+            "(the checkpoints Lightning writes on an exception are written)."
+        )
 
     @override
     def on_train_end(self) -> None:
@@ -546,6 +580,8 @@ class PipeTransformerStrategy(ProcessLayout):
                     clock.lap("loader_rebuild")
                 self.last_transition = clock.laps
             self._sync_cache_boundary()  # 7
+        # A signal that came during the transition (held until now): every rank stops before the epoch's first batch.
+        self._agree_on_signal("the transition")
 
     def _send_state(self, trainer: pl.Trainer, autofreeze: Any, joining: tuple[int, ...], clock: PhaseClock) -> None:
         """Rank 0's weights to ``joining`` (buffers to every replica), then its optimizer, LR-scheduler and scaler state."""
@@ -637,6 +673,16 @@ class PipeTransformerStrategy(ProcessLayout):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        if isinstance(exception, SystemExit) and self._stopping_signal:
+            # Lightning exits with status 0 and no word after SIGTERMException: say which signal, exit as the shell does.
+            name = signal.Signals(self._stopping_signal).name
+            exception.code = 128 + self._stopping_signal
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            step = trainer.global_step if trainer is not None else "?"
+            print(
+                f"[pipetransformer] rank {self.global_rank}: stopped by {name} after global step {step}; "
+                f"exit status {exception.code}.", file=sys.stderr, flush=True,
+            )
         peers = self._replicas.peers
         gone = faults.dead_peers(peers) if peers else []
         if gone and exception.args and isinstance(exception.args[0], str):
