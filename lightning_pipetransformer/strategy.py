@@ -32,7 +32,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -128,6 +128,7 @@ class PipeTransformerStrategy(ProcessLayout):
         self._frozen_outputs: FrozenOutputs | None = None
         self._signals = faults.SignalNotice()  # SIGTERM noted by the handler, acted on at the next step
         self._stopping_signal = 0  # the signal every rank agreed to stop for
+        self._failing_together = False  # a failure every rank agreed on at a step
 
     # ------------------------------------------------------------------ what users read
 
@@ -190,7 +191,7 @@ class PipeTransformerStrategy(ProcessLayout):
         assert module is not None
         if self.is_distributed:  # Lightning's handler would run collectives inside the signal handler
             self._signals.reset()
-            self._stopping_signal = 0
+            self._stopping_signal, self._failing_together = 0, False
             lightning_internals.replace_sigterm_notifier(trainer, self._signals)
         autofreeze = _autofreeze_of(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -477,7 +478,12 @@ class PipeTransformerStrategy(ProcessLayout):
             error = err
         if error is None and cache is not None:
             error = cache.take_verdict()
-        signum = faults.agree_at_step(error, self._signals.signum, group, where)
+        try:
+            signum = faults.agree_at_step(error, self._signals.signum, group, where)
+        except BaseException as raised:
+            # Every rank raises here (a broken collective is not that): their exception hooks meet.
+            self._failing_together = raised is error or isinstance(raised, faults.PeerFailedError)
+            raise
         if signum and not self._stopping_signal:
             self._stop_for_signal(signum)
         return output
@@ -647,9 +653,14 @@ class PipeTransformerStrategy(ProcessLayout):
 
     # ------------------------------------------------------------------ teardown
 
+    def _ended_together(self, exception: BaseException) -> bool:
+        return bool(self._stopping_signal or self._failing_together) or super()._ended_together(exception)
+
     @override
     def teardown(self) -> None:
         module = self.lightning_module
+        interrupted = module is not None and module._trainer is not None and module._trainer.state.status == TrainerStatus.INTERRUPTED
+        self._stop_watch(finished=not interrupted)
         if module is not None:
             idle_hooks.restore_module_hooks(module)
         if self._stack is not None:
@@ -673,6 +684,7 @@ class PipeTransformerStrategy(ProcessLayout):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        self._note_failure(exception)
         if isinstance(exception, SystemExit) and self._stopping_signal:
             # Lightning exits with status 0 and no word after SIGTERMException: say which signal, exit as the shell does.
             name = signal.Signals(self._stopping_signal).name
@@ -683,15 +695,8 @@ class PipeTransformerStrategy(ProcessLayout):
                 f"[pipetransformer] rank {self.global_rank}: stopped by {name} after global step {step}; "
                 f"exit status {exception.code}.", file=sys.stderr, flush=True,
             )
-        peers = self._replicas.peers
-        gone = faults.dead_peers(peers) if peers else []
-        if gone and exception.args and isinstance(exception.args[0], str):
-            named = ", ".join(f"rank {r} (pid {peers[r][1]})" for r in gone)
-            exception.args = (
-                f"{exception.args[0]}\n[pipetransformer] {named} on this host is gone (it died or was killed): "
-                f"rank {self.global_rank}'s collective failed because of it. Look at that rank's log for the cause.",
-                *exception.args[1:],
-            )
+        else:
+            self._name_failed_peers(exception)
         lightning_internals.augment_message(
             exception,
             pattern=".*Expected to have finished reduction in the prior iteration.*",
@@ -701,6 +706,7 @@ class PipeTransformerStrategy(ProcessLayout):
                 "(requires_grad=False) or use them in every step."
             ),
         )
+        self._end_after_failure(exception)
 
     @classmethod
     @override

@@ -640,6 +640,7 @@ class AutoCache:
             self.cache_dir, prefix_fingerprint(stack, num_frozen, include_pre, extra=f"{self.fingerprint_extra}|format={ENTRY_FORMAT}"),
             num_frozen, self.memory_budget,
             storage_dtype=self.storage_dtype, write_through=self.write_through, warn=self._store_warning,
+            strict=False,  # cache_dir was checked before training: a disk failing later stops disk writes only
         )
         self._verified = False
         self.advanced = 0

@@ -61,8 +61,21 @@ def peer_processes(group: Any) -> list[tuple[str, int]]:
     return [tuple(p) for p in everyone]  # type: ignore[misc]
 
 
-def dead_peers(peers: Sequence[tuple[str, int]]) -> list[int]:
-    """The ranks on this host whose process is gone (ranks on other hosts cannot be checked from here)."""
+def dead_peers(peers: Sequence[tuple[str, int]], wait: float = 0.0) -> list[int]:
+    """The ranks on this host whose process is gone (ranks on other hosts cannot be checked from here).
+
+    A peer's collective breaks as soon as a killed process closes its sockets, before the process
+    is gone: with ``wait`` the check is repeated for up to that many seconds until one is found.
+    """
+    deadline = time.monotonic() + wait
+    while True:
+        gone = _dead_peers_now(peers)
+        if gone or time.monotonic() >= deadline:
+            return gone
+        time.sleep(0.05)
+
+
+def _dead_peers_now(peers: Sequence[tuple[str, int]]) -> list[int]:
     host = socket.gethostname()
     gone = []
     for rank, (their_host, pid) in enumerate(peers):

@@ -7,13 +7,16 @@ waiting in a collective would show as a hang of that length, not as a pass.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.launch import is_alive, kill_session, launch_ranks
+from tests.helpers.launch import clean_env, is_alive, kill_session, launch_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -84,3 +87,57 @@ def test_sigterm_to_every_rank_stops_all_in_seconds_with_a_checkpoint_that_resum
     if stop == "sigterm-transition":
         for key, value in uninterrupted["state"].items():
             torch.testing.assert_close(final["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 2 * BOUND + 30)
+@pytest.mark.parametrize(
+    "fault_rank, where, epoch, hold",
+    [
+        (1, "step", 1, True),  # training_step, the cache off: raised together at the step's agreement
+        (0, "backward", 1, True),  # rank 1 waits in DDP's all-reduce for a rank 0 that never comes (NCCL's rule)
+        (0, "transition", 1, True),  # rank 1 waits for the weights rank 0 never sends
+        (1, "callback", 0, False),  # a callback on the idle rank: rank 0's gloo error alone named nobody
+        (1, "validation", 1, False),
+    ],
+)
+def test_a_fault_on_one_rank_ends_every_rank_in_seconds_naming_it(tmp_path, fault_rank, where, epoch, hold):
+    # --hold: the failed rank's process stays (its sockets open) after its fit ended, as a dead NCCL
+    # peer does for a collective (it never returns): nothing but the strategy can end the others.
+    args = ["--stop", "fault", "--fault-rank", str(fault_rank), "--fault-where", where, "--fault-epoch", str(epoch)]
+    args += ["--hold"] if hold else []
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path), *args, "--timeout", str(COLLECTIVE_TIMEOUT)], env=clean_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    try:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT
+        while not (tmp_path / "faulted").exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert (tmp_path / "faulted").exists(), "".join(output)[-5000:]
+        faulted = float((tmp_path / "faulted").read_text())
+        # Every rank ends within seconds (the held one's fit ends: its error is written).
+        others = [r for r in range(2) if r != fault_rank]
+        start = time.monotonic()
+        while any(is_alive(pids(tmp_path, 2)[r]) for r in others) and time.monotonic() - start < BOUND:
+            time.sleep(0.2)
+        assert not any(is_alive(pids(tmp_path, 2)[r]) for r in others), f"a rank outlived {BOUND}s: " + "".join(output)[-5000:]
+        while not (tmp_path / f"error{fault_rank}").exists() and time.monotonic() - start < BOUND:
+            time.sleep(0.2)
+        gone_after = time.time() - faulted
+        assert gone_after < BOUND
+        assert "InjectedFault" in (tmp_path / f"error{fault_rank}").read_text()
+    finally:
+        kill_session(proc.pid)
+        reader.join(timeout=10)
+    stdout = "".join(output)
+    # The others name it: in their error (the step's agreement, a broken collective) or, ended by
+    # their watch while they waited, on stderr.
+    for rank in others:
+        error = (tmp_path / f"error{rank}").read_text() if (tmp_path / f"error{rank}").exists() else ""
+        named = f"Rank {fault_rank} failed in" in error or f"rank {fault_rank} failed first: InjectedFault" in error
+        named = named or f"[pipetransformer] rank {rank}: rank {fault_rank} failed: InjectedFault" in stdout
+        assert named and "injected fault" in error + stdout, (error, stdout[-5000:])
+    print(f"{where} on rank {fault_rank}: every rank's fit ended {gone_after:.1f}s after the fault")

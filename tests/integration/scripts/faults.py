@@ -19,6 +19,7 @@ seconds its fit ran) and, when the fit ends, its final weights (``rank<rank>.pt`
 """
 
 import argparse
+import faulthandler
 import os
 import signal
 import sys
@@ -38,11 +39,18 @@ from tests.helpers.launch import fit_recording_errors
 from tests.helpers.models import TextClassifier, text_dataset
 
 NUM_SAMPLES = 32
-FAULT_EPOCH, FAULT_BATCH = 1, 2
+FAULT_BATCH = 2
+OUT = Path(".")
 
 
 class InjectedFault(RuntimeError):
     pass
+
+
+def fault(text: str) -> InjectedFault:
+    """The fault to raise, its time noted in ``--out`` for the test's wall-clock bound."""
+    (OUT / "faulted").write_text(str(time.time()))
+    return InjectedFault(text)
 
 
 def signal_every_rank(out: Path, world: int) -> None:
@@ -59,7 +67,7 @@ class Faults(Callback):
         self.args, self.out = args, out
 
     def _at_fault_point(self, trainer: pl.Trainer, batch_idx: int) -> bool:
-        return trainer.current_epoch == FAULT_EPOCH and batch_idx == FAULT_BATCH
+        return trainer.current_epoch == self.args.fault_epoch and batch_idx == FAULT_BATCH
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if not self._at_fault_point(trainer, batch_idx):
@@ -67,7 +75,7 @@ class Faults(Callback):
         if self.args.stop == "sigterm" and trainer.global_rank == 0:
             signal_every_rank(self.out, trainer.world_size)
         if self.args.stop == "fault" and self.args.fault_where == "callback" and trainer.global_rank == self.args.fault_rank:
-            raise InjectedFault(f"injected fault in a callback on rank {trainer.global_rank}")
+            raise fault(f"injected fault in a callback on rank {trainer.global_rank}")
 
 
 class StepStates(Callback):
@@ -92,12 +100,12 @@ class Module(TextClassifier):
         trainer = self.trainer
         return (
             self.args.stop == "fault" and self.args.fault_where == where and trainer.global_rank == self.args.fault_rank
-            and trainer.current_epoch == FAULT_EPOCH and batch_idx == FAULT_BATCH
+            and trainer.current_epoch == self.args.fault_epoch and batch_idx == FAULT_BATCH
         )  # fmt: skip
 
     def training_step(self, batch, batch_idx):
         if self._fails_here("step", batch_idx):
-            raise InjectedFault(f"injected fault in training_step on rank {self.trainer.global_rank}")
+            raise fault(f"injected fault in training_step on rank {self.trainer.global_rank}")
         loss = super().training_step(batch, batch_idx)
         if self._fails_here("backward", batch_idx):
             loss = FailingBackward.apply(loss)
@@ -105,8 +113,8 @@ class Module(TextClassifier):
 
     def validation_step(self, batch, batch_idx):
         if self.args.stop == "fault" and self.args.fault_where == "validation" and self.trainer.global_rank == self.args.fault_rank:
-            if self.trainer.current_epoch == FAULT_EPOCH and batch_idx == 1:
-                raise InjectedFault(f"injected fault in validation_step on rank {self.trainer.global_rank}")
+            if self.trainer.current_epoch == self.args.fault_epoch and batch_idx == 0:
+                raise fault(f"injected fault in validation_step on rank {self.trainer.global_rank}")
         return super().validation_step(batch, batch_idx)
 
 
@@ -117,7 +125,7 @@ class FailingBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        raise InjectedFault("injected fault in backward")
+        raise fault("injected fault in backward")
 
 
 def break_the_transition(args: argparse.Namespace, out: Path) -> None:
@@ -131,7 +139,7 @@ def break_the_transition(args: argparse.Namespace, out: Path) -> None:
             time.sleep(1.0)  # the other ranks reach their collectives first
             signal_every_rank(out, self.world_size)
         if args.stop == "fault" and args.fault_where == "transition" and self.global_rank == args.fault_rank:
-            raise InjectedFault(f"injected fault inside the transition on rank {self.global_rank}")
+            raise fault(f"injected fault inside the transition on rank {self.global_rank}")
         return send_weights(self, *a, **k)
 
     Elastic.send_weights = send
@@ -144,14 +152,17 @@ def main() -> None:
     parser.add_argument("--stop", default="none", choices=["none", "sigterm", "sigterm-transition", "fault"])
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--fault-where", default="step", choices=["step", "backward", "transition", "validation", "callback"])
+    parser.add_argument("--fault-epoch", type=int, default=1)
     parser.add_argument("--hold", action="store_true", help="the failed rank keeps its process open (NCCL's dead peer)")
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args()
-    out = Path(args.out)
+    global OUT
+    out = OUT = Path(args.out)
     rank = int(os.environ.get("LOCAL_RANK", 0))
     (out / f"pid{rank}").write_text(str(os.getpid()))
     torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # a hang's stacks, for whoever debugs one
     break_the_transition(args, out)
     strategy = PipeTransformerStrategy(
         pipe_len=args.devices, frozen_cost=0.0, process_group_backend="gloo", timeout=args.timeout,
@@ -168,7 +179,7 @@ def main() -> None:
     try:
         fit_recording_errors(trainer, Module(args), train, val, out / f"error{rank}", ckpt_path=args.ckpt)
     except BaseException:
-        if args.hold and not isinstance(sys.exc_info()[1], SystemExit):
+        if args.hold and rank == args.fault_rank and not isinstance(sys.exc_info()[1], SystemExit):
             time.sleep(600)  # the process (and its sockets) stays: a peer is told nothing
         raise
     final = {"state": trainer.lightning_module.state_dict(), "global_step": trainer.global_step, "states": states.states}
