@@ -25,6 +25,7 @@ __all__ = [
     "augment_message",
     "default_process_group_backend",
     "distributed_is_initialized",
+    "exclude_from_eval_mode_warning",
     "forget_logged_key_order",
     "init_dist_connection",
     "loader_with_batch_size",
@@ -136,3 +137,29 @@ def stop_child_process_observer() -> bool:
             thread._run = lambda: True  # type: ignore[method-assign]
             found = True
     return found
+
+
+def exclude_from_eval_mode_warning(trainer: pl.Trainer, expected: Any) -> None:
+    """Lightning's "Found N module(s) in eval mode at the start of training" without the modules ``expected(module)`` accepts.
+
+    Frozen blocks run in eval mode on purpose; restored from a checkpoint they are in eval mode when
+    ``FitLoop.on_run_start`` calls ``_warn_if_modules_in_eval_mode``, and the warning read like a bug.
+    The check is replaced on this trainer's fit loop with the same one over the other modules (the
+    same text, the same category): a user's own module left in eval mode is still reported.
+    Exercised by tests/integration/test_resume_eval_mode.py.
+    """
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+    from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+    def warn_if_modules_in_eval_mode() -> None:
+        model = trainer.lightning_module
+        eval_modules = [name for name, module in model.named_modules() if not module.training and not expected(module)]
+        if eval_modules:
+            rank_zero_warn(
+                f"Found {len(eval_modules)} module(s) in eval mode at the start of training."
+                " This may lead to unexpected behavior during training. If this is intentional,"
+                " you can ignore this warning.",
+                category=PossibleUserWarning,
+            )
+
+    trainer.fit_loop._warn_if_modules_in_eval_mode = warn_if_modules_in_eval_mode  # type: ignore[method-assign]

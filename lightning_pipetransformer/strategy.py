@@ -227,8 +227,19 @@ class PipeTransformerStrategy(ProcessLayout):
         if self._restored is not None:
             self.engine.load_state_dict(self._restored)
         self._report = report.EngagementReport(stack, rank_zero_warn)
+        if fitting:  # frozen blocks are in eval mode on purpose (restored from a checkpoint, before the first batch)
+            lightning_internals.exclude_from_eval_mode_warning(trainer, self._is_frozen_module)
         self._synced_boundary = None
         self._setup_model_and_optimizers(trainer, self._first_plan(trainer, autofreeze))
+
+    def _is_frozen_module(self, module: torch.nn.Module) -> bool:
+        """Whether ``module`` belongs to the frozen prefix (blocks or embeddings without a trainable parameter)."""
+        stack = self._stack
+        if stack is None:
+            return False
+        frozen = list(stack.blocks[: untrainable_prefix(stack)])
+        frozen += [m for _, m in stack.pre if not any(p.requires_grad for p in m.parameters())]
+        return any(module is inner for outer in frozen for inner in outer.modules())
 
     def _find_stack(self, module: pl.LightningModule, autofreeze: Any, fitting: bool) -> BlockStack | None:
         """The block stack to plan over; ``None`` (with a warning) when the model has none and
