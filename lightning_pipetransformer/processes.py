@@ -168,8 +168,14 @@ class ProcessLayout(ParallelStrategy):
         children = list(getattr(self._launcher, "procs", None) or [])
         if children:  # it would SIGKILL every process, rank 0 too, without a word: the watch names the child instead
             lightning_internals.stop_child_process_observer()
-        self._watch = faults.PeerWatch(self._board, children)
+        self._watch = faults.PeerWatch(self._board, children, unwinding=self._unwinding)
         self._watch.start()
+
+    def _unwinding(self) -> bool:
+        """Whether Lightning handles an exception on this rank now (its hooks run; read from the watch's thread)."""
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        return trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
 
     def _stop_watch(self, finished: bool) -> None:
         if self._watch is not None:

@@ -215,16 +215,18 @@ class PeerWatch(threading.Thread):
     the watch reads the :class:`FaultBoard`, and on the launcher's rank the children's exit codes
     (it takes over from Lightning's child-process observer, which kills every process without a
     word). A cause found, it waits ``grace`` seconds for the main thread to end by itself (gloo
-    notices a closed connection), then says why on stderr, ends the launched children and exits
-    the process (status 1). Stopped once the rank handles its own exception or tears down.
+    notices a closed connection; longer while the main thread is already handling an exception),
+    then says why on stderr, ends the launched children and exits the process (status 1). Stopped once the rank handles its own exception or tears down.
     """
 
     def __init__(
-        self, board: FaultBoard, children: Sequence[Any] = (), grace: float = 3.0, poll: float = 0.5,
-        exit_process: Any = os._exit,
+        self, board: FaultBoard, children: Sequence[Any] = (), grace: float = 5.0, poll: float = 0.5,
+        exit_process: Any = os._exit, unwinding: Any = None, unwind_grace: float = 30.0,
     ) -> None:
         super().__init__(daemon=True, name="pipetransformer-peer-watch")
         self.board, self.children, self.grace, self.poll = board, list(children), grace, poll
+        #: ``unwinding()``: whether the main thread already handles an exception (it then gets ``unwind_grace`` s in all).
+        self.unwinding, self.unwind_grace = unwinding or (lambda: False), unwind_grace
         self._stopped = threading.Event()
         self._exit = exit_process
         self.cause: str | None = None
@@ -240,6 +242,10 @@ class PeerWatch(threading.Thread):
             self.cause = cause
             if self._stopped.wait(self.grace):
                 return  # the main thread ended by itself (and named the cause from the board)
+            deadline = time.monotonic() + self.unwind_grace - self.grace
+            while self.unwinding() and time.monotonic() < deadline:  # its exception hooks run: let them end
+                if self._stopped.wait(self.poll):
+                    return
             print(
                 f"[pipetransformer] rank {self.board.rank}: {cause}. This rank waited for it in a collective that "
                 "would not return before the timeout: ending it now.", file=sys.stderr, flush=True,

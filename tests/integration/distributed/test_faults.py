@@ -141,3 +141,27 @@ def test_a_fault_on_one_rank_ends_every_rank_in_seconds_naming_it(tmp_path, faul
         named = named or f"[pipetransformer] rank {rank}: rank {fault_rank} failed: InjectedFault" in stdout
         assert named and "injected fault" in error + stdout, (error, stdout[-5000:])
     print(f"{where} on rank {fault_rank}: every rank's fit ended {gone_after:.1f}s after the fault")
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 60)
+def test_a_cache_disk_failing_on_one_rank_stops_its_disk_writes_never_training(tmp_path):
+    # Rank 1's cache directory turns read-only between the two freezes: the next boundary's
+    # directory cannot be made there. Before: CacheConfigError on that rank at the freeze.
+    (tmp_path / "off").mkdir()
+    off = launch_ranks(SCRIPT, tmp_path / "off", "--timeout", str(COLLECTIVE_TIMEOUT), "--disk-fail-rank", "-1", timeout=LAUNCH_TIMEOUT)
+    assert off.returncode == 0, off.stdout[-5000:]
+    (tmp_path / "failing").mkdir()
+    proc = launch_ranks(SCRIPT, tmp_path / "failing", "--cache", "--disk-fail-rank", "1", "--timeout", str(COLLECTIVE_TIMEOUT), timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    ranks = [torch.load(tmp_path / "failing" / f"rank{r}.pt") for r in range(2)]
+    failed, healthy = ranks[1], ranks[0]
+    assert failed["refused"] >= 1  # the fault was injected
+    assert failed["cache_stats"]["autocache/disk_failures"] == 1 and healthy["cache_stats"]["autocache/disk_failures"] == 0
+    assert failed["cache_stats"]["autocache/boundary"] == 2 and failed["cache_stats"]["autocache/hits"] > 0  # memory serves
+    warned = [w for w in failed["warnings"] if "AutoCache stopped writing" in w]
+    assert len(warned) == 1 and "[rank 1]" in warned[0] and "Read-only file system" in warned[0]
+    reference = torch.load(tmp_path / "off" / "rank0.pt")
+    assert failed["global_step"] == healthy["global_step"] == reference["global_step"]
+    for key, value in reference["state"].items():
+        torch.testing.assert_close(healthy["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(failed["state"][key], healthy["state"][key], rtol=0, atol=0, msg=key)

@@ -19,11 +19,13 @@ seconds its fit ran) and, when the fit ends, its final weights (``rank<rank>.pt`
 """
 
 import argparse
+import errno
 import faulthandler
 import os
 import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root, for tests.helpers
@@ -145,6 +147,35 @@ def break_the_transition(args: argparse.Namespace, out: Path) -> None:
     Elastic.send_weights = send
 
 
+class DiskFails(Callback):
+    """From the end of epoch 1 (between the two freezes) this rank's cache disk refuses every new
+    directory and file, as a filesystem remounted read-only does (chmod would not stop root)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.failing, self.refused = str(root), False, 0
+        real_mkdir, real_open = Path.mkdir, os.open
+
+        def refuse(path) -> None:
+            if self.failing and str(path).startswith(self.root):
+                self.refused += 1
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+        def mkdir(path, *a, **k):
+            refuse(path)
+            return real_mkdir(path, *a, **k)
+
+        def open_(path, flags, *a, **k):
+            if flags & os.O_CREAT:
+                refuse(path)
+            return real_open(path, flags, *a, **k)
+
+        Path.mkdir, os.open = mkdir, open_
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            self.failing = True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -154,6 +185,8 @@ def main() -> None:
     parser.add_argument("--fault-where", default="step", choices=["step", "backward", "transition", "validation", "callback"])
     parser.add_argument("--fault-epoch", type=int, default=1)
     parser.add_argument("--hold", action="store_true", help="the failed rank keeps its process open (NCCL's dead peer)")
+    parser.add_argument("--cache", action="store_true", help="AutoCache on, the freezes {1: 1, 2: 2}")
+    parser.add_argument("--disk-fail-rank", type=int, default=None, help="this rank's cache disk fails after epoch 1")
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args()
@@ -166,23 +199,32 @@ def main() -> None:
     break_the_transition(args, out)
     strategy = PipeTransformerStrategy(
         pipe_len=args.devices, frozen_cost=0.0, process_group_backend="gloo", timeout=args.timeout,
+        cache=args.cache, cache_dir=str(out / "cache"),
     )
     states = StepStates()
+    disk = DiskFails(out / "cache") if args.disk_fail_rank == rank else None
+    schedule = {1: 1, 2: 2} if args.cache or args.disk_fail_rank is not None else {1: 2}
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=3,
-        callbacks=[AutoFreeze(schedule={1: 2}), Faults(args, out), states, OnExceptionCheckpoint(dirpath=out / "ckpt", filename="on_exception")],
+        callbacks=[AutoFreeze(schedule=schedule), Faults(args, out), states, *([disk] if disk else []),
+                   OnExceptionCheckpoint(dirpath=out / "ckpt", filename="on_exception")],
         logger=False, enable_checkpointing=True, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, default_root_dir=out,
     )
     train = DataLoader(text_dataset(NUM_SAMPLES), batch_size=4, shuffle=False)
     val = DataLoader(text_dataset(8, seed=1), batch_size=4, shuffle=False)
+    caught: list = []
+    warnings.showwarning = lambda message, *a, **k: caught.append(str(message))  # noqa: ARG005
     try:
         fit_recording_errors(trainer, Module(args), train, val, out / f"error{rank}", ckpt_path=args.ckpt)
     except BaseException:
         if args.hold and rank == args.fault_rank and not isinstance(sys.exc_info()[1], SystemExit):
             time.sleep(600)  # the process (and its sockets) stays: a peer is told nothing
         raise
-    final = {"state": trainer.lightning_module.state_dict(), "global_step": trainer.global_step, "states": states.states}
+    final = {
+        "state": trainer.lightning_module.state_dict(), "global_step": trainer.global_step, "states": states.states,
+        "cache_stats": strategy.cache_stats, "warnings": caught, "refused": disk.refused if disk else 0,
+    }
     torch.save(final, out / f"rank{rank}.pt")
 
 

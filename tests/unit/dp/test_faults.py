@@ -96,3 +96,14 @@ def test_end_children_kills_what_outlives_the_grace():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     assert faults.end_children([child], grace=0.2) == [child.pid]
     assert child.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_the_watch_gives_a_rank_that_handles_its_exception_longer():
+    rank0, rank1 = boards()
+    exits: list[int] = []
+    watch = faults.PeerWatch(rank0, grace=0.1, poll=0.05, exit_process=exits.append, unwinding=lambda: True, unwind_grace=1.0)
+    start = time.monotonic()
+    watch.start()
+    rank1.post("InjectedFault: boom")
+    watch.join(timeout=10)
+    assert exits == [1] and time.monotonic() - start >= 1.0  # its exception hooks ran for the unwind grace
