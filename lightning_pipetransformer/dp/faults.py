@@ -285,5 +285,7 @@ def end_children(children: Sequence[Any], grace: float) -> list[int]:
     return killed
 
 
-def describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}".strip()
+def describe(error: BaseException, limit: int = 2000) -> str:
+    """``Type: message`` for the board (a long message cut: the failed rank's own log has all of it)."""
+    text = f"{type(error).__name__}: {error}".strip()
+    return text if len(text) <= limit else text[:limit] + " [...]"

@@ -98,6 +98,7 @@ def test_sigterm_to_every_rank_stops_all_in_seconds_with_a_checkpoint_that_resum
         (0, "transition", 1, True),  # rank 1 waits for the weights rank 0 never sends
         (1, "callback", 0, False),  # a callback on the idle rank: rank 0's gloo error alone named nobody
         (1, "validation", 1, False),
+        (0, "kill", 1, False),  # rank 0 SIGKILLed: its death was not named (the check raced the process's exit)
     ],
 )
 def test_a_fault_on_one_rank_ends_every_rank_in_seconds_naming_it(tmp_path, fault_rank, where, epoch, hold):
@@ -124,11 +125,11 @@ def test_a_fault_on_one_rank_ends_every_rank_in_seconds_naming_it(tmp_path, faul
         while any(is_alive(pids(tmp_path, 2)[r]) for r in others) and time.monotonic() - start < BOUND:
             time.sleep(0.2)
         assert not any(is_alive(pids(tmp_path, 2)[r]) for r in others), f"a rank outlived {BOUND}s: " + "".join(output)[-5000:]
-        while not (tmp_path / f"error{fault_rank}").exists() and time.monotonic() - start < BOUND:
+        while where != "kill" and not (tmp_path / f"error{fault_rank}").exists() and time.monotonic() - start < BOUND:
             time.sleep(0.2)
         gone_after = time.time() - faulted
         assert gone_after < BOUND
-        assert "InjectedFault" in (tmp_path / f"error{fault_rank}").read_text()
+        assert where == "kill" or "InjectedFault" in (tmp_path / f"error{fault_rank}").read_text()
     finally:
         kill_session(proc.pid)
         reader.join(timeout=10)
@@ -137,6 +138,10 @@ def test_a_fault_on_one_rank_ends_every_rank_in_seconds_naming_it(tmp_path, faul
     # their watch while they waited, on stderr.
     for rank in others:
         error = (tmp_path / f"error{rank}").read_text() if (tmp_path / f"error{rank}").exists() else ""
+        if where == "kill":  # named by its pid, or as the host of the store that stopped answering
+            named = f"rank {fault_rank} (pid {pids(tmp_path, 2)[fault_rank]}) on this host is gone" in error
+            assert named or f"[pipetransformer] rank {rank}: rank {fault_rank} is gone" in stdout, (error, stdout[-5000:])
+            continue
         named = f"Rank {fault_rank} failed in" in error or f"rank {fault_rank} failed first: InjectedFault" in error
         named = named or f"[pipetransformer] rank {rank}: rank {fault_rank} failed: InjectedFault" in stdout
         assert named and "injected fault" in error + stdout, (error, stdout[-5000:])
@@ -165,3 +170,33 @@ def test_a_cache_disk_failing_on_one_rank_stops_its_disk_writes_never_training(t
     for key, value in reference["state"].items():
         torch.testing.assert_close(healthy["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
         torch.testing.assert_close(failed["state"][key], healthy["state"][key], rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.timeout(3 * LAUNCH_TIMEOUT + 60)
+def test_sigterm_to_four_ranks_then_resume_on_two(tmp_path):
+    # Four processes (epoch 1: two replicas, two of them joined at the transition), every rank
+    # signalled at once; the checkpoint then resumes on another world size.
+    stopped = tmp_path / "four"
+    stopped.mkdir()
+    proc = launch_ranks(SCRIPT, stopped, "--devices", "4", "--stop", "sigterm", "--timeout", str(COLLECTIVE_TIMEOUT),
+                        timeout=2 * LAUNCH_TIMEOUT, cleanup=False)
+    try:
+        signalled = float((stopped / "signalled").read_text())
+        wait_gone(stopped, 4, BOUND)
+        assert time.time() - signalled < BOUND, proc.stdout[-5000:]
+    finally:
+        kill_session(proc.pid)
+    assert proc.returncode == 143, proc.stdout[-5000:]
+    for rank in range(4):
+        assert f"[pipetransformer] rank {rank}: stopped by SIGTERM" in proc.stdout, proc.stdout[-5000:]
+    saved = torch.load(stopped / "ckpt" / "on_exception.ckpt", weights_only=False)
+    assert saved["epoch"] == 1 and saved["pipetransformer"]["plan"]["active_ranks"] == [0, 2]
+    resumed = tmp_path / "two"
+    resumed.mkdir()
+    proc = launch_ranks(SCRIPT, resumed, "--ckpt", str(stopped / "ckpt" / "on_exception.ckpt"), "--timeout", str(COLLECTIVE_TIMEOUT),
+                        timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    ranks = [torch.load(resumed / f"rank{r}.pt") for r in range(2)]
+    assert ranks[0]["global_step"] == ranks[1]["global_step"] > saved["global_step"]
+    for key, value in ranks[0]["state"].items():
+        torch.testing.assert_close(ranks[1]["state"][key], value, rtol=0, atol=0, msg=key)

@@ -78,6 +78,9 @@ class Faults(Callback):
             signal_every_rank(self.out, trainer.world_size)
         if self.args.stop == "fault" and self.args.fault_where == "callback" and trainer.global_rank == self.args.fault_rank:
             raise fault(f"injected fault in a callback on rank {trainer.global_rank}")
+        if self.args.stop == "fault" and self.args.fault_where == "kill" and trainer.global_rank == self.args.fault_rank:
+            fault("SIGKILL")
+            os.kill(os.getpid(), signal.SIGKILL)  # no exception, no clean-up: the process is gone
 
 
 class StepStates(Callback):
@@ -182,7 +185,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--stop", default="none", choices=["none", "sigterm", "sigterm-transition", "fault"])
     parser.add_argument("--fault-rank", type=int, default=1)
-    parser.add_argument("--fault-where", default="step", choices=["step", "backward", "transition", "validation", "callback"])
+    parser.add_argument("--fault-where", default="step", choices=["step", "backward", "transition", "validation", "callback", "kill"])
     parser.add_argument("--fault-epoch", type=int, default=1)
     parser.add_argument("--hold", action="store_true", help="the failed rank keeps its process open (NCCL's dead peer)")
     parser.add_argument("--cache", action="store_true", help="AutoCache on, the freezes {1: 1, 2: 2}")
