@@ -9,6 +9,7 @@ then holds only the hooks that plan, install and transition. They ask ``self._re
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from datetime import timedelta
 from typing import Any
@@ -46,6 +47,7 @@ class ProcessLayout(ParallelStrategy):
         self._watch: faults.PeerWatch | None = None  # ends this rank when another failed and it waits
         self._calls = 0  # trainer calls set up in this process (the board's keys are per call)
         self._handled: tuple[BaseException, bool] | None = None  # the exception in hand, and whether it ended every rank together
+        self._posted = False  # this rank posted the exception in hand: the first failure
 
     @property
     def plan(self) -> Plan | None:
@@ -197,7 +199,7 @@ class ProcessLayout(ParallelStrategy):
         if self._handled is not None and self._handled[0] is exception:
             return self._handled[1]
         together = self._ended_together(exception)
-        self._handled = (exception, together)
+        self._handled, self._posted = (exception, together), False
         self._stop_watch(finished=False)
         if not together and self._board is not None:
             others: dict[int, str] = {}
@@ -205,6 +207,7 @@ class ProcessLayout(ParallelStrategy):
                 others = self._board.failures()
                 if not others and not _broken_collective(exception):
                     self._board.post(faults.describe(exception))
+                    self._posted = True
             except Exception:  # noqa: BLE001 - the store went with rank 0: nothing to post to
                 pass
         return together
@@ -229,7 +232,8 @@ class ProcessLayout(ParallelStrategy):
             posted = {}
         lines += [f"rank {r} failed first: {text}" for r, text in sorted(posted.items())]
         if posted:
-            self._board.acknowledge()
+            with contextlib.suppress(Exception):
+                self._board.acknowledge()
         peers = self._replicas.peers
         # A process just killed is not gone yet when its peer's collective breaks: look for a while.
         gone = faults.dead_peers(peers, wait=0.0 if posted or not _broken_collective(exception) else 2.0) if peers else []
@@ -245,8 +249,8 @@ class ProcessLayout(ParallelStrategy):
     def _end_after_failure(self, exception: BaseException) -> None:
         """After this rank's exception hooks: let the others read a posted failure, then (on the launcher's
         rank) give the children it started a few seconds to end, and end the rest."""
-        together = self._note_failure(exception)
-        if self._board is not None and not together:
+        self._note_failure(exception)
+        if self._board is not None and self._posted:
             self._board.wait_seen(timeout=3.0)
         children = list(getattr(self._launcher, "procs", None) or [])
         if children:
