@@ -25,12 +25,16 @@ __all__ = [
     "augment_message",
     "default_process_group_backend",
     "distributed_is_initialized",
+    "exclude_from_eval_mode_warning",
     "forget_logged_key_order",
     "init_dist_connection",
     "loader_with_batch_size",
+    "mark_sigterm_received",
+    "replace_sigterm_notifier",
     "rebuild_train_loader",
     "set_callback_metrics",
     "SubprocessScriptLauncher",
+    "stop_child_process_observer",
     "sync_ddp_if_available",
 ]
 
@@ -111,3 +115,68 @@ def show_in_progress_bar(trainer: pl.Trainer, values: dict[str, int | float]) ->
     rich = isinstance(trainer.progress_bar_callback, RichProgressBar)
     shown = {k: str(v) if rich and isinstance(v, int) else v for k, v in values.items()}
     trainer._logger_connector._progress_bar_metrics.update(shown)
+
+
+def replace_sigterm_notifier(trainer: pl.Trainer, notifier: Any) -> None:
+    """Make ``notifier(signum, frame)`` the SIGTERM handler Lightning registers for this trainer.
+
+    Lightning 2.6's ``_SignalConnector._sigterm_notifier_fn`` forwards the signal to the launcher's
+    children and broadcasts over the world group inside the handler; the strategy replaces it (see
+    docs/autodp.md, "Operations"). ``register_signal_handlers`` reads the bound method when the trainer
+    runs, after ``strategy.setup``: an attribute on the instance wins. Exercised by
+    tests/integration/distributed/test_faults.py.
+    """
+    trainer._signal_connector._sigterm_notifier_fn = notifier  # type: ignore[method-assign]
+
+
+def mark_sigterm_received(trainer: pl.Trainer) -> None:
+    """Set what ``trainer.received_sigterm`` reads, so Lightning's loops stop at their own checks
+    (``SIGTERMException`` after the current batch). Exercised by test_faults.py."""
+    trainer._signal_connector.received_sigterm = True
+
+
+def stop_child_process_observer() -> bool:
+    """Stop Lightning's ``_ChildProcessObserver`` thread in this process (rank 0 of the subprocess launcher).
+
+    Once a rank handles an exception, the observer would SIGKILL rank 0 as soon as a child exits
+    with a non-zero code, also while rank 0 still writes its checkpoint or names the cause; the
+    strategy ends the children itself then. The observer calls ``_run`` once more after its sleep:
+    replaced on the instance. Returns whether one was found. Exercised by test_faults.py.
+    """
+    import threading
+
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
+    found = False
+    for thread in threading.enumerate():
+        if isinstance(thread, _ChildProcessObserver):
+            thread._finished = True
+            thread._run = lambda: True  # type: ignore[method-assign]
+            found = True
+    return found
+
+
+def exclude_from_eval_mode_warning(trainer: pl.Trainer, expected: Any) -> None:
+    """Lightning's "Found N module(s) in eval mode at the start of training" without the modules ``expected(module)`` accepts.
+
+    Frozen blocks run in eval mode on purpose; restored from a checkpoint they are in eval mode when
+    ``FitLoop.on_run_start`` calls ``_warn_if_modules_in_eval_mode``, and the warning read like a bug.
+    The check is replaced on this trainer's fit loop with the same one over the other modules (the
+    same text, the same category): a user's own module left in eval mode is still reported.
+    Exercised by tests/integration/test_resume_eval_mode.py.
+    """
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+    from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+    def warn_if_modules_in_eval_mode() -> None:
+        model = trainer.lightning_module
+        eval_modules = [name for name, module in model.named_modules() if not module.training and not expected(module)]
+        if eval_modules:
+            rank_zero_warn(
+                f"Found {len(eval_modules)} module(s) in eval mode at the start of training."
+                " This may lead to unexpected behavior during training. If this is intentional,"
+                " you can ignore this warning.",
+                category=PossibleUserWarning,
+            )
+
+    trainer.fit_loop._warn_if_modules_in_eval_mode = warn_if_modules_in_eval_mode  # type: ignore[method-assign]

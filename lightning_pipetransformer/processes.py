@@ -9,6 +9,8 @@ then holds only the hooks that plan, install and transition. They ask ``self._re
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -16,6 +18,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -23,7 +26,7 @@ from typing_extensions import override
 
 from lightning_pipetransformer import devices as dev
 from lightning_pipetransformer import lightning_internals
-from lightning_pipetransformer.dp import groups
+from lightning_pipetransformer.dp import faults, groups
 from lightning_pipetransformer.dp.replicas import Elastic, OneProcess, Replicas
 from lightning_pipetransformer.plan import Plan
 
@@ -40,6 +43,11 @@ class ProcessLayout(ParallelStrategy):
         self._process_group_backend: str | None = process_group_backend
         self._timeout = timedelta(seconds=timeout)
         self._replicas: Replicas = OneProcess()  # one process, or several (AutoDP): picked at setup_environment
+        self._board: faults.FaultBoard | None = None  # failures every rank reads without a collective
+        self._watch: faults.PeerWatch | None = None  # ends this rank when another failed and it waits
+        self._calls = 0  # trainer calls set up in this process (the board's keys are per call)
+        self._handled: tuple[BaseException, bool] | None = None  # the exception in hand, and whether it ended every rank together
+        self._posted = False  # this rank posted the exception in hand: the first failure
 
     @property
     def plan(self) -> Plan | None:
@@ -146,6 +154,110 @@ class ProcessLayout(ParallelStrategy):
                 self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
             )
             self._replicas = Elastic(self.global_rank, self.world_size, self._process_group_backend, self._timeout)
+            self._start_watch()
+
+    # ------------------------------------------------------------------ failures: every rank ends within seconds, naming the cause
+    #
+    # A rank that fails outside the step's agreement (backward, the optimizer step, a callback, the
+    # transition) leaves the others in a collective that, under NCCL, never returns. It posts its
+    # error to the rendezvous store; every rank's PeerWatch reads it and ends its own rank within
+    # seconds; the launcher's rank ends the children it started. See docs/autodp.md, "Operations".
+
+    def _start_watch(self) -> None:
+        self._calls += 1
+        self._handled = None
+        self._board = faults.FaultBoard.for_default_group(self.global_rank, self.world_size, self._calls)
+        children = list(getattr(self._launcher, "procs", None) or [])
+        if children:  # it would SIGKILL every process, rank 0 too, without a word: the watch names the child instead
+            lightning_internals.stop_child_process_observer()
+        self._watch = faults.PeerWatch(self._board, children, unwinding=self._unwinding)
+        self._watch.start()
+
+    def _unwinding(self) -> bool:
+        """Whether Lightning handles an exception on this rank now (its hooks run; read from the watch's thread)."""
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        return trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+
+    def _stop_watch(self, finished: bool) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+        if finished and self._board is not None:
+            self._board.finish()
+            if self.global_rank == 0:
+                self._board.wait_finished(timeout=10.0)
+
+    def _ended_together(self, exception: BaseException) -> bool:
+        """Whether every rank raised at the same point (a signal or a failure they agreed on): the others
+        then run the same exception hooks (their barriers meet). The strategy says which."""
+        return isinstance(exception, faults.PeerFailedError)
+
+    def _note_failure(self, exception: BaseException) -> bool:
+        """Once per exception, on the first hook that sees it: stop the watch, and post this rank's error
+        when it is the first failure (not one every rank agreed on, not a peer's failure seen as a
+        broken collective). Returns whether every rank ended together."""
+        if self._handled is not None and self._handled[0] is exception:
+            return self._handled[1]
+        together = self._ended_together(exception)
+        self._handled, self._posted = (exception, together), False
+        self._stop_watch(finished=False)
+        if not together and self._board is not None:
+            others: dict[int, str] = {}
+            try:
+                others = self._board.failures()
+                if not others and not _broken_collective(exception):
+                    self._board.post(faults.describe(exception))
+                    self._posted = True
+            except Exception:  # noqa: BLE001 - the store went with rank 0: nothing to post to
+                pass
+        return together
+
+    def _exception_in_hand(self) -> BaseException | None:
+        """The exception this rank handles now: Lightning calls the callbacks' ``on_exception`` (checkpoints,
+        barriers) inside its ``except`` block, with the trainer's status INTERRUPTED."""
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED:
+            return None
+        return sys.exc_info()[1]
+
+    def _name_failed_peers(self, exception: BaseException) -> None:
+        """Add to ``exception`` which other rank failed first (posted), or whose process is gone."""
+        if self._board is None or not exception.args or not isinstance(exception.args[0], str):
+            return
+        lines = []
+        try:
+            posted = self._board.failures()
+        except Exception:  # noqa: BLE001 - the store went with its host, rank 0
+            posted = {}
+        lines += [f"rank {r} failed first: {text}" for r, text in sorted(posted.items())]
+        if posted:
+            with contextlib.suppress(Exception):
+                self._board.acknowledge()
+        peers = self._replicas.peers
+        # A process just killed is not gone yet when its peer's collective breaks: look for a while.
+        gone = faults.dead_peers(peers, wait=0.0 if posted or not _broken_collective(exception) else 2.0) if peers else []
+        if gone:
+            named = ", ".join(f"rank {r} (pid {peers[r][1]})" for r in gone)
+            lines.append(
+                f"{named} on this host is gone (it died or was killed): rank {self.global_rank}'s collective failed "
+                "because of it. Look at that rank's log for the cause."
+            )
+        if lines:
+            exception.args = (exception.args[0] + "".join(f"\n[pipetransformer] {line}" for line in lines), *exception.args[1:])
+
+    def _end_after_failure(self, exception: BaseException) -> None:
+        """After this rank's exception hooks: let the others read a posted failure, then (on the launcher's
+        rank) give the children it started a few seconds to end, and end the rest."""
+        self._note_failure(exception)
+        if self._board is not None and self._posted:
+            self._board.wait_seen(timeout=3.0)
+        children = list(getattr(self._launcher, "procs", None) or [])
+        if children:
+            killed = faults.end_children(children, grace=10.0)
+            if killed:
+                print(f"[pipetransformer] rank 0: ended the ranks it launched that were still running (pids {killed}).",
+                      file=sys.stderr, flush=True)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None and self.is_distributed:
@@ -181,6 +293,11 @@ class ProcessLayout(ParallelStrategy):
 
     @override
     def barrier(self, name: str | None = None) -> None:
+        # While this rank handles an exception the others do not share (a checkpoint on exception),
+        # they are not coming: waiting would last the collective timeout.
+        exception = self._exception_in_hand()
+        if exception is not None and not self._note_failure(exception):
+            return
         # Every rank, over the gloo control group (no device ids, whatever the data backend).
         if self._replicas.control_group is not None:
             dist.barrier(group=self._replicas.control_group)
@@ -204,3 +321,11 @@ class ProcessLayout(ParallelStrategy):
         votes = torch.tensor(int(decision))
         dist.all_reduce(votes, op=dist.ReduceOp.SUM, group=self._replicas.control_group)
         return bool(votes == self.world_size) if all else bool(votes)
+
+
+def _broken_collective(exception: BaseException) -> bool:
+    """Whether ``exception`` is a collective that broke (a peer gone, a timeout), not a failure of this rank's own."""
+    text = str(exception)
+    return isinstance(exception, dist.DistError) or any(
+        mark in text for mark in ("Connection closed by peer", "Connection reset by peer", "timed out", "Timeout", "NCCL", "gloo")
+    )

@@ -124,6 +124,7 @@ CACHE_DIAGNOSTICS = {
     "corrupt": "files whose checksum did not match (recomputed and rewritten)",
     "nonfinite": "samples whose activation held NaN or inf (never stored)",
     "unwritten": "entries that could not go to disk (disk full, write refused)",
+    "disk_failures": "times the disk refused a boundary's directory or an entry (read-only, permission, I/O error): disk writes stopped at that boundary",
     "recreated": "times the store's directory was removed from outside and made again",
 }
 

@@ -22,6 +22,8 @@ outside the stack (embeddings, head, loss, metrics) stays on the first stage's d
 
 from __future__ import annotations
 
+import signal
+import sys
 from datetime import timedelta
 from typing import Any, Literal, cast
 
@@ -139,6 +141,9 @@ class PipeTransformerStrategy(ProcessLayout):
         self._synced_boundary: int | None = None  # the cache boundary all ranks opened together last
         self._kv_cache_configs: list[Any] = []  # configs whose use_cache this fit turned off
         self._frozen_outputs: FrozenOutputs | None = None
+        self._signals = faults.SignalNotice()  # SIGTERM noted by the handler, acted on at the next step
+        self._stopping_signal = 0  # the signal every rank agreed to stop for
+        self._failing_together = False  # a failure every rank agreed on at a step
 
     # ------------------------------------------------------------------ what users read
 
@@ -199,6 +204,10 @@ class PipeTransformerStrategy(ProcessLayout):
             raise ValueError("strategy='pipetransformer' with several processes supports automatic optimization only.")
         module = self.lightning_module
         assert module is not None
+        if self.is_distributed:  # Lightning's handler would run collectives inside the signal handler
+            self._signals.reset()
+            self._stopping_signal, self._failing_together = 0, False
+            lightning_internals.replace_sigterm_notifier(trainer, self._signals)
         autofreeze = _autofreeze_of(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._stack = self._find_stack(module, autofreeze, fitting)
@@ -233,8 +242,19 @@ class PipeTransformerStrategy(ProcessLayout):
         if self._restored is not None:
             self.engine.load_state_dict(self._restored)
         self._report = report.EngagementReport(stack, rank_zero_warn)
+        if fitting:  # frozen blocks are in eval mode on purpose (restored from a checkpoint, before the first batch)
+            lightning_internals.exclude_from_eval_mode_warning(trainer, self._is_frozen_module)
         self._synced_boundary = None
         self._setup_model_and_optimizers(trainer, self._first_plan(trainer, autofreeze))
+
+    def _is_frozen_module(self, module: torch.nn.Module) -> bool:
+        """Whether ``module`` belongs to the frozen prefix (blocks or embeddings without a trainable parameter)."""
+        stack = self._stack
+        if stack is None:
+            return False
+        frozen = list(stack.blocks[: untrainable_prefix(stack)])
+        frozen += [m for _, m in stack.pre if not any(p.requires_grad for p in m.parameters())]
+        return any(module is inner for outer in frozen for inner in outer.modules())
 
     def _find_stack(self, module: pl.LightningModule, autofreeze: Any, fitting: bool) -> BlockStack | None:
         """The block stack to plan over; ``None`` (with a warning) when the model has none and
@@ -460,9 +480,11 @@ class PipeTransformerStrategy(ProcessLayout):
         return self._step_together("predict_step", lambda: None, super().predict_step, "predict", args, kwargs)
 
     def _step_together(self, where: str, idle_output: Any, step: Any, stage: str, args: Any, kwargs: Any) -> Any:
-        """A step on this rank (a shadow rank's stand-in). With the cache and several processes a
-        verdict one replica alone reaches (the first-hit check, a repeated index) ends every rank
-        within seconds, instead of leaving them in DDP until the timeout."""
+        """A step on this rank (a shadow rank's stand-in), then, with several processes, the step's
+        agreement over the control group (:func:`~lightning_pipetransformer.dp.faults.agree_at_step`):
+        a failure one rank alone reaches (its step raised, a cache verdict) ends every rank within
+        seconds, instead of leaving them in DDP until the timeout, and a signal any rank received
+        stops every rank after this same batch."""
         cache = self.autocache
 
         def run() -> Any:
@@ -473,17 +495,46 @@ class PipeTransformerStrategy(ProcessLayout):
             return step(*args, **kwargs)
 
         group = self._replicas.control_group
-        if cache is None or group is None:
+        if group is None:
             return run()
-        cache.defer_verdicts = True
+        if cache is not None:
+            cache.defer_verdicts = True
         error: BaseException | None = None
         output = None
         try:
             output = run()
         except Exception as err:  # noqa: BLE001 - raised below, on every rank together
             error = err
-        faults.raise_together(error or cache.take_verdict(), group, where)
+        if error is None and cache is not None:
+            error = cache.take_verdict()
+        try:
+            signum = faults.agree_at_step(error, self._signals.signum, group, where)
+        except BaseException as raised:
+            # Every rank raises here (a broken collective is not that): their exception hooks meet.
+            self._failing_together = raised is error or isinstance(raised, faults.PeerFailedError)
+            raise
+        if signum and not self._stopping_signal:
+            self._stop_for_signal(signum)
         return output
+
+    def _agree_on_signal(self, where: str) -> None:
+        group = self._replicas.control_group
+        if group is not None and not self._stopping_signal:
+            signum = faults.agree_at_step(None, self._signals.signum, group, where)
+            if signum:
+                self._stop_for_signal(signum)
+
+    def _stop_for_signal(self, signum: int) -> None:
+        """Every rank agreed at this step that a signal came: Lightning's loops stop after this batch
+        (``SIGTERMException``, with the ``on_exception`` checkpoints), on every rank together."""
+        self._stopping_signal = signum
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:
+            lightning_internals.mark_sigterm_received(trainer)
+        rank_zero_info(
+            f"PipeTransformer: {signal.Signals(signum).name} received; every rank stops after this batch "
+            "(the checkpoints Lightning writes on an exception are written)."
+        )
 
     @override
     def on_train_end(self) -> None:
@@ -564,6 +615,8 @@ class PipeTransformerStrategy(ProcessLayout):
                     clock.lap("loader_rebuild")
                 self.last_transition = clock.laps
             self._sync_cache_boundary()  # 7
+        # A signal that came during the transition (held until now): every rank stops before the epoch's first batch.
+        self._agree_on_signal("the transition")
 
     def _send_state(self, trainer: pl.Trainer, autofreeze: Any, joining: tuple[int, ...], clock: PhaseClock) -> None:
         """Rank 0's weights to ``joining`` (buffers to every replica), then its optimizer, LR-scheduler and scaler state."""
@@ -628,9 +681,14 @@ class PipeTransformerStrategy(ProcessLayout):
 
     # ------------------------------------------------------------------ teardown
 
+    def _ended_together(self, exception: BaseException) -> bool:
+        return bool(self._stopping_signal or self._failing_together) or super()._ended_together(exception)
+
     @override
     def teardown(self) -> None:
         module = self.lightning_module
+        interrupted = module is not None and module._trainer is not None and module._trainer.state.status == TrainerStatus.INTERRUPTED
+        self._stop_watch(finished=not interrupted)
         if module is not None:
             idle_hooks.restore_module_hooks(module)
         if self._stack is not None:
@@ -661,15 +719,19 @@ class PipeTransformerStrategy(ProcessLayout):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        peers = self._replicas.peers
-        gone = faults.dead_peers(peers) if peers else []
-        if gone and exception.args and isinstance(exception.args[0], str):
-            named = ", ".join(f"rank {r} (pid {peers[r][1]})" for r in gone)
-            exception.args = (
-                f"{exception.args[0]}\n[pipetransformer] {named} on this host is gone (it died or was killed): "
-                f"rank {self.global_rank}'s collective failed because of it. Look at that rank's log for the cause.",
-                *exception.args[1:],
+        self._note_failure(exception)
+        if isinstance(exception, SystemExit) and self._stopping_signal:
+            # Lightning exits with status 0 and no word after SIGTERMException: say which signal, exit as the shell does.
+            name = signal.Signals(self._stopping_signal).name
+            exception.code = 128 + self._stopping_signal
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            step = trainer.global_step if trainer is not None else "?"
+            print(
+                f"[pipetransformer] rank {self.global_rank}: stopped by {name} after global step {step}; "
+                f"exit status {exception.code}.", file=sys.stderr, flush=True,
             )
+        else:
+            self._name_failed_peers(exception)
         lightning_internals.augment_message(
             exception,
             pattern=".*Expected to have finished reduction in the prior iteration.*",
@@ -679,6 +741,7 @@ class PipeTransformerStrategy(ProcessLayout):
                 "(requires_grad=False) or use them in every step."
             ),
         )
+        self._end_after_failure(exception)
 
     @classmethod
     @override

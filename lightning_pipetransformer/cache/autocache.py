@@ -181,7 +181,11 @@ class AutoCache:
         """A store could not work fully (full disk, removed directory, NaN activations): warn once per run."""
         if reason not in self._store_warned:
             self._store_warned.add(reason)
-            _warn(message)
+            if reason == "disk" and torch.distributed.is_available() and torch.distributed.is_initialized():
+                # A disk fails for one process or one node, not for every replica alike: said where it happens.
+                warnings.warn(f"[rank {torch.distributed.get_rank()}] {message}", stacklevel=3)
+            else:
+                _warn(message)
 
     def _refuse(self, error: Exception) -> None:
         """Raise ``error`` now, or (``defer_verdicts``) keep it for :meth:`take_verdict` and go on.
@@ -642,6 +646,7 @@ class AutoCache:
             self.cache_dir, prefix_fingerprint(stack, num_frozen, include_pre, extra=f"{self.fingerprint_extra}|format={ENTRY_FORMAT}"),
             num_frozen, self.memory_budget,
             storage_dtype=self.storage_dtype, write_through=self.write_through, warn=self._store_warning,
+            strict=False,  # cache_dir was checked before training: a disk failing later stops disk writes only
         )
         self._verified = False
         self.advanced = 0

@@ -137,6 +137,8 @@ class CacheStats:
     unwritten: int = 0
     #: Times this store's directory had been removed from outside and was made again.
     recreated: int = 0
+    #: Times the disk failed this store (full, read-only, permission, I/O error): disk writes stopped.
+    disk_failures: int = 0
     entries_in_memory: int = 0
     bytes_in_memory: int = 0
     files_on_disk: int = 0
@@ -338,13 +340,15 @@ class ActivationStore:
             working fully (``reason``: ``"disk"`` full, directory ``"recreated"``, ``"nonfinite"``
             activations); default ``warnings.warn(message)``. A caller with several stores (one per
             boundary) can use ``reason`` to warn once in all.
+        strict: whether a directory that cannot be made or written (other than a full disk) is a
+            :class:`CacheConfigError`; ``False``: disk writes stop, with the warning, as for a full disk.
 
     The store holds a shared lock on its directory from construction until :meth:`close` or
     :meth:`clear` (or garbage collection): while it does, no other store deletes that directory.
 
     Raises:
-        CacheConfigError: ``cache_dir`` cannot be created or written, or a bad argument. A full
-            disk is not an error: the store then keeps to memory (see the module docstring).
+        CacheConfigError: ``cache_dir`` cannot be created or written (with ``strict``), or a bad
+            argument. A full disk is not an error: the store then keeps to memory (see the module docstring).
     """
 
     def __init__(
@@ -357,6 +361,7 @@ class ActivationStore:
         storage_dtype: torch.dtype | None = None,
         write_through: bool = False,
         warn: Callable[[str, str], None] | None = None,
+        strict: bool = True,
     ) -> None:
         self._lock: int | None = None  # first: __del__ reads it even if a check below raises
         if not isinstance(fingerprint, str) or not KEY_PATTERN.match(fingerprint):
@@ -389,12 +394,20 @@ class ActivationStore:
         self._warned: set[str] = set()
         #: Why disk writes stopped at this boundary (a full disk), or ``None`` while they work.
         self._disk_off: str | None = None
+        self.strict = strict
         self._make_directory()
 
     # ------------------------------------------------------------------ set-up
 
     def _make_directory(self) -> None:
-        """Create the directory, hold its shared lock, and prove it writable (a full disk: memory only)."""
+        """Create the directory, hold its shared lock, and prove it writable.
+
+        A full disk keeps the store to memory. Any other refusal is a configuration error when
+        ``strict`` (a store made by hand); AutoCache checks ``cache_dir`` before training
+        (:func:`probe_cache_dir`) and opens each boundary's store with ``strict=False``: a disk that
+        fails later (remounted read-only, permissions changed, an I/O error) stops disk writes and
+        never training.
+        """
         try:
             self._open_directory()
             # Probe: the only reliable writability test (root ignores mode bits, mounts may be read-only).
@@ -402,7 +415,7 @@ class ActivationStore:
             os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
             os.unlink(probe)
         except OSError as err:
-            if err.errno in _NO_SPACE:
+            if err.errno in _NO_SPACE or not self.strict:
                 self._stop_disk(err)
                 return
             raise CacheConfigError(
@@ -433,11 +446,12 @@ class ActivationStore:
     def _stop_disk(self, err: OSError) -> None:
         """Disk full (or a write refused): keep to memory at this boundary; warn once."""
         self._disk_off = f"{type(err).__name__}: {err}"
+        self._stats.disk_failures += 1
         self._warn_once(
             "disk",
             f"AutoCache stopped writing to {self.directory} ({self._disk_off}). Entries that do not fit the memory "
-            "budget are recomputed from now on at this boundary (exact, only slower; counted in autocache/unwritten). "
-            "Free space in cache_dir or raise cache_memory.",
+            "budget are recomputed from now on at this boundary (exact, only slower; counted in autocache_diagnostics/unwritten). "
+            "Free space in cache_dir (or make it writable again) or raise cache_memory.",
         )
 
     def check_batch_fits(self, nbytes: int) -> None:

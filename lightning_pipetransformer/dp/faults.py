@@ -1,4 +1,5 @@
-"""Faults across ranks: SIGTERM held while state moves, naming a dead peer, and raising together.
+"""Faults across ranks: signals noted and agreed on at a step, failures raised on every rank or
+posted where every rank reads them, a watch that ends a rank left waiting, naming a dead peer.
 """
 
 from __future__ import annotations
@@ -7,7 +8,9 @@ import contextlib
 import os
 import signal
 import socket
+import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -23,12 +26,12 @@ class PeerFailedError(RuntimeError):
 def signals_held(signums: Sequence[int] = (signal.SIGTERM,)) -> Iterator[None]:
     """Hold ``signums`` while every rank is inside the same collectives (a transition), then deliver them.
 
-    Lightning's SIGTERM handler broadcasts over the world group at once; arriving while the other
-    ranks wait in a transition's collectives, it would pair with none of them and every rank would
-    hang until the collective timeout. Held, it runs right after the transition, where it works
-    as it does in the middle of an epoch: every rank stops at the next step (with a checkpoint if
-    an ``OnExceptionCheckpoint`` is among the callbacks). Main thread only (Python's rule for
-    signal handlers); elsewhere this does nothing.
+    The strategy's own handler (:class:`SignalNotice`) only notes a signal; other handlers that
+    Lightning composes with it (ones installed before the Trainer ran) may do anything, including
+    a collective that would pair with none of the transition's. Held, they run right after the
+    transition, and every rank stops at the next step (with a checkpoint if an
+    ``OnExceptionCheckpoint`` is among the callbacks). Main thread only (Python's rule for signal
+    handlers); elsewhere this does nothing.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -58,8 +61,21 @@ def peer_processes(group: Any) -> list[tuple[str, int]]:
     return [tuple(p) for p in everyone]  # type: ignore[misc]
 
 
-def dead_peers(peers: Sequence[tuple[str, int]]) -> list[int]:
-    """The ranks on this host whose process is gone (ranks on other hosts cannot be checked from here)."""
+def dead_peers(peers: Sequence[tuple[str, int]], wait: float = 0.0) -> list[int]:
+    """The ranks on this host whose process is gone (ranks on other hosts cannot be checked from here).
+
+    A peer's collective breaks as soon as a killed process closes its sockets, before the process
+    is gone: with ``wait`` the check is repeated for up to that many seconds until one is found.
+    """
+    deadline = time.monotonic() + wait
+    while True:
+        gone = _dead_peers_now(peers)
+        if gone or time.monotonic() >= deadline:
+            return gone
+        time.sleep(0.05)
+
+
+def _dead_peers_now(peers: Sequence[tuple[str, int]]) -> list[int]:
     host = socket.gethostname()
     gone = []
     for rank, (their_host, pid) in enumerate(peers):
@@ -85,22 +101,191 @@ def _is_zombie(pid: int) -> bool:
         return False
 
 
-def raise_together(error: BaseException | None, group: Any, where: str) -> None:
-    """Every rank of ``group`` calls this at the same point; if any of them failed, all raise now.
+class SignalNotice:
+    """The SIGTERM handler under several processes: it notes the signal and does nothing else.
 
-    A verdict that only one rank reaches (AutoCache's first-hit check, a repeated dataset index)
-    would otherwise leave the others waiting in the next collective (DDP's all-reduce, a barrier)
-    until its timeout, half an hour by default. One flag per step goes over ``group`` (gloo, on
-    the CPU); only when it is set, the errors' texts follow. The failed rank raises its own error,
-    the others a :class:`PeerFailedError` that quotes it.
+    Lightning 2.6's own handler forwards the signal to the launcher's children and broadcasts over
+    the world group inside the handler. A handler runs wherever the main thread is, which differs
+    per rank: when a scheduler signals every rank at once (SLURM, Kubernetes), rank 0's broadcast
+    and the others' meet nothing but another group's collective (or the second broadcast of a
+    child signalled twice), and every rank waits until the collective timeout. Noted here, the
+    signal is agreed on at the next step, where every rank is (:func:`agree_at_step`), and every
+    rank stops after that same batch.
     """
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if int(flag) == 0:
-        return
+
+    def __init__(self) -> None:
+        self.signum = 0
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if not self.signum:
+            self.signum = int(signum)
+
+    def reset(self) -> None:
+        self.signum = 0
+
+
+def agree_at_step(error: BaseException | None, signum: int, group: Any, where: str) -> int:
+    """Every rank of ``group`` calls this at the same point of every step: a failure or a signal on any rank reaches all.
+
+    A failure that only one rank reaches (an exception in its step, AutoCache's first-hit check, a
+    repeated dataset index) would otherwise leave the others waiting in the next collective (DDP's
+    all-reduce, a barrier) until its timeout, half an hour by default: every rank raises now, the
+    failed one its own error, the others a :class:`PeerFailedError` that quotes it. A signal noted
+    on any rank (:class:`SignalNotice`) is returned on every rank (the largest signal number), for
+    all of them to stop after this step. Two integers per step go over ``group`` (gloo, on the CPU);
+    only after a failure its text follows.
+    """
+    flags = torch.tensor([0 if error is None else 1, signum], dtype=torch.int64)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    if int(flags[0]) == 0:
+        return int(flags[1])
     reports: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(reports, None if error is None else f"{type(error).__name__}: {error}", group=group)
     if error is not None:
         raise error
     rank, report = next((r, m) for r, m in enumerate(reports) if m is not None)
     raise PeerFailedError(f"Rank {rank} failed in {where}, so every rank stops here: {report}")
+
+
+def raise_together(error: BaseException | None, group: Any, where: str) -> None:
+    """:func:`agree_at_step` without a signal: every rank raises if any failed."""
+    agree_at_step(error, 0, group, where)
+
+
+class FaultBoard:
+    """Failures posted where every rank reads them without a collective: the rendezvous store.
+
+    A collective cannot carry the news of a failure to a rank that waits in another collective,
+    and under NCCL a collective whose peer died never returns. The store (rank 0's TCP store, or
+    torchrun's agent's) answers while every process group is stuck. Keys live under a prefix per
+    trainer call, so a fit's failures do not leak into the next call's.
+    """
+
+    def __init__(self, store: Any, rank: int, world_size: int) -> None:
+        self._store, self.rank, self.world_size = store, rank, world_size
+
+    @classmethod
+    def for_default_group(cls, rank: int, world_size: int, call: int) -> FaultBoard:
+        store = dist.distributed_c10d._get_default_store()
+        return cls(dist.PrefixStore(f"pipetransformer/faults/{call}/", store), rank, world_size)
+
+    def post(self, text: str) -> None:
+        self._store.set(f"fault/{self.rank}", text)
+        self._store.add("posted", 1)
+
+    def failures(self) -> dict[int, str]:
+        """Every other rank's posted failure, by rank (empty when none posted)."""
+        if self._store.add("posted", 0) == 0:
+            return {}
+        found = {}
+        for rank in range(self.world_size):
+            if rank != self.rank and self._store.check([f"fault/{rank}"]):
+                found[rank] = self._store.get(f"fault/{rank}").decode()
+        return found
+
+    def acknowledge(self) -> None:
+        self._store.add("seen", 1)
+
+    def wait_seen(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) until every other rank read the failure, before this process (maybe the store's host) exits."""
+        deadline = time.monotonic() + timeout
+        with contextlib.suppress(Exception):
+            while self._store.add("seen", 0) < self.world_size - 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+    def finish(self) -> None:
+        with contextlib.suppress(Exception):
+            self._store.add("finished", 1)
+
+    def wait_finished(self, timeout: float) -> None:
+        """Rank 0 hosts the store under Lightning's launcher: at a normal end it waits (bounded) for
+        every rank to finish, or a slower rank's watch would take the store's end for rank 0's death."""
+        deadline = time.monotonic() + timeout
+        with contextlib.suppress(Exception):
+            while self._store.add("finished", 0) < self.world_size and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+
+class PeerWatch(threading.Thread):
+    """A thread on every rank that ends it within seconds when another rank failed, naming that rank's error.
+
+    The main thread may wait in a collective that will not return before the timeout (half an hour
+    by default): under NCCL a collective with a dead peer never returns, and on any backend one
+    whose peer is alive but elsewhere (handling its own exception) waits. Every ``poll`` seconds
+    the watch reads the :class:`FaultBoard`, and on the launcher's rank the children's exit codes
+    (it takes over from Lightning's child-process observer, which kills every process without a
+    word). A cause found, it waits ``grace`` seconds for the main thread to end by itself (gloo
+    notices a closed connection; longer while the main thread is already handling an exception),
+    then says why on stderr, ends the launched children and exits the process (status 1). Stopped once the rank handles its own exception or tears down.
+    """
+
+    def __init__(
+        self, board: FaultBoard, children: Sequence[Any] = (), grace: float = 5.0, poll: float = 0.5,
+        exit_process: Any = os._exit, unwinding: Any = None, unwind_grace: float = 30.0,
+    ) -> None:
+        super().__init__(daemon=True, name="pipetransformer-peer-watch")
+        self.board, self.children, self.grace, self.poll = board, list(children), grace, poll
+        #: ``unwinding()``: whether the main thread already handles an exception (it then gets ``unwind_grace`` s in all).
+        self.unwinding, self.unwind_grace = unwinding or (lambda: False), unwind_grace
+        self._stopped = threading.Event()
+        self._exit = exit_process
+        self.cause: str | None = None
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def run(self) -> None:
+        while not self._stopped.wait(self.poll):
+            cause = self.find_cause()
+            if cause is None:
+                continue
+            self.cause = cause
+            if self._stopped.wait(self.grace):
+                return  # the main thread ended by itself (and named the cause from the board)
+            deadline = time.monotonic() + self.unwind_grace - self.grace
+            while self.unwinding() and time.monotonic() < deadline:  # its exception hooks run: let them end
+                if self._stopped.wait(self.poll):
+                    return
+            print(
+                f"[pipetransformer] rank {self.board.rank}: {cause}. This rank waited for it in a collective that "
+                "would not return before the timeout: ending it now.", file=sys.stderr, flush=True,
+            )
+            end_children(self.children, grace=0.0)
+            self._exit(1)
+            return
+
+    def find_cause(self) -> str | None:
+        try:
+            failures = self.board.failures()
+        except Exception:  # noqa: BLE001 - the store is gone with its host
+            return None if self.board.rank == 0 else "rank 0 is gone (the rendezvous store it hosted stopped answering)"
+        if failures:
+            with contextlib.suppress(Exception):
+                self.board.acknowledge()
+            rank, text = min(failures.items())
+            return f"rank {rank} failed: {text}"
+        for rank, child in enumerate(self.children, start=1):
+            code = child.poll()
+            if code:
+                return f"rank {rank} (pid {child.pid}) exited with status {code}"
+        return None
+
+
+def end_children(children: Sequence[Any], grace: float) -> list[int]:
+    """Wait up to ``grace`` seconds for launched children (``Popen``) to exit, then SIGKILL the rest; their pids."""
+    deadline = time.monotonic() + grace
+    while any(c.poll() is None for c in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    killed = []
+    for child in children:
+        if child.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.kill()
+            killed.append(child.pid)
+    return killed
+
+
+def describe(error: BaseException, limit: int = 2000) -> str:
+    """``Type: message`` for the board (a long message cut: the failed rank's own log has all of it)."""
+    text = f"{type(error).__name__}: {error}".strip()
+    return text if len(text) <= limit else text[:limit] + " [...]"

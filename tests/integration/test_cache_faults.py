@@ -435,3 +435,55 @@ def test_a_full_disk_at_a_new_boundary_keeps_to_memory(tmp_path, monkeypatch):
     hit, hits = store.lookup(["a", "b", "c"])
     assert hit.tolist() == [True, True, False] and torch.equal(hits, acts[:2])
     assert store.stats().unwritten == 1 and not store.directory.exists()
+
+
+# ---------------------------------------------------------------------------- a disk that fails mid-run
+
+
+class DiskFailsAfter(Callback):
+    """From the end of ``epoch`` on, ``root`` refuses every new directory and file (``errno_``): the
+    filesystem remounted read-only, its permissions changed, or an I/O error. chmod would not stop
+    root, so ``Path.mkdir`` and ``os.open`` are made to refuse, as the kernel would."""
+
+    def __init__(self, monkeypatch, root: Path, epoch: int, errno_: int) -> None:
+        self.root, self.epoch, self.errno, self.failing, self.refused = str(root), epoch, errno_, False, 0
+        real_mkdir, real_open = Path.mkdir, os.open
+
+        def refuse(path) -> None:
+            if self.failing and str(path).startswith(self.root):
+                self.refused += 1
+                raise OSError(self.errno, os.strerror(self.errno), str(path))
+
+        def mkdir(path, *args, **kwargs):
+            refuse(path)
+            return real_mkdir(path, *args, **kwargs)
+
+        def open_(path, flags, *args, **kwargs):
+            if flags & os.O_CREAT:
+                refuse(path)
+            return real_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "mkdir", mkdir)
+        monkeypatch.setattr(os, "open", open_)
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch == self.epoch:
+            self.failing = True
+
+
+@pytest.mark.parametrize("errno_", [errno.EROFS, errno.EACCES, errno.EIO])
+def test_a_disk_failing_between_two_freezes_stops_disk_writes_never_training(tmp_path, monkeypatch, recwarn, errno_):
+    # Before: every rank crashed at the next freeze with CacheConfigError (the boundary's directory
+    # could not be made), though writes refused mid-boundary only stopped disk writes.
+    root = tmp_path / "cache"
+    failing = DiskFailsAfter(monkeypatch, root, epoch=1, errno_=errno_)
+    run = fit("bert", cached(tmp_path), callbacks=[failing])
+    stats = stats_of(run[1])
+    assert failing.refused >= 1  # the fault was injected
+    assert stats["autocache/boundary"] == 3 and stats["autocache/disk_failures"] == 1  # counted in the metrics
+    assert stats["autocache/hits"] > 0  # memory keeps serving at the new boundary
+    assert stats["autocache/files_on_disk"] == 0
+    warned = [str(w.message) for w in recwarn if "AutoCache stopped writing" in str(w.message)]
+    assert len(warned) == 1 and os.strerror(errno_) in warned[0]  # once, with the cause
+    monkeypatch.undo()
+    assert_same_run(run, fit("bert", "auto"))

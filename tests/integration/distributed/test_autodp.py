@@ -150,16 +150,17 @@ def test_a_dead_rank_ends_the_run_with_an_error_not_a_hang(tmp_path):
     try:
         assert proc.returncode != 0, proc.stdout[-5000:]
         assert not any((tmp_path / f"rank{r}.pt").exists() for r in range(4))
-        assert (tmp_path / "error0").exists(), proc.stdout[-5000:]
-        # The survivors name the rank that died (on one host its process can be checked).
-        assert "rank 2 (pid" in (tmp_path / "error0").read_text(), (tmp_path / "error0").read_text()[:2000]
+        # Rank 0 names the rank that died (on one host its process can be checked): in its error when its
+        # collective broke, or, left waiting in one that did not, in the line its watch printed before ending it.
+        error0 = (tmp_path / "error0").read_text() if (tmp_path / "error0").exists() else ""
+        assert "rank 2 (pid" in error0 or "[pipetransformer] rank 0: rank 2 (pid" in proc.stdout, proc.stdout[-5000:]
         # Every other rank ends too (with its own error, or killed by rank 0's launcher), in bounded time.
         pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(4)]
         deadline = time.monotonic() + timeout
         while any(is_alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not any(is_alive(pid) for pid in pids), "a rank outlived the timeout after a peer died"
-        print(f"dead-rank run ended after {time.monotonic() - start:.0f}s: {(tmp_path / 'error0').read_text()[:300]}")
+        print(f"dead-rank run ended after {time.monotonic() - start:.0f}s: {error0[:300]}")
     finally:
         kill_session(proc.pid)
 

@@ -1,0 +1,202 @@
+"""Faults across ranks end every rank within seconds, naming the cause (issues 31 and 32).
+
+Each test launches tests/integration/scripts/faults.py (2 CPU processes, gloo; Lightning's own
+subprocess launcher) with a collective timeout far above the test's wall-clock bound: a rank left
+waiting in a collective would show as a hang of that length, not as a pass.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.launch import clean_env, is_alive, kill_session, launch_ranks
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "faults.py"
+COLLECTIVE_TIMEOUT = 300  # what a rank left waiting would wait for
+BOUND = 30  # seconds from the signal or fault to every rank gone: far below it
+LAUNCH_TIMEOUT = 150  # start-up and two epochs on a loaded 2-core machine
+
+
+def pids(out: Path, world: int) -> list[int]:
+    return [int((out / f"pid{rank}").read_text()) for rank in range(world)]
+
+
+def wait_gone(out: Path, world: int, bound: float) -> float:
+    """Seconds until every rank's process is gone (fails past ``bound``)."""
+    start = time.monotonic()
+    while any(is_alive(pid) for pid in pids(out, world)) and time.monotonic() - start < bound:
+        time.sleep(0.2)
+    assert not any(is_alive(pid) for pid in pids(out, world)), f"a rank outlived {bound}s"
+    return time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("uninterrupted")
+    proc = launch_ranks(SCRIPT, out, "--timeout", str(COLLECTIVE_TIMEOUT), timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    return torch.load(out / "rank0.pt")
+
+
+@pytest.mark.timeout(3 * LAUNCH_TIMEOUT + 60)
+@pytest.mark.parametrize("stop", ["sigterm", "sigterm-transition"])
+def test_sigterm_to_every_rank_stops_all_in_seconds_with_a_checkpoint_that_resumes_equal(tmp_path, stop, uninterrupted):
+    # As SLURM and Kubernetes preempt: every rank signalled at once (mid-epoch, or inside the
+    # transition while the others wait in its collectives). Lightning 2.6's handler broadcast over
+    # the world group inside the handler and every rank hung until the collective timeout.
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    proc = launch_ranks(SCRIPT, stopped, "--stop", stop, "--timeout", str(COLLECTIVE_TIMEOUT), timeout=LAUNCH_TIMEOUT, cleanup=False)
+    try:
+        signalled = float((stopped / "signalled").read_text())
+        wait_gone(stopped, 2, BOUND)
+        assert time.time() - signalled < BOUND, proc.stdout[-5000:]
+    finally:
+        kill_session(proc.pid)
+    # The exit says it was a signal, on every rank.
+    assert proc.returncode == 128 + 15, proc.stdout[-5000:]
+    for rank in range(2):
+        assert f"[pipetransformer] rank {rank}: stopped by SIGTERM" in proc.stdout, proc.stdout[-5000:]
+        assert (stopped / f"error{rank}").read_text().split(" ", 1)[1].startswith("SIGTERMException")
+    assert "timeout" not in proc.stdout.lower() and not (stopped / "rank0.pt").exists()
+    ckpt = stopped / "ckpt" / "on_exception.ckpt"
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["epoch"] == 1 and saved["pipetransformer"]["plan"]["active_ranks"] == [0, 1]
+    # What the checkpoint holds is the uninterrupted run's state at that step.
+    step = saved["global_step"]
+    assert (step == 8) == (stop == "sigterm-transition"), step  # inside the transition: before epoch 1's first batch
+    for key, value in uninterrupted["states"][step].items():
+        torch.testing.assert_close(saved["state_dict"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    # Resumed from it, the run ends as the uninterrupted one (mid-epoch, only as far as Lightning can
+    # resume a loader without state: it warns, and the epoch's batches start over).
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    proc = launch_ranks(SCRIPT, resumed, "--ckpt", str(ckpt), "--timeout", str(COLLECTIVE_TIMEOUT), timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    final = torch.load(resumed / "rank0.pt")
+    assert final["global_step"] == uninterrupted["global_step"]
+    if stop == "sigterm-transition":
+        for key, value in uninterrupted["state"].items():
+            torch.testing.assert_close(final["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 2 * BOUND + 30)
+@pytest.mark.parametrize(
+    "fault_rank, where, epoch, hold",
+    [
+        (1, "step", 1, True),  # training_step, the cache off: raised together at the step's agreement
+        (0, "backward", 1, True),  # rank 1 waits in DDP's all-reduce for a rank 0 that never comes (NCCL's rule)
+        (0, "transition", 1, True),  # rank 1 waits for the weights rank 0 never sends
+        (1, "callback", 0, False),  # a callback on the idle rank: rank 0's gloo error alone named nobody
+        (1, "validation", 1, False),
+        (0, "kill", 1, False),  # rank 0 SIGKILLed: its death was not named (the check raced the process's exit)
+    ],
+)
+def test_a_fault_on_one_rank_ends_every_rank_in_seconds_naming_it(tmp_path, fault_rank, where, epoch, hold):
+    # --hold: the failed rank's process stays (its sockets open) after its fit ended, as a dead NCCL
+    # peer does for a collective (it never returns): nothing but the strategy can end the others.
+    args = ["--stop", "fault", "--fault-rank", str(fault_rank), "--fault-where", where, "--fault-epoch", str(epoch)]
+    args += ["--hold"] if hold else []
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path), *args, "--timeout", str(COLLECTIVE_TIMEOUT)], env=clean_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    try:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT
+        while not (tmp_path / "faulted").exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert (tmp_path / "faulted").exists(), "".join(output)[-5000:]
+        faulted = float((tmp_path / "faulted").read_text())
+        # Every rank ends within seconds (the held one's fit ends: its error is written).
+        others = [r for r in range(2) if r != fault_rank]
+        start = time.monotonic()
+        while any(is_alive(pids(tmp_path, 2)[r]) for r in others) and time.monotonic() - start < BOUND:
+            time.sleep(0.2)
+        assert not any(is_alive(pids(tmp_path, 2)[r]) for r in others), f"a rank outlived {BOUND}s: " + "".join(output)[-5000:]
+        while where != "kill" and not (tmp_path / f"error{fault_rank}").exists() and time.monotonic() - start < BOUND:
+            time.sleep(0.2)
+        gone_after = time.time() - faulted
+        assert gone_after < BOUND
+        assert where == "kill" or "InjectedFault" in (tmp_path / f"error{fault_rank}").read_text()
+    finally:
+        kill_session(proc.pid)
+        reader.join(timeout=10)
+    stdout = "".join(output)
+    # The others name it: in their error (the step's agreement, a broken collective) or, ended by
+    # their watch while they waited, on stderr.
+    for rank in others:
+        error = (tmp_path / f"error{rank}").read_text() if (tmp_path / f"error{rank}").exists() else ""
+        if where == "kill":  # named by its pid, or as the host of the store that stopped answering
+            named = f"rank {fault_rank} (pid {pids(tmp_path, 2)[fault_rank]}) on this host is gone" in error
+            assert named or f"[pipetransformer] rank {rank}: rank {fault_rank} is gone" in stdout, (error, stdout[-5000:])
+            continue
+        named = f"Rank {fault_rank} failed in" in error or f"rank {fault_rank} failed first: InjectedFault" in error
+        named = named or f"[pipetransformer] rank {rank}: rank {fault_rank} failed: InjectedFault" in stdout
+        assert named and "injected fault" in error + stdout, (error, stdout[-5000:])
+    print(f"{where} on rank {fault_rank}: every rank's fit ended {gone_after:.1f}s after the fault")
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 60)
+def test_a_cache_disk_failing_on_one_rank_stops_its_disk_writes_never_training(tmp_path):
+    # Rank 1's cache directory turns read-only between the two freezes: the next boundary's
+    # directory cannot be made there. Before: CacheConfigError on that rank at the freeze.
+    (tmp_path / "off").mkdir()
+    off = launch_ranks(SCRIPT, tmp_path / "off", "--timeout", str(COLLECTIVE_TIMEOUT), "--disk-fail-rank", "-1", timeout=LAUNCH_TIMEOUT)
+    assert off.returncode == 0, off.stdout[-5000:]
+    (tmp_path / "failing").mkdir()
+    proc = launch_ranks(SCRIPT, tmp_path / "failing", "--cache", "--disk-fail-rank", "1", "--timeout", str(COLLECTIVE_TIMEOUT), timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    ranks = [torch.load(tmp_path / "failing" / f"rank{r}.pt") for r in range(2)]
+    failed, healthy = ranks[1], ranks[0]
+    assert failed["refused"] >= 1  # the fault was injected
+    assert failed["cache_stats"]["autocache/disk_failures"] == 1 and healthy["cache_stats"]["autocache/disk_failures"] == 0
+    assert failed["cache_stats"]["autocache/boundary"] == 2 and failed["cache_stats"]["autocache/hits"] > 0  # memory serves
+    warned = [w for w in failed["warnings"] if "AutoCache stopped writing" in w]
+    assert len(warned) == 1 and "[rank 1]" in warned[0] and "Read-only file system" in warned[0]
+    reference = torch.load(tmp_path / "off" / "rank0.pt")
+    assert failed["global_step"] == healthy["global_step"] == reference["global_step"]
+    for key, value in reference["state"].items():
+        torch.testing.assert_close(healthy["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(failed["state"][key], healthy["state"][key], rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.timeout(3 * LAUNCH_TIMEOUT + 60)
+def test_sigterm_to_four_ranks_then_resume_on_two(tmp_path):
+    # Four processes (epoch 1: two replicas, two of them joined at the transition), every rank
+    # signalled at once; the checkpoint then resumes on another world size.
+    stopped = tmp_path / "four"
+    stopped.mkdir()
+    proc = launch_ranks(SCRIPT, stopped, "--devices", "4", "--stop", "sigterm", "--timeout", str(COLLECTIVE_TIMEOUT),
+                        timeout=2 * LAUNCH_TIMEOUT, cleanup=False)
+    try:
+        signalled = float((stopped / "signalled").read_text())
+        wait_gone(stopped, 4, BOUND)
+        assert time.time() - signalled < BOUND, proc.stdout[-5000:]
+    finally:
+        kill_session(proc.pid)
+    assert proc.returncode == 143, proc.stdout[-5000:]
+    for rank in range(4):
+        assert f"[pipetransformer] rank {rank}: stopped by SIGTERM" in proc.stdout, proc.stdout[-5000:]
+    saved = torch.load(stopped / "ckpt" / "on_exception.ckpt", weights_only=False)
+    assert saved["epoch"] == 1 and saved["pipetransformer"]["plan"]["active_ranks"] == [0, 2]
+    resumed = tmp_path / "two"
+    resumed.mkdir()
+    proc = launch_ranks(SCRIPT, resumed, "--ckpt", str(stopped / "ckpt" / "on_exception.ckpt"), "--timeout", str(COLLECTIVE_TIMEOUT),
+                        timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    ranks = [torch.load(resumed / f"rank{r}.pt") for r in range(2)]
+    assert ranks[0]["global_step"] == ranks[1]["global_step"] > saved["global_step"]
+    for key, value in ranks[0]["state"].items():
+        torch.testing.assert_close(ranks[1]["state"][key], value, rtol=0, atol=0, msg=key)

@@ -1,0 +1,109 @@
+"""dp/faults.py without processes: the board, the watch, the dead-peer check, the signal notice."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+
+from lightning_pipetransformer.dp import faults
+
+
+def boards(world: int = 2) -> list[faults.FaultBoard]:
+    store = dist.HashStore()
+    return [faults.FaultBoard(dist.PrefixStore("call1/", store), rank, world) for rank in range(world)]
+
+
+def test_a_posted_failure_is_read_by_the_others_only():
+    rank0, rank1 = boards()
+    assert rank0.failures() == {} and rank1.failures() == {}
+    rank1.post("InjectedFault: boom")
+    assert rank0.failures() == {1: "InjectedFault: boom"}
+    assert rank1.failures() == {}  # its own is not a peer's
+
+
+def test_the_watch_ends_a_waiting_rank_after_the_grace_naming_the_failure(capfd):
+    rank0, rank1 = boards()
+    exits: list[int] = []
+    watch = faults.PeerWatch(rank0, grace=0.3, poll=0.05, exit_process=exits.append)
+    watch.start()
+    time.sleep(0.2)
+    assert not exits  # nothing failed: the watch stays quiet
+    start = time.monotonic()
+    rank1.post("InjectedFault: boom")
+    watch.join(timeout=5)
+    assert exits == [1] and 0.3 <= time.monotonic() - start < 3
+    assert "rank 0: rank 1 failed: InjectedFault: boom" in capfd.readouterr().err
+    rank1.wait_seen(timeout=1)  # the failed rank learns its failure was read
+
+
+def test_a_stopped_watch_never_ends_the_rank():
+    rank0, rank1 = boards()
+    exits: list[int] = []
+    watch = faults.PeerWatch(rank0, grace=0.3, poll=0.05, exit_process=exits.append)
+    watch.start()
+    rank1.post("InjectedFault: boom")
+    time.sleep(0.1)
+    watch.stop()  # the main thread ended by itself within the grace (it handles the exception)
+    watch.join(timeout=5)
+    assert not exits and watch.cause == "rank 1 failed: InjectedFault: boom"
+
+
+def test_the_watch_names_a_launched_child_that_died():
+    (rank0,) = boards(world=1)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    child.wait()
+    watch = faults.PeerWatch(rank0, children=[child])
+    assert watch.find_cause() == f"rank 1 (pid {child.pid}) exited with status 3"
+
+
+def test_a_store_gone_names_rank_0():
+    class Gone:
+        def add(self, *a):
+            raise RuntimeError("Connection reset by peer")
+
+    assert "rank 0 is gone" in faults.PeerWatch(faults.FaultBoard(Gone(), 1, 2)).find_cause()
+    assert faults.PeerWatch(faults.FaultBoard(Gone(), 0, 2)).find_cause() is None  # rank 0 hosts it
+
+
+def test_dead_peers_waits_for_a_process_that_is_still_exiting():
+    # A killed peer's sockets close before its process is gone: the check ran too early for rank 0.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    peers = [(socket.gethostname(), child.pid)]
+    assert faults.dead_peers(peers) == []
+    start = time.monotonic()
+    assert faults.dead_peers(peers, wait=10.0) == [0]
+    assert time.monotonic() - start < 5
+    child.wait()
+
+
+def test_the_signal_notice_only_notes():
+    notice = faults.SignalNotice()
+    notice(signal.SIGTERM, None)
+    notice(signal.SIGINT, None)  # the first one counts
+    assert notice.signum == signal.SIGTERM
+    notice.reset()
+    assert notice.signum == 0
+
+
+@pytest.mark.timeout(60)
+def test_end_children_kills_what_outlives_the_grace():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    assert faults.end_children([child], grace=0.2) == [child.pid]
+    assert child.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_the_watch_gives_a_rank_that_handles_its_exception_longer():
+    rank0, rank1 = boards()
+    exits: list[int] = []
+    watch = faults.PeerWatch(rank0, grace=0.1, poll=0.05, exit_process=exits.append, unwinding=lambda: True, unwind_grace=1.0)
+    start = time.monotonic()
+    watch.start()
+    rank1.post("InjectedFault: boom")
+    watch.join(timeout=10)
+    assert exits == [1] and time.monotonic() - start >= 1.0  # its exception hooks ran for the unwind grace
