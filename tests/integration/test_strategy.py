@@ -10,6 +10,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.stack.discovery import BlockStackError
+from lightning_pipetransformer.stack.observers import sees_block_runs
 from tests.helpers.lightning_models import Classifier, data_for, indexed_text
 
 SCHEDULE = {1: 1, 2: 3}
@@ -63,7 +64,7 @@ def test_pipeline_really_runs_during_fit(tmp_path):
     blocks = list(module.model.bert.encoder.layer)
     runs = []
     for block in blocks:
-        block.register_forward_pre_hook(lambda m, args: runs.append(args[0].shape[0]))
+        block.register_forward_pre_hook(sees_block_runs(lambda m, args: runs.append(args[0].shape[0])))
     trainer = trainer_for(PipeTransformerStrategy(pipe_len=2, chunks=2), max_epochs=1, logger=CSVLogger(tmp_path))
     trainer.fit(module, data_for("bert"))
     # 3 steps of 8 samples: each block runs on the first batch once without a graph (learning what the

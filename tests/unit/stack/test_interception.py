@@ -15,6 +15,7 @@ from torch import nn
 from lightning_pipetransformer.pipe import pipeline as pipeline_module
 from lightning_pipetransformer.pipe.pipeline import Pipeline, pipelined
 from lightning_pipetransformer.stack.interception import Deferred, InterceptionError, interception_stats
+from lightning_pipetransformer.stack.observers import sees_block_runs
 
 WIDTH, BATCH, SEQ = 8, 6, 5
 
@@ -106,7 +107,7 @@ def assert_same(a, b):
 def count_runs(blocks):
     runs = [0] * len(blocks)
     for i, block in enumerate(blocks):
-        block.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
+        block.register_forward_pre_hook(sees_block_runs(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1)))
     return runs
 
 
