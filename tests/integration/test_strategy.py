@@ -327,15 +327,6 @@ def test_cache_with_trainable_embeddings_and_with_everything_frozen(tmp_path):
     assert_close_state(module.state_dict(), plain.state_dict(), rtol=1e-4, atol=1e-5)
 
 
-def test_per_layer_outputs_are_refused_before_training():
-    module = Classifier("bert")
-    module.model.config.output_hidden_states = True
-    Steps.count = 0
-    with pytest.raises(ValueError, match="output_hidden_states"):
-        trainer_for(PipeTransformerStrategy(pipe_len=2), [Steps()]).fit(module, data_for("bert"))
-    assert Steps.count == 0
-
-
 class _RecordsApply(torch.nn.Module):
     """A module that keeps state only its own ``_apply`` moves (as torchmetrics does), and records the calls."""
 
