@@ -389,6 +389,7 @@ class _Interceptor:
         self.stats = InterceptionStats()
         self._pass: _Pass | None = None
         self._modules: list[tuple[str, nn.Module]] | None = None  # every module inside the blocks, named
+        self._warned: set[str] = set()  # observers already warned about
         #: Runs the next training pass instead of the runner, comparing it with the plain loop (see :func:`arm_self_check`).
         self.self_check: Callable[[Runner, StackCall], Any] | None = None
 
@@ -463,7 +464,7 @@ class _Interceptor:
         call = StackCall(current.hidden, tuple(current.calls), self._check_structure, self._as_last_output, current.observed)
         if current.observed:
             self.stats.observed += 1
-            _warn_observed(current.observed)
+            _warn_observed(current.observed, self._warned)
         check = self.self_check if torch.is_grad_enabled() and not is_placeholder(current.hidden) else None
         with bypass():
             if check is not None:
@@ -527,15 +528,12 @@ class _Interceptor:
             )
 
 
-_WARNED_OBSERVERS: set[str] = set()
-
-
-def _warn_observed(observed: Sequence[Observer]) -> None:
-    """Once per hook: it observes the blocks, so its passes run each block once on the whole batch."""
+def _warn_observed(observed: Sequence[Observer], warned: set[str]) -> None:
+    """Once per hook (and stack): it observes the blocks, so its passes run each block once on the whole batch."""
     named = observed[0].describe()
-    if named in _WARNED_OBSERVERS:
+    if named in warned:
         return
-    _WARNED_OBSERVERS.add(named)
+    warned.add(named)
     more = f" (and {len(observed) - 1} more)" if len(observed) > 1 else ""
     warnings.warn(
         f"PipeTransformer: {named}{more} observes the blocks (a hook that fires inside the block stack; transformers "
