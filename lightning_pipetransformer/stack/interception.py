@@ -340,7 +340,10 @@ class _Probe:
             torch.cuda.set_rng_state(state, device)
         with torch.no_grad():
             for buffer, saved in self._buffers:
-                buffer.copy_(saved)
+                # Only what changed: an in-place copy bumps a buffer's version, and a graph built since
+                # (the self-check restores after the runner's pass) may have saved it (Swin's index buffers).
+                if not torch.equal(buffer, saved):
+                    buffer.copy_(saved)
 
 
 @dataclass
