@@ -53,7 +53,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from lightning_pipetransformer.stack.observers import Observer, block_modules, find_observers, silenced
+from lightning_pipetransformer.stack.observers import BlockHooks, Observer, block_modules, silenced
 from lightning_pipetransformer.stack.placeholders import is_placeholder, refuse_placeholder
 
 __all__ = [
@@ -391,16 +391,16 @@ class _Interceptor:
         _TEMPLATES[container] = self.templates
         self.stats = InterceptionStats()
         self._pass: _Pass | None = None
-        self._modules: list[tuple[str, nn.Module]] | None = None  # every module inside the blocks, named
+        self._hooks: BlockHooks | None = None  # the hook dictionaries of every module inside the blocks
         self._warned: set[str] = set()  # observers already warned about
         #: Runs the next training pass instead of the runner, comparing it with the plain loop (see :func:`arm_self_check`).
         self.self_check: Callable[[Runner, StackCall], Any] | None = None
 
     def observers(self) -> tuple[Observer, ...]:
         """The hooks observing the blocks now (transformers' recorders count only while they record)."""
-        if self._modules is None:
-            self._modules = block_modules(self.blocks)
-        return tuple(find_observers(self._modules))
+        if self._hooks is None:
+            self._hooks = BlockHooks(block_modules(self.blocks))
+        return tuple(self._hooks.observers())
 
     # Called from each block's __call__ while a runner is installed.
     def called(self, index: int, args: Args, kwargs: Kwargs) -> Any:

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-__all__ = ["Observer", "find_observers", "sees_block_runs", "silenced"]
+__all__ = ["BlockHooks", "Observer", "block_modules", "find_observers", "sees_block_runs", "silenced"]
 
 _MARK = "_pipetransformer_sees_block_runs"
 _OWN_PACKAGE = "lightning_pipetransformer"
@@ -58,8 +58,8 @@ class Observer:
     """One hook that observes the blocks: where it is and what it is, in words."""
 
     #: The module it is registered on (``None``: a global module hook).
-    module: nn.Module | None
-    #: The module's name inside the stack (``"3.attn"``: block 3's ``attn``), or ``"every module"``.
+    module: nn.Module | None = field(repr=False, compare=False)
+    #: Where it sits in the stack (``"block 3 (attn)"``), or ``"every module"`` for a global hook.
     where: str
     #: Its kind (``forward hook``, ``forward pre-hook``, ...), and the hook's own name.
     kind: str
@@ -114,15 +114,41 @@ def find_observers(named_modules: Iterable[tuple[str, nn.Module]]) -> list[Obser
     found = [
         Observer(None, "every module", f"global {_KINDS[name.replace('_global', '')]}", _hook_name(hook))
         for name in _GLOBAL_HOOKS
-        for hook in getattr(torch_module, name).values()
+        if (hooks := getattr(torch_module, name))
+        for hook in hooks.values()
         if _observes(hook)
     ]
     for where, module in named_modules:
+        own = module.__dict__
+        # The common case, a module without hooks, costs four dictionary reads (this runs every pass).
+        if not (own.get("_forward_hooks") or own.get("_forward_pre_hooks") or own.get("_backward_hooks") or own.get("_backward_pre_hooks")):
+            continue
         for attr in _MODULE_HOOKS:
-            hooks = module.__dict__.get(attr)
+            hooks = own.get(attr)
             if hooks:
                 found.extend(Observer(module, where, _KINDS[attr], _hook_name(h)) for h in hooks.values() if _observes(h))
     return found
+
+
+class BlockHooks:
+    """The hook dictionaries of every module inside some blocks, gathered once: :meth:`observers` runs every pass.
+
+    A module's hook dictionaries are the same objects for its whole life (registering a hook adds
+    to them), so the per-pass cost is one truthiness test per dictionary.
+    """
+
+    def __init__(self, named_modules: Iterable[tuple[str, nn.Module]]) -> None:
+        self._named = list(named_modules)
+        self._dicts = [
+            (index, hooks) for index, (_, module) in enumerate(self._named) for attr in _MODULE_HOOKS
+            if isinstance(hooks := module.__dict__.get(attr), dict)
+        ]  # fmt: skip
+        self._globals = [getattr(torch_module, name) for name in _GLOBAL_HOOKS]
+
+    def observers(self) -> list[Observer]:
+        if not any(self._globals) and not any(hooks for _, hooks in self._dicts):
+            return []
+        return find_observers(self._named)
 
 
 def block_modules(blocks: Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
