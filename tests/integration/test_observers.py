@@ -23,6 +23,7 @@ import torch
 import transformers as T
 from lightning.pytorch.callbacks import Callback
 from torch import nn
+from torch.nn.modules.module import register_module_forward_hook
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.cache.cached_stack import CachedStack
@@ -169,6 +170,37 @@ def test_observers_see_the_plain_loop_through_the_cache(family, how, plain_runs)
     # cached stack is the probe, silenced for the observers (they saw no extra call: the records are equal).
     assert runs.forward == [[STEPS] * 4, [1 + STEPS] * 4], runs.forward
     assert any("AutoCache is not used" in str(w.message) and "observes the blocks" in str(w.message) for w in caught)
+
+
+def test_a_global_module_hook_sees_each_block_once_per_step_with_the_whole_batch():
+    def fit_recording(strategy):
+        module = FamilyModule("bert")
+        block_type = type(module.model.bert.encoder.layer[0])
+        seen = []
+        hook = register_module_forward_hook(lambda m, a, out: seen.append(out.detach().clone()) if isinstance(m, block_type) else None)
+        try:
+            fit(module, strategy)
+        finally:
+            hook.remove()
+        return module, seen
+
+    plain, want = fit_recording("auto")
+    module, got = fit_recording(PipeTransformerStrategy(pipe_len=2, chunks=2))
+    assert len(want) == 4 * EPOCHS * STEPS and [t.shape for t in got] == [t.shape for t in want]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert_same_weights(module, plain)
+
+
+def test_recorders_that_do_not_record_keep_the_micro_batches():
+    """Transformers installs its recorders on the first forward that asks for per-layer outputs and keeps
+    them: in a forward that does not ask, they are not observers, and the pipeline keeps its M."""
+    module = FamilyModule("gpt2")
+    module.model(input_ids=torch.randint(3, 40, (2, 5)), output_hidden_states=True)  # a look before training
+    runs, seen = BlockRuns(), Interception()
+    fit(module, PipeTransformerStrategy(pipe_len=2, chunks=2), [runs, seen])
+    assert seen.stats.observed == 0 and seen.stats.last_block_runs == 2 * seen.stats.deferred == 2 * EPOCHS * STEPS, seen.stats
+    assert runs.forward[1] == [2 * STEPS] * 4, runs.forward
 
 
 # ---------------------------------------------------------------------------------- router logits (MoE)
