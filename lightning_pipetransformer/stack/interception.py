@@ -170,10 +170,12 @@ class Deferred(Tensor):
         name = getattr(owner, "__name__", None) if getattr(func, "__name__", "") == "__get__" else getattr(func, "__name__", None)
         name = name or repr(func)
         raise InterceptionError(
-            f"The model used {what} ({name}) before the block stack finished. strategy='pipetransformer' runs "
-            "the whole stack when its last block is called, so a model's loop may only pass each block's output "
-            "on to the next block (no reading or changing it between blocks, no stopping early). Use pipe_len=1, "
-            "chunks=1 and cache=False for this model, or name another container with layers=."
+            f"The model used {what} ({name}), a placeholder for a block output that the pipeline or cache does not "
+            "produce. strategy='pipetransformer' runs the whole stack when its last block is called, so a model's "
+            "loop may only pass each block's output on to the next block (no reading or changing it between blocks, "
+            "no stopping early, no keeping it: a model that collects per-layer outputs in its own loop, with "
+            "output_hidden_states=True or output_attentions=True, keeps placeholders; turn those flags off while "
+            "training). Use pipe_len=1, chunks=1 and cache=False for this model, or name another container with layers=."
         )
 
 
@@ -323,6 +325,8 @@ class _Pass:
     last: Any = None  # the hidden state the next block must receive (a placeholder, or a real output)
     #: Hooks observing the blocks in this pass (see :mod:`~.observers`).
     observed: tuple[Observer, ...] = ()
+    #: In the probe: the real output of the block probed last (the model holds its placeholder).
+    probe_hidden: Any = None
 
 
 class _Probe:
@@ -452,10 +456,15 @@ class _Interceptor:
                 self.stats.eager += 1
             return out
         if current.probe is not None:
-            out = self._run_eagerly(index, hidden, args, kwargs, probe=True)
+            # The probe's outputs have no graph and are not the pass's: the model gets placeholders, as in
+            # every later pass, so that one it keeps (per-layer outputs collected in its own loop) is refused
+            # here, in the first step, instead of training that step without their gradient.
+            real = hidden if index == 0 else current.probe_hidden
+            out = self._run_eagerly(index, real, args, kwargs, probe=True)
             self.templates[index] = output_template(out)
-            current.last = hidden_of(out)
             if not last:
+                current.probe_hidden = hidden_of(out)
+                out, current.last = _placeholder_output(self.templates[index], current.hidden, f"the output of block {index}")
                 return out
             current.probe.restore()  # the runner's pass draws and updates as if the probe never ran
             self.stats.probes += 1
