@@ -7,7 +7,7 @@ the stack without a graph, the comparison) and sets it against the median of the
 steps (forward, backward, optimizer). Both are measured in the same process, back to back, so a
 busy machine slows both alike. Prints one JSON line per repeat and the medians.
 
-    python benchmarks/self_check/bench.py [--repeats 3]
+    python -m benchmarks.self_check [--repeats 3]
 """
 
 from __future__ import annotations

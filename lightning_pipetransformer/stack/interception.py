@@ -32,7 +32,9 @@ What cannot be deferred is refused loudly, never run wrongly:
   returns (a tensor, or a tuple such as BLOOM's ``(hidden, attention)``). The first pass over a
   stack therefore runs the blocks as the model calls them, under ``no_grad``, as a probe on
   copies of the pass's input and arguments; it restores the random-number state and the blocks'
-  buffers and hands the pass to the runner like every other. A first pass whose blocks get a
+  buffers and hands the pass to the runner like every other. The model gets placeholders in
+  that pass too (the probe's outputs have no graph: one the model kept would train wrongly), and
+  hooks that observe the blocks (:mod:`~.observers`) do not fire in the probe. A first pass whose blocks get a
   key-value cache object (it cannot be copied) runs as the model calls it, and is final. A later pass whose real outputs differ from the structure learnt raises.
 
 Runs the runner makes itself call blocks through :func:`call_block`, which bypasses the
