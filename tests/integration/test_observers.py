@@ -269,6 +269,22 @@ def test_layer_drop_is_refused_before_training_with_the_fix():
     assert steps.count == 0
 
 
+def test_altup_streams_are_refused_before_training():
+    """Gemma3n's hidden state is [altup streams, batch, ...]: was split as if the streams were samples."""
+    config = T.Gemma3nTextConfig(
+        vocab_size=40, vocab_size_per_layer_input=40, hidden_size=32, hidden_size_per_layer_input=8, intermediate_size=64,
+        num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+        laurel_rank=4, num_kv_shared_layers=0, activation_sparsity_pattern=[0.0] * 4, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    )  # fmt: skip
+    module = FamilyModule("llama")  # its data: token ids below 40
+    module.model = T.Gemma3nForCausalLM(config)
+    steps = Steps()
+    with pytest.raises(ValueError, match=r"altup_num_inputs=4.*first dimension is not the batch"):
+        trainer(PipeTransformerStrategy(pipe_len=2, chunks=2), [steps]).fit(module, family_data("llama"))
+    assert steps.count == 0
+
+
 def test_weighted_layer_sum_and_altup_are_refused_by_name():
     config = T.Wav2Vec2Config(
         hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, conv_dim=(8, 8), conv_kernel=(3, 3),
