@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from lightning_pipetransformer.stack.interception import (
+    Deferred,
     InterceptionError,
     Runner,
     StackCall,
@@ -153,6 +154,8 @@ def _differences(out: Any, plain: Any, values: bool) -> list[str]:
     got, want = [v for v in _leaves(out)], [v for v in _leaves(plain)]
     for index, (a, b) in enumerate(zip(got, want)):
         where = "the hidden state" if index == 0 else f"element {index} of the last block's output"
+        if isinstance(a, Deferred):
+            continue  # a runner that did not run the last block (all cached): this element raises if the model uses it
         if not isinstance(a, Tensor) or not isinstance(b, Tensor):
             if a is not b and a != b:
                 found.append(f"{where} is {a!r} where the plain loop gives {b!r}")
