@@ -28,7 +28,7 @@ from torch.nn.modules.module import register_module_forward_hook
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.cache.cached_stack import CachedStack
 from lightning_pipetransformer.pipe.pipeline import Pipeline
-from lightning_pipetransformer.stack.interception import interception_stats
+from lightning_pipetransformer.stack.interception import InterceptionError, interception_stats
 from lightning_pipetransformer.stack.model_flags import check_model_flags
 from lightning_pipetransformer.stack.self_check import SelfCheckError
 from tests.helpers.families import BATCH, FamilyModule, family_data
@@ -258,6 +258,21 @@ class Steps(Callback):
 
     def on_train_batch_start(self, *_):
         self.count += 1
+
+
+class KeepsLayers(FamilyModule):
+    def forward(self, x, mask):
+        out = self.model(input_ids=x, attention_mask=mask, output_hidden_states=True)
+        return out.logits + 0.1 * sum(h.mean() for h in out.hidden_states)
+
+
+def test_per_layer_outputs_a_model_collects_in_its_own_loop_are_refused_in_the_first_step():
+    """BLOOM gathers hidden states in its loop (no recorder hooks): they are placeholders, and using one raises
+    before the first optimizer step (was: the first step trained with the probe's outputs, without their gradient)."""
+    steps = OptimizerSteps()
+    with pytest.raises(InterceptionError, match=r"output of block 0 \(mean\).*output_hidden_states=True"):
+        trainer(PipeTransformerStrategy(pipe_len=2, chunks=2), [steps], epochs=1).fit(KeepsLayers("bloom"), family_data("bloom"))
+    assert steps.count == 0
 
 
 def test_layer_drop_is_refused_before_training_with_the_fix():
