@@ -602,7 +602,7 @@ class PipeTransformerStrategy(ProcessLayout):
         runner = installed_pipeline(stack.container)
         if runner is not None:
             what = "the activation cache" if isinstance(runner, CachedStack) else "the pipeline"
-            arm_self_check(stack.container, SelfCheck(stack.blocks, what))
+            arm_self_check(stack.container, SelfCheck(stack.blocks, what, announce=rank_zero_info))
 
     # ------------------------------------------------------------------ checkpoints
 

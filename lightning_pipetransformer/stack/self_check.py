@@ -21,7 +21,7 @@ measurement); ``PipeTransformerStrategy(self_check=False)`` turns it off.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -61,9 +61,11 @@ class SelfCheckError(InterceptionError):
 class SelfCheck:
     """``check(runner, call)``: the runner's output for ``call``, after comparing it with the plain loop's."""
 
-    def __init__(self, blocks: Sequence[nn.Module], what: str = "the pipeline") -> None:
+    def __init__(self, blocks: Sequence[nn.Module], what: str = "the pipeline", announce: Callable[[str], None] | None = None) -> None:
         self.blocks = tuple(blocks)
         self.what = what
+        #: Told, in words, that the check ran and passed (e.g. ``rank_zero_info``): a check that runs is visible.
+        self.announce = announce
         self._modules = block_modules(self.blocks)
 
     def __call__(self, runner: Runner, call: StackCall) -> Any:
@@ -82,7 +84,8 @@ class SelfCheck:
             plain = self._plain(hidden, calls, _home(out, call.hidden.device))
         draws = any(not torch.equal(a, b) for a, b in zip(_rng_states(blocks), rng))
         after.restore()
-        differences = _differences(out, plain, values=not draws)
+        largest: list[float] = []
+        differences = _differences(out, plain, values=not draws, largest=largest)
         for key, name in watched.items():
             if fired[key] != expected[key]:
                 differences.append(f"{name} fired {fired[key]} time(s) where the plain loop fires it {expected[key]} time(s)")
@@ -94,6 +97,13 @@ class SelfCheck:
                 "pipe_len=1, chunks=1, cache=False for this model, or remove what makes the difference (a flag or hook that "
                 "observes the blocks); self_check=False turns this check off (not advised: the difference stays)."
             )
+        if self.announce is not None:
+            compared = (
+                "values not compared: the blocks draw random numbers (dropout in training)" if draws
+                else f"values within {max(largest, default=0.0):.1e} of the plain loop's, relative to its largest magnitude"
+            )
+            hooks = f", {len(watched)} observed module(s) fired as often" if watched else ""
+            self.announce(f"PipeTransformer: first-batch self-check passed: {self.what} gives the model what the plain loop over the same blocks gives ({compared}{hooks}).")
         return out
 
     def _watched(self, observed: Sequence[Observer]) -> dict[int, str]:
@@ -145,8 +155,11 @@ def _counting(watched: dict[int, str]) -> Iterator[Counter[int]]:
         handle.remove()
 
 
-def _differences(out: Any, plain: Any, values: bool) -> list[str]:
-    """What differs between the runner's output and the plain loop's, in words (empty: nothing)."""
+def _differences(out: Any, plain: Any, values: bool, largest: list[float] | None = None) -> list[str]:
+    """What differs between the runner's output and the plain loop's, in words (empty: nothing).
+
+    ``largest`` gets each compared tensor's largest difference relative to the plain loop's largest magnitude.
+    """
     shape, expected = output_template(out), output_template(plain)
     if not _same_structure(shape, expected):
         return [f"the last block's output is {shape} where the plain loop's is {expected}"]
@@ -168,6 +181,8 @@ def _differences(out: Any, plain: Any, values: bool) -> list[str]:
             error = float((a32 - b32).abs().max())
             scale = float(b32.abs().max())
             limit = _TOLERANCE.get(a.dtype, _DEFAULT_TOLERANCE) * max(scale, 1e-6)
+            if largest is not None:
+                largest.append(error / max(scale, 1e-6))
             if not error <= limit:  # also NaN
                 found.append(f"{where} differs by up to {error:.3g} (plain loop's largest magnitude {scale:.3g})")
         elif values and not a.is_floating_point() and not torch.equal(a, b.to(a.device)):

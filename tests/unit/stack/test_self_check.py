@@ -77,3 +77,21 @@ def test_an_observer_firing_per_micro_batch_is_named():
     with pytest.raises(SelfCheckError, match=r"the forward hook mine on block 1 fired 2 time\(s\) where the plain loop fires it 1"):
         SelfCheck(blocks)(micro_batched, c)
     SelfCheck(blocks)(Pipeline(blocks, (2, 2), ["cpu", "cpu"], chunks=2), c)  # honours it: one micro-batch
+
+
+def test_batch_statistics_per_micro_batch_are_refused():
+    """BatchNorm in training normalises each micro-batch by its own statistics: not what the plain loop does."""
+    blocks = stack()
+    with pytest.raises(SelfCheckError, match="the hidden state differs"):
+        SelfCheck(blocks)(Pipeline(blocks, (2, 2), ["cpu", "cpu"], chunks=2), call(blocks))
+    blocks.eval()  # running statistics: the same for any micro-batch
+    SelfCheck(blocks)(Pipeline(blocks, (2, 2), ["cpu", "cpu"], chunks=2), call(blocks))
+
+
+def test_a_passed_check_says_so():
+    blocks, said = stack(), []
+    SelfCheck(blocks, announce=said.append)(Pipeline(blocks, (2, 2), ["cpu", "cpu"], chunks=1), call(blocks))
+    assert len(said) == 1 and "self-check passed: the pipeline" in said[0] and "largest difference" in said[0], said
+    blocks, said = stack(dropout=0.5), []
+    SelfCheck(blocks, announce=said.append)(Pipeline(blocks, (2, 2), ["cpu", "cpu"], chunks=2), call(blocks))
+    assert "values not compared: the blocks draw random numbers" in said[0], said
