@@ -11,6 +11,8 @@ Public API:
   blocks, the plan, the cache's hits, the throughput and the metric (any strategy).
 * :func:`find_block_stack` / :class:`BlockStack` - how the package sees a model: ``pre``
   modules, a stack of repeated blocks, ``post`` modules.
+* :func:`sees_block_runs` - mark a hook on a block that should see every real block run
+  (micro-batches included); unmarked hooks see each block once per pass with the whole batch.
 """
 
 from lightning_pipetransformer.freeze.callback import AutoFreeze
@@ -20,10 +22,11 @@ from lightning_pipetransformer.stack.discovery import (
     BlockStackError,
     find_block_stack,
 )
+from lightning_pipetransformer.stack.observers import sees_block_runs
 from lightning_pipetransformer.strategy import (
     PipeTransformerStrategy,  # registers "pipetransformer"
 )
 from lightning_pipetransformer.timeline import PipeTransformerTimeline
 
-__all__ = ["AutoFreeze", "BlockStack", "BlockStackError", "Plan", "PipeTransformerStrategy", "PipeTransformerTimeline", "find_block_stack"]
+__all__ = ["AutoFreeze", "BlockStack", "BlockStackError", "Plan", "PipeTransformerStrategy", "PipeTransformerTimeline", "find_block_stack", "sees_block_runs"]
 __version__ = "0.1.0.dev0"

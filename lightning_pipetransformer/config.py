@@ -100,6 +100,13 @@ class PipeTransformerConfig:
     batch size is split over the replicas, so the run is the same optimisation as on one
     device). See [autodp.md](autodp.md)."""
 
+    self_check: bool = True
+    """on the first training batch after each plan is put in force, compare what the pipeline or
+    the cache gives the model with a plain run of the same blocks (output structure, shapes,
+    values, how often hooks on the blocks fired) and raise before the optimizer step if they
+    differ. Costs one forward pass of the stack without gradients on that batch (about a third of
+    a training step). See [user-guide.md](user-guide.md#the-first-batch-self-check)."""
+
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     """AutoCache's arguments (the strategy's ``cache*`` arguments)."""
 
@@ -126,6 +133,8 @@ class PipeTransformerConfig:
             raise ValueError(f"batch_policy must be 'replica' or 'global', got {self.batch_policy!r}.")
         if self.layers is not None and not isinstance(self.layers, str):
             raise ValueError(f"layers must be an attribute path such as 'model.encoder.layer', got {self.layers!r}.")
+        if not isinstance(self.self_check, bool):
+            raise ValueError(f"self_check must be True or False, got {self.self_check!r}.")
         if not isinstance(self.cache, CacheConfig):
             raise ValueError(f"cache must be a CacheConfig, got {type(self.cache).__name__}.")
 

@@ -55,7 +55,8 @@ class EngagementReport:
     """Once per epoch: the share of the model's passes over the stack that the installed runner ran.
 
     ``pipetransformer/engaged`` is that share, ``pipetransformer/microbatches`` the micro-batches
-    per such pass. A runner that saw no pass in a period with training steps warns once.
+    per such pass, ``pipetransformer/observed`` the share of them that hooks observed (run as one
+    micro-batch, without the cache: :mod:`~lightning_pipetransformer.stack.observers`). A runner that saw no pass in a period with training steps warns once.
     """
 
     def __init__(self, stack: BlockStack, warn: Callable[[str], None]) -> None:

@@ -38,6 +38,7 @@ from lightning_pipetransformer import devices as dev
 from lightning_pipetransformer import lightning_internals, report
 from lightning_pipetransformer.cache import hooks as cache_hooks
 from lightning_pipetransformer.cache.autocache import AutoCache
+from lightning_pipetransformer.cache.cached_stack import CachedStack
 from lightning_pipetransformer.cache.folders import remove_empty_folders
 from lightning_pipetransformer.config import CacheConfig, PipeTransformerConfig
 from lightning_pipetransformer.dp import data, faults, groups, idle, idle_hooks, loop_state, state_transfer
@@ -53,9 +54,10 @@ from lightning_pipetransformer.processes import ProcessLayout
 from lightning_pipetransformer.stack.declared import stack_for_strategy
 from lightning_pipetransformer.stack.discovery import BlockStack
 from lightning_pipetransformer.stack.input_grad import FrozenOutputs
-from lightning_pipetransformer.stack.interception import remove_pipeline
+from lightning_pipetransformer.stack.interception import arm_self_check, installed_pipeline, remove_pipeline
 from lightning_pipetransformer.stack.kv_cache import builds_kv_cache
-from lightning_pipetransformer.stack.model_flags import check_layer_outputs, turn_off_kv_cache
+from lightning_pipetransformer.stack.model_flags import check_model_flags, turn_off_kv_cache
+from lightning_pipetransformer.stack.self_check import SelfCheck
 
 __all__ = ["PipeTransformerStrategy"]
 
@@ -95,6 +97,9 @@ class PipeTransformerStrategy(ProcessLayout):
         cache_memory: host memory for cached entries, in bytes, for the whole node (default 4 GiB);
             the rest spills to ``cache_dir``.
         cache_skip_embeddings: on batches the cache serves in full, skip the embeddings too.
+        self_check: on the first training pass after each plan is put in force, run the same blocks
+            the plain way too and refuse (``SelfCheckError``) any difference in the output's structure,
+            shapes, values or hook firings, before the first optimizer step (docs/user-guide.md).
         **lightning: ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
             ``precision_plugin``: set by the Trainer; pass them only to override it (as for DDPStrategy).
     """
@@ -115,12 +120,13 @@ class PipeTransformerStrategy(ProcessLayout):
         cache_dir: str | None = None,
         cache_memory: int = 4 * 2**30,
         cache_skip_embeddings: bool = True,
+        self_check: bool = True,
         **lightning: Any,
     ) -> None:
         #: The validated arguments (frozen): the parts below read their settings from here.
         self.config = PipeTransformerConfig(
             pipe_len=pipe_len, chunks=chunks, frozen_cost=frozen_cost, layers=layers,
-            process_group_backend=process_group_backend, batch_policy=batch_policy,
+            process_group_backend=process_group_backend, batch_policy=batch_policy, self_check=self_check,
             timeout=cast(float, timeout),  # a timedelta too: the config keeps it as seconds
             cache=CacheConfig(mode=cache, key=cache_key, dir=cache_dir, memory=cache_memory, skip_embeddings=cache_skip_embeddings),
         )  # fmt: skip
@@ -225,7 +231,7 @@ class PipeTransformerStrategy(ProcessLayout):
             root_device=self.root_device, parallel_devices=self.parallel_devices or [self.root_device],
         )  # fmt: skip
         if self.config.pipelines_or_caches:
-            check_layer_outputs(module)
+            check_model_flags(module, fitting)
             if fitting:
                 self._turn_off_kv_cache(module)
         # With trainable embeddings the boundary depends on more than their inputs: key on the hidden state.
@@ -654,10 +660,21 @@ class PipeTransformerStrategy(ProcessLayout):
             dev.release_cached_memory(self.root_device)
         rank_zero_info(report.plan_text(plan))
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        self._arm_self_check(trainer)
         # Like Lightning's own metrics: to the loggers while fitting only, never at validate/test/predict.
         if trainer is not None and self.is_global_zero and trainer.state.fn == TrainerFn.FITTING:
             for logger in trainer.loggers:
                 logger.log_metrics(report.plan_metrics(plan), step=trainer.global_step)
+
+    def _arm_self_check(self, trainer: pl.Trainer | None) -> None:
+        """While fitting: the next training pass through the new runner is compared with the plain loop (stack/self_check.py)."""
+        stack = self._stack
+        if not self.config.self_check or stack is None or trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        runner = installed_pipeline(stack.container)
+        if runner is not None:
+            what = "the activation cache" if isinstance(runner, CachedStack) else "the pipeline"
+            arm_self_check(stack.container, SelfCheck(stack.blocks, what, announce=rank_zero_info))
 
     # ------------------------------------------------------------------ checkpoints
 

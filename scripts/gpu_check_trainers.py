@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.stack.discovery import find_block_stack
+from lightning_pipetransformer.stack.observers import sees_block_runs
 
 VOCAB, SEQ, SAMPLES, BATCH, EPOCHS = 64, 16, 96, 16, 3
 STEPS = SAMPLES // BATCH
@@ -123,7 +124,7 @@ class Engagement(pl.Callback):
         self.cuda = pl_module.device.type == "cuda"
         self.blocks = len(stack.blocks)
         for index, block in enumerate(stack.blocks):
-            block.register_forward_pre_hook(lambda *_, i=index: self._ran(i))
+            block.register_forward_pre_hook(sees_block_runs(lambda *_, i=index: self._ran(i)))
 
     def _ran(self, index: int) -> None:
         if not self.epochs:

@@ -79,6 +79,14 @@ class CachedStack:
                 # and their output changes with it, so there is nothing to cache.
                 cache.cannot_serve(trainable)
                 return active(self._prefix(full(), prefix_calls))
+        if call.observed:
+            # Hooks observe the blocks (stack/observers.py): served rows would not run the frozen blocks,
+            # so they would miss those blocks' calls. Every block runs on the whole batch instead.
+            cache.skip_once(
+                f"{call.observed[0].describe()} observes the blocks, and the frozen blocks do not run for cached rows "
+                "(transformers records output_hidden_states, output_attentions and output_router_logits with such hooks)"
+            )
+            return active(self._prefix_plain(full(), prefix_calls))
         if store is None or not cache.enabled:
             return active(self._prefix_plain(full(), prefix_calls))
         batch = hidden.shape[0]

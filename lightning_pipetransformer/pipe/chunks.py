@@ -62,8 +62,9 @@ class ChunkTuner:
 
     def run(self, call: StackCall) -> Any:
         if self.pipeline is None:
-            if not (torch.is_grad_enabled() and any(b.training for b in self.blocks)):
-                # A sanity-check or validation batch: forward only, not what training costs.
+            if call.observed or not (torch.is_grad_enabled() and any(b.training for b in self.blocks)):
+                # A sanity-check or validation batch: forward only, not what training costs. Or hooks
+                # observe the blocks: timing runs would fire them, and the pass runs as one micro-batch.
                 return self._pipeline(1).run(call)
             self.pipeline = self._tune(call)
         return self.pipeline.run(call)

@@ -228,11 +228,14 @@ class Pipeline:
         if mark:
             call = dataclasses.replace(call, hidden=call.hidden.detach())
         self.stats.passes += 1
-        if len(self.balance) == 1 and self.chunks == 1:
+        # Hooks observe the blocks (stack/observers.py): each block runs once, on the whole batch.
+        chunks = 1 if call.observed else self.chunks
+        if len(self.balance) == 1 and chunks == 1:
             self.stats.micro_batches += 1
             return self._run_plain(call, mark)
-        self._check_chunks_fit(call.hidden.shape[0])
-        split = scatter(call.hidden, call.calls, self.chunks, self.batch_args)
+        if chunks > 1:
+            self._check_chunks_fit(call.hidden.shape[0])
+        split = scatter(call.hidden, call.calls, chunks, self.batch_args)
         if split.stateful and len(split.sizes) > 1:
             self.stats.stateful_fallbacks += 1
             _warn_once(

@@ -32,7 +32,9 @@ What cannot be deferred is refused loudly, never run wrongly:
   returns (a tensor, or a tuple such as BLOOM's ``(hidden, attention)``). The first pass over a
   stack therefore runs the blocks as the model calls them, under ``no_grad``, as a probe on
   copies of the pass's input and arguments; it restores the random-number state and the blocks'
-  buffers and hands the pass to the runner like every other. A first pass whose blocks get a
+  buffers and hands the pass to the runner like every other. The model gets placeholders in
+  that pass too (the probe's outputs have no graph: one the model kept would train wrongly), and
+  hooks that observe the blocks (:mod:`~.observers`) do not fire in the probe. A first pass whose blocks get a
   key-value cache object (it cannot be copied) runs as the model calls it, and is final. A later pass whose real outputs differ from the structure learnt raises.
 
 Runs the runner makes itself call blocks through :func:`call_block`, which bypasses the
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -52,13 +55,15 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from lightning_pipetransformer.stack.placeholders import refuse_placeholder
+from lightning_pipetransformer.stack.observers import BlockHooks, Observer, block_modules, silenced
+from lightning_pipetransformer.stack.placeholders import is_placeholder, refuse_placeholder
 
 __all__ = [
     "Deferred",
     "InterceptionError",
     "Runner",
     "StackCall",
+    "arm_self_check",
     "bypass",
     "call_block",
     "hidden_of",
@@ -98,6 +103,9 @@ class StackCall:
     #: Wraps a hidden state into what the last block returns (a tensor, or e.g. BLOOM's tuple), for a
     #: runner that produces the last hidden state without running the last block (all blocks cached).
     as_output: Callable[[Tensor], Any] = field(default=lambda hidden: hidden, compare=False)
+    #: Hooks that observe the blocks in this pass (:mod:`~.observers`): a runner must then run each
+    #: block once on the whole batch (one micro-batch, no cache), so that they see the plain loop's calls.
+    observed: tuple[Observer, ...] = field(default=(), compare=False)
 
     @classmethod
     def uniform(cls, hidden: Tensor, args: Args, kwargs: Kwargs, num_blocks: int) -> StackCall:
@@ -111,7 +119,7 @@ class StackCall:
         """The pass over blocks ``start..stop-1`` (block indices of :attr:`observe` shift with it)."""
         observe = self.observe
         shifted = None if observe is None else (lambda i, out: observe(i + start, out))
-        return StackCall(self.hidden if hidden is None else hidden, self.calls[start:stop], shifted, self.as_output)
+        return StackCall(self.hidden if hidden is None else hidden, self.calls[start:stop], shifted, self.as_output, self.observed)
 
 
 class Runner(Protocol):
@@ -164,10 +172,12 @@ class Deferred(Tensor):
         name = getattr(owner, "__name__", None) if getattr(func, "__name__", "") == "__get__" else getattr(func, "__name__", None)
         name = name or repr(func)
         raise InterceptionError(
-            f"The model used {what} ({name}) before the block stack finished. strategy='pipetransformer' runs "
-            "the whole stack when its last block is called, so a model's loop may only pass each block's output "
-            "on to the next block (no reading or changing it between blocks, no stopping early). Use pipe_len=1, "
-            "chunks=1 and cache=False for this model, or name another container with layers=."
+            f"The model used {what} ({name}), a placeholder for a block output that the pipeline or cache does not "
+            "produce. strategy='pipetransformer' runs the whole stack when its last block is called, so a model's "
+            "loop may only pass each block's output on to the next block (no reading or changing it between blocks, "
+            "no stopping early, no keeping it: a model that collects per-layer outputs in its own loop, with "
+            "output_hidden_states=True or output_attentions=True, keeps placeholders; turn those flags off while "
+            "training). Use pipe_len=1, chunks=1 and cache=False for this model, or name another container with layers=."
         )
 
 
@@ -315,6 +325,10 @@ class _Pass:
     #: The probe's copies of the pass's input and arguments, by ``id`` of the original (shared ones copied once).
     copies: dict[int, Tensor] = field(default_factory=dict)
     last: Any = None  # the hidden state the next block must receive (a placeholder, or a real output)
+    #: Hooks observing the blocks in this pass (see :mod:`~.observers`).
+    observed: tuple[Observer, ...] = ()
+    #: In the probe: the real output of the block probed last (the model holds its placeholder).
+    probe_hidden: Any = None
 
 
 class _Probe:
@@ -332,7 +346,10 @@ class _Probe:
             torch.cuda.set_rng_state(state, device)
         with torch.no_grad():
             for buffer, saved in self._buffers:
-                buffer.copy_(saved)
+                # Only what changed: an in-place copy bumps a buffer's version, and a graph built since
+                # (the self-check restores after the runner's pass) may have saved it (Swin's index buffers).
+                if not torch.equal(buffer, saved):
+                    buffer.copy_(saved)
 
 
 @dataclass
@@ -350,17 +367,21 @@ class InterceptionStats:
     #: Real runs of the last block in deferred passes: ``last_block_runs / deferred`` is the
     #: micro-batches per pass (M when the pipeline engages).
     last_block_runs: int = 0
+    #: Deferred passes with hooks observing the blocks (run as one micro-batch, the cache aside).
+    observed: int = 0
 
     def since(self, earlier: InterceptionStats) -> InterceptionStats:
         """The counts since ``earlier`` (a copy taken before)."""
         return InterceptionStats(*(a - b for a, b in zip(astuple(self), astuple(earlier))))
 
     def as_metrics(self, prefix: str) -> dict[str, float]:
-        """``engaged``: share of passes handed to the runner; ``microbatches``: micro-batches per such pass."""
+        """``engaged``: share of passes handed to the runner; ``microbatches``: micro-batches per such pass;
+        ``observed``: share of those passes that hooks observed (run as one micro-batch, without the cache)."""
         total = self.deferred + self.eager
         return {
             f"{prefix}engaged": float(self.deferred / total) if total else 0.0,
             f"{prefix}microbatches": float(self.last_block_runs / self.deferred) if self.deferred else 0.0,
+            f"{prefix}observed": float(self.observed / self.deferred) if self.deferred else 0.0,
         }
 
 
@@ -376,6 +397,16 @@ class _Interceptor:
         _TEMPLATES[container] = self.templates
         self.stats = InterceptionStats()
         self._pass: _Pass | None = None
+        self._hooks: BlockHooks | None = None  # the hook dictionaries of every module inside the blocks
+        self._warned: set[str] = set()  # observers already warned about
+        #: Runs the next training pass instead of the runner, comparing it with the plain loop (see :func:`arm_self_check`).
+        self.self_check: Callable[[Runner, StackCall], Any] | None = None
+
+    def observers(self) -> tuple[Observer, ...]:
+        """The hooks observing the blocks now (transformers' recorders count only while they record)."""
+        if self._hooks is None:
+            self._hooks = BlockHooks(block_modules(self.blocks))
+        return tuple(self._hooks.observers())
 
     # Called from each block's __call__ while a runner is installed.
     def called(self, index: int, args: Args, kwargs: Kwargs) -> Any:
@@ -390,7 +421,7 @@ class _Interceptor:
                 )
             learn = any(t is None for t in self.templates)
             eager = learn and any(is_stateful(v) for v in _leaves((args, kwargs)))
-            self._pass = _Pass(hidden, _Probe(self.blocks) if learn and not eager else None, eager)
+            self._pass = _Pass(hidden, _Probe(self.blocks) if learn and not eager else None, eager, observed=self.observers())
         else:
             current = self._pass
             if current is None or index != len(current.calls):
@@ -427,10 +458,15 @@ class _Interceptor:
                 self.stats.eager += 1
             return out
         if current.probe is not None:
-            out = self._run_eagerly(index, hidden, args, kwargs, probe=True)
+            # The probe's outputs have no graph and are not the pass's: the model gets placeholders, as in
+            # every later pass, so that one it keeps (per-layer outputs collected in its own loop) is refused
+            # here, in the first step, instead of training that step without their gradient.
+            real = hidden if index == 0 else current.probe_hidden
+            out = self._run_eagerly(index, real, args, kwargs, probe=True)
             self.templates[index] = output_template(out)
-            current.last = hidden_of(out)
             if not last:
+                current.probe_hidden = hidden_of(out)
+                out, current.last = _placeholder_output(self.templates[index], current.hidden, f"the output of block {index}")
                 return out
             current.probe.restore()  # the runner's pass draws and updates as if the probe never ran
             self.stats.probes += 1
@@ -439,9 +475,17 @@ class _Interceptor:
             return out
         self._pass = None
         assert self.runner is not None
-        call = StackCall(current.hidden, tuple(current.calls), self._check_structure, self._as_last_output)
+        call = StackCall(current.hidden, tuple(current.calls), self._check_structure, self._as_last_output, current.observed)
+        if current.observed:
+            self.stats.observed += 1
+            _warn_observed(current.observed, self._warned)
+        check = self.self_check if torch.is_grad_enabled() and not is_placeholder(current.hidden) else None
         with bypass():
-            out = self.runner.run(call)
+            if check is not None:
+                self.self_check = None
+                out = check(self.runner, call)
+            else:
+                out = self.runner.run(call)
         self.stats.deferred += 1
         return out
 
@@ -470,7 +514,9 @@ class _Interceptor:
             args, kwargs = _map(copy, args), _map(copy, kwargs)
             if index == 0:
                 hidden = copy(hidden)
-        with bypass(), uncounted(), torch.no_grad() if probe else contextlib.nullcontext():
+        observed = self._pass.observed if probe and self._pass is not None else ()
+        quiet = silenced(o.module for o in observed if o.module is not None) if observed else contextlib.nullcontext()
+        with bypass(), uncounted(), torch.no_grad() if probe else contextlib.nullcontext(), quiet:
             out = call_block(self.blocks[index], hidden, *args, **kwargs)
         if where != home:
             out = _map(lambda v: v.to(home) if isinstance(v, Tensor) else v, out)
@@ -494,6 +540,25 @@ class _Interceptor:
                 "structure its placeholder copied: a flag passed to the blocks changes what they return (e.g. "
                 "output_attentions). Keep such flags fixed during training, or use pipe_len=1, chunks=1, cache=False."
             )
+
+
+def _warn_observed(observed: Sequence[Observer], warned: set[str]) -> None:
+    """Once per hook (and stack): it observes the blocks, so its passes run each block once on the whole batch."""
+    named = observed[0].describe()
+    if named in warned:
+        return
+    warned.add(named)
+    more = f" (and {len(observed) - 1} more)" if len(observed) > 1 else ""
+    warnings.warn(
+        f"PipeTransformer: {named}{more} observes the blocks (a hook that fires inside the block stack; transformers "
+        "installs such hooks for output_hidden_states, output_attentions and output_router_logits). So that it sees "
+        "each block once per pass with the whole batch, as in the plain loop, these passes run the pipeline as one "
+        "micro-batch and without the activation cache: exact, but without micro-batch overlap or cache hits "
+        "(pipetransformer/observed logs their share). To keep both: remove the hook or the output_* flag while training, "
+        "or mark a hook that should see every real block run (micro-batches, e.g. to count them) with "
+        "lightning_pipetransformer.sees_block_runs(hook).",
+        stacklevel=2,
+    )
 
 
 def _split_hidden(block: nn.Module, args: Args, kwargs: Kwargs) -> tuple[Tensor, Args, Kwargs]:
@@ -610,6 +675,16 @@ def interception_stats(container: nn.Module) -> InterceptionStats | None:
     """How the passes over ``container`` were run since the first install (``None``: never installed)."""
     interceptor = container.__dict__.get(_ATTR)
     return interceptor.stats if interceptor is not None else None
+
+
+def arm_self_check(container: nn.Module, check: Callable[[Runner, StackCall], Any] | None) -> None:
+    """Run the next pass with gradients (a training step) through ``check(runner, call)`` instead of
+    ``runner.run(call)``: it returns the runner's output after comparing it with the plain loop
+    (:mod:`~.self_check`). ``None`` disarms. Needs :func:`install_pipeline` first."""
+    interceptor = container.__dict__.get(_ATTR)
+    if interceptor is None:
+        raise ValueError(f"No pipeline is installed on this {type(container).__name__}: nothing to self-check.")
+    interceptor.self_check = check
 
 
 def remove_pipeline(container: nn.Module) -> None:

@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
+from lightning_pipetransformer.stack.observers import sees_block_runs
 from tests.helpers.lightning_models import Classifier, data_for, indexed_text
 
 SCHEDULE = {1: 1, 2: 3}  # 4 blocks: boundary 1 at epoch 1, advanced to 3 at epoch 2
@@ -402,7 +403,7 @@ class TrainingBlockRuns(Callback):
 
     def on_fit_start(self, trainer, pl_module):
         for index, block in enumerate(trainer.strategy.stack.blocks):
-            block.register_forward_pre_hook(lambda *_, i=index: self._count(i))
+            block.register_forward_pre_hook(sees_block_runs(lambda *_, i=index: self._count(i)))
 
     def _count(self, index):
         if self._training:

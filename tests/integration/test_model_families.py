@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.cache.store import CacheConfigError
 from lightning_pipetransformer.stack.discovery import find_block_stack
+from lightning_pipetransformer.stack.observers import sees_block_runs
 from tests.helpers.families import BATCH, FAMILIES, FamilyModule, family_data
 
 EPOCHS, STEPS = 3, 3  # 3 batches of 6 samples per epoch
@@ -34,7 +35,7 @@ class BlockRuns(Callback):
         self.blocks = find_block_stack(module).blocks
         self.epochs: list[list[int]] = []
         for index, block in enumerate(self.blocks):
-            block.register_forward_pre_hook(lambda *_, i=index: self.epochs[-1].__setitem__(i, self.epochs[-1][i] + 1) if self.epochs else None)
+            block.register_forward_pre_hook(sees_block_runs(lambda *_, i=index: self.epochs[-1].__setitem__(i, self.epochs[-1][i] + 1) if self.epochs else None))
 
     def on_train_epoch_start(self, trainer, pl_module):
         self.epochs.append([0] * len(self.blocks))

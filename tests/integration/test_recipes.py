@@ -23,6 +23,7 @@ from torch import nn
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.pipe import pipeline as pipeline_module
 from lightning_pipetransformer.stack.discovery import BlockStackError, find_block_stack
+from lightning_pipetransformer.stack.observers import sees_block_runs
 from tests.helpers.families import BATCH, FAMILIES, FamilyModule, family_data
 
 peft = pytest.importorskip("peft")  # a dev dependency: present wherever the suite runs
@@ -54,8 +55,8 @@ class BlockRuns(Callback):
         stack = getattr(trainer.strategy, "stack", None) or find_block_stack(pl_module)  # the strategy's, once set up
         self.blocks = list(stack.blocks)
         for index, block in enumerate(self.blocks):
-            block.register_forward_pre_hook(lambda *_, i=index: self._count(self.forward, i))
-            block.register_full_backward_pre_hook(lambda *_, i=index: self._count(self.backward, i))
+            block.register_forward_pre_hook(sees_block_runs(lambda *_, i=index: self._count(self.forward, i)))
+            block.register_full_backward_pre_hook(sees_block_runs(lambda *_, i=index: self._count(self.backward, i)))
 
     def _count(self, table, index):
         if table:

@@ -16,6 +16,7 @@ from lightning_pipetransformer.pipe.pipeline import (
     pipelined,
     remove_pipeline,
 )
+from lightning_pipetransformer.stack.observers import sees_block_runs
 from tests.unit.pipe.stand_in_streams import Timeline
 
 
@@ -456,7 +457,7 @@ def param_grads(model):
 def count_runs(blocks):
     """Real runs per block (forward pre-hooks fire only when a block computes); returns (counts, hooks)."""
     runs = {}
-    hooks = [b.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs.get(i, 0) + 1)) for i, b in enumerate(blocks)]
+    hooks = [b.register_forward_pre_hook(sees_block_runs(lambda *_, i=i: runs.__setitem__(i, runs.get(i, 0) + 1))) for i, b in enumerate(blocks)]
     return runs, hooks
 
 

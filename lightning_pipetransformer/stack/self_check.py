@@ -1,0 +1,190 @@
+"""The first-batch self-check: what the runner gives the model equals what the plain loop gives it.
+
+The pipeline and the cache replace the model's own loop over its blocks. Each way a model can
+observe or reuse block outputs that they do not reproduce (per-layer outputs, hooks, router
+losses, a hidden state whose first dimension is not the batch, ...) was found one case at a time.
+This check makes the whole class loud: on the first training pass after a plan is put in force,
+the runner runs the pass as usual, then the same blocks run as the plain loop would (one after
+the other, the whole batch, under ``no_grad``, on copies of the pass's inputs, from the same
+random state; buffers and random state are put back afterwards) and the two are compared:
+
+- the output's structure (a tensor, a tuple and its plain values) and every tensor in it: shape,
+  dtype, and values within a tolerance for the dtype (values only when the blocks draw no random
+  numbers, e.g. dropout in training: its draws differ between micro-batches and a whole batch);
+- how often each hook that observes the blocks (:mod:`~.observers`) fired.
+
+A difference raises :class:`SelfCheckError` naming it, before the first optimizer step. The cost
+is one forward pass of the stack without gradients on that batch (docs/user-guide.md gives the
+measurement); ``PipeTransformerStrategy(self_check=False)`` turns it off.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+
+from lightning_pipetransformer.stack.interception import (
+    Deferred,
+    InterceptionError,
+    Runner,
+    StackCall,
+    _device_of,
+    _leaves,
+    _map,
+    _Probe,
+    _same_structure,
+    bypass,
+    call_block,
+    hidden_of,
+    output_template,
+    uncounted,
+)
+from lightning_pipetransformer.stack.observers import Observer, block_modules, silenced
+
+__all__ = ["SelfCheck", "SelfCheckError"]
+
+#: The largest difference allowed, relative to the largest magnitude of the plain loop's tensor.
+_TOLERANCE = {torch.float16: 3e-2, torch.bfloat16: 6e-2}
+_DEFAULT_TOLERANCE = 1e-3
+
+
+class SelfCheckError(InterceptionError):
+    """The runner (pipeline, cache) gave the model something else than the plain loop over the same blocks."""
+
+
+class SelfCheck:
+    """``check(runner, call)``: the runner's output for ``call``, after comparing it with the plain loop's."""
+
+    def __init__(self, blocks: Sequence[nn.Module], what: str = "the pipeline", announce: Callable[[str], None] | None = None) -> None:
+        self.blocks = tuple(blocks)
+        self.what = what
+        #: Told, in words, that the check ran and passed (e.g. ``rank_zero_info``): a check that runs is visible.
+        self.announce = announce
+        self._modules = block_modules(self.blocks)
+
+    def __call__(self, runner: Runner, call: StackCall) -> Any:
+        blocks = self.blocks
+        before = _Probe(blocks)  # random state and buffers as the runner found them
+        copies: dict[int, Tensor] = {}
+        copy = lambda v: copies.setdefault(id(v), v.detach().clone()) if isinstance(v, Tensor) else v  # noqa: E731
+        hidden, calls = copy(call.hidden), _map(copy, call.calls)
+        watched = self._watched(call.observed)
+        with _counting(watched) as fired:
+            out = runner.run(call)
+        after = _Probe(blocks)
+        before.restore()
+        rng = _rng_states(blocks)
+        with _counting(watched) as expected, silenced((m for _, m in self._modules), every=True):
+            plain = self._plain(hidden, calls, _home(out, call.hidden.device))
+        draws = any(not torch.equal(a, b) for a, b in zip(_rng_states(blocks), rng))
+        after.restore()
+        largest: list[float] = []
+        differences = _differences(out, plain, values=not draws, largest=largest)
+        for key, name in watched.items():
+            if fired[key] != expected[key]:
+                differences.append(f"{name} fired {fired[key]} time(s) where the plain loop fires it {expected[key]} time(s)")
+        if differences:
+            raise SelfCheckError(
+                f"PipeTransformer's first-batch self-check: {self.what} ({type(runner).__name__}) gave the model something "
+                f"else than the plain loop over the same blocks, so training would differ from plain training: "
+                f"{'; '.join(differences[:4])}{' ...' if len(differences) > 4 else ''}. Nothing was trained yet. Use "
+                "pipe_len=1, chunks=1, cache=False for this model, or remove what makes the difference (a flag or hook that "
+                "observes the blocks); self_check=False turns this check off (not advised: the difference stays)."
+            )
+        if self.announce is not None:
+            compared = (
+                "values not compared: the blocks draw random numbers (dropout in training)" if draws
+                else f"values within {max(largest, default=0.0):.1e} of the plain loop's, relative to its largest magnitude"
+            )
+            hooks = f", {len(watched)} observed module(s) fired as often" if watched else ""
+            self.announce(f"PipeTransformer: first-batch self-check passed: {self.what} gives the model what the plain loop over the same blocks gives ({compared}{hooks}).")
+        return out
+
+    def _watched(self, observed: Sequence[Observer]) -> dict[int, str]:
+        """Module id -> the hook to name, for every module an observing hook sits on (all modules for a global one)."""
+        watched: dict[int, str] = {}
+        for observer in observed:
+            modules = [observer.module] if observer.module is not None else [m for _, m in self._modules]
+            for module in modules:
+                watched.setdefault(id(module), observer.describe())
+        return watched
+
+    def _plain(self, hidden: Tensor, calls: Sequence[Any], home: torch.device) -> Any:
+        """The plain loop: each block on the whole batch, on its own device, in order."""
+        out: Any = hidden
+        with bypass(), uncounted(), torch.no_grad():
+            for block, (args, kwargs) in zip(self.blocks, calls):
+                where = _device_of(block, hidden.device)
+                move = lambda v, d=where: v.to(d) if isinstance(v, Tensor) else v  # noqa: E731
+                out = call_block(block, move(hidden), *_map(move, args), **_map(move, kwargs))
+                hidden = hidden_of(out)
+        return _map(lambda v: v.to(home) if isinstance(v, Tensor) else v, out)
+
+
+def _home(out: Any, default: torch.device) -> torch.device:
+    return next((v.device for v in _leaves(out) if isinstance(v, Tensor)), default)
+
+
+def _rng_states(blocks: Sequence[nn.Module]) -> list[Tensor]:
+    cuda = sorted({t.device.index for b in blocks for t in b.parameters() if t.is_cuda})
+    return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in cuda)]
+
+
+@contextmanager
+def _counting(watched: dict[int, str]) -> Iterator[Counter[int]]:
+    """Counts the calls of the watched modules inside (a global pre-hook of this package: never an observer)."""
+    fired: Counter[int] = Counter()
+    if not watched:
+        yield fired
+        return
+
+    def count(module: nn.Module, args: Any) -> None:
+        if id(module) in watched:
+            fired[id(module)] += 1
+
+    handle = register_module_forward_pre_hook(count)
+    try:
+        yield fired
+    finally:
+        handle.remove()
+
+
+def _differences(out: Any, plain: Any, values: bool, largest: list[float] | None = None) -> list[str]:
+    """What differs between the runner's output and the plain loop's, in words (empty: nothing).
+
+    ``largest`` gets each compared tensor's largest difference relative to the plain loop's largest magnitude.
+    """
+    shape, expected = output_template(out), output_template(plain)
+    if not _same_structure(shape, expected):
+        return [f"the last block's output is {shape} where the plain loop's is {expected}"]
+    found: list[str] = []
+    got, want = [v for v in _leaves(out)], [v for v in _leaves(plain)]
+    for index, (a, b) in enumerate(zip(got, want)):
+        where = "the hidden state" if index == 0 else f"element {index} of the last block's output"
+        if isinstance(a, Deferred):
+            continue  # a runner that did not run the last block (all cached): this element raises if the model uses it
+        if not isinstance(a, Tensor) or not isinstance(b, Tensor):
+            if a is not b and a != b:
+                found.append(f"{where} is {a!r} where the plain loop gives {b!r}")
+            continue
+        if a.shape != b.shape or a.dtype != b.dtype:
+            found.append(f"{where} has shape {tuple(a.shape)} {a.dtype} where the plain loop gives {tuple(b.shape)} {b.dtype}")
+            continue
+        if values and a.is_floating_point() and a.numel():
+            a32, b32 = a.detach().float(), b.detach().float().to(a.device)
+            error = float((a32 - b32).abs().max())
+            scale = float(b32.abs().max())
+            limit = _TOLERANCE.get(a.dtype, _DEFAULT_TOLERANCE) * max(scale, 1e-6)
+            if largest is not None:
+                largest.append(error / max(scale, 1e-6))
+            if not error <= limit:  # also NaN
+                found.append(f"{where} differs by up to {error:.3g} (plain loop's largest magnitude {scale:.3g})")
+        elif values and not a.is_floating_point() and not torch.equal(a, b.to(a.device)):
+            found.append(f"{where} differs from the plain loop's")
+    return found
