@@ -246,6 +246,8 @@ class AutoCache:
         (the module the stack was found in) lets the skipper find the forward that calls both.
         """
         self.detach()
+        # pre is provisional (registration order) until AutoFreeze observes the first forward: follow it then.
+        stack.when_refined(_Reattach(self, stack, root))
         if not stack.pre:
             return
         pre = stack.pre[0][1]
@@ -770,3 +772,26 @@ def _warn(message: str) -> None:
     """A warning from global rank 0 only (every replica would say the same)."""
     if not torch.distributed.is_available() or not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         warnings.warn(message, stacklevel=3)
+
+
+class _Reattach:
+    """Re-attach ``cache`` to ``stack`` when its ``pre`` is refined and the first module before it changed.
+
+    Equal for the same cache and stack, so that a stack keeps one listener per cache however often it attaches.
+    """
+
+    def __init__(self, cache: AutoCache, stack: BlockStack, root: nn.Module | None) -> None:
+        self.cache, self.stack, self.root = cache, stack, root
+        self.first = stack.pre[0][1] if stack.pre else None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Reattach) and other.cache is self.cache and other.stack is self.stack
+
+    def __hash__(self) -> int:
+        return hash((id(self.cache), id(self.stack)))
+
+    def __call__(self) -> None:
+        first = self.stack.pre[0][1] if self.stack.pre else None
+        if first is not self.first:
+            self.first = first
+            self.cache.attach(self.stack, self.root)
