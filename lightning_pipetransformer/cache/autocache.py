@@ -153,6 +153,9 @@ class AutoCache:
         self._verdict: Exception | None = None
         #: ``id(parameter) -> name``, to name what the frozen blocks' input trains (set by the strategy).
         self.parameter_names: dict[int, str] = {}
+        #: Why the modules before the stack keep training, when that is known in advance (input embeddings
+        #: tied to the output head): said when the cache stands aside for it.
+        self.pre_trains_because: str | None = None
         #: ``key="index"``: the indices each loader (``f"{stage}{dataloader_idx}"``) gave since its pass began.
         self._seen_indices: dict[str, set[int]] = {}
         # Several processes: the boundary to open once the weights are final (see defer_boundary),
@@ -213,12 +216,12 @@ class AutoCache:
     def cannot_serve(self, trainable: str) -> None:
         """The frozen blocks read ``trainable``, which requires grad: refuse (``cache=True``) or stay off."""
         if trainable.startswith(_INPUT_TRAINS):
-            # Trainable embeddings (freeze_embeddings=False): expected, and exact without the cache.
-            self.skip_once(
-                f"{trainable}: a trainable parameter before the stack (trainable embeddings, e.g. "
-                "AutoFreeze(freeze_embeddings=False); or a module that runs before the stack but is registered after "
-                "it, such as BART's layernorm_embedding: name it in AutoFreeze(pre=[...]))"
+            # Trainable embeddings (tied to the head, or freeze_embeddings=False): expected, and exact without the cache.
+            why = self.pre_trains_because or (
+                "a trainable parameter before the stack (trainable embeddings, e.g. AutoFreeze(freeze_embeddings=False), "
+                "or a parameter nothing froze: name its module in AutoFreeze(pre=[...]))"
             )
+            self.skip_once(f"{trainable}: {why}")
             return
         reason = (
             f"the frozen blocks read {trainable}, which requires grad (it comes from trainable parameters, e.g. "

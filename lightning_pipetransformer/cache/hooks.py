@@ -18,6 +18,7 @@ from torch import nn
 from lightning_pipetransformer.cache.autocache import AutoCache
 from lightning_pipetransformer.cache.store import probe_cache_dir
 from lightning_pipetransformer.config import CacheConfig
+from lightning_pipetransformer.freeze.apply import tied_outside
 from lightning_pipetransformer.stack.discovery import BlockStack
 
 __all__ = ["check_budget", "index_keys_from", "make_autocache"]
@@ -53,6 +54,15 @@ def make_autocache(
     cache.namespace = uuid.uuid4().hex[:12] + "-"
     # Entries advanced at a boundary move must equal what a forward computes (bf16-mixed: autocast).
     cache.forward_context = forward_context
+    tied = tied_outside(stack, module)
+    if tied and not include_pre:
+        listed = ", ".join(f"{a} is {b}" for a, b in tied[:3])
+        cache.pre_trains_because = (
+            f"the input embeddings are tied to the output head ({listed}), so AutoFreeze keeps them training (freezing "
+            "them would freeze the head) and the frozen blocks' input changes every step. To use the cache, untie them: "
+            "tie_word_embeddings=False in the model's config (the head gets its own copy of the weights and trains "
+            "alone; the embeddings then freeze with the first block). Or freeze both: AutoFreeze(pre=[...]) naming them"
+        )
     if include_pre:
         cache.attach(stack, module)
     cache.watch_batch_bytes(stack.blocks[0])  # checked at the first training step
