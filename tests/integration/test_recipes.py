@@ -387,11 +387,13 @@ def test_chunks_larger_than_the_batch_warn_once():
     assert len(capped) == 1
 
 
-def test_tied_embeddings_warn_that_the_head_stops_training():
+def test_tied_embeddings_named_in_pre_warn_that_the_head_stops_training():
+    """By default tied embeddings keep training (tests/integration/test_call_order.py); named in pre= they freeze, warned."""
     module = FamilyModule("gpt2")
     assert module.model.lm_head.weight is module.model.transformer.wte.weight
     with pytest.warns(UserWarning, match=r"tied to a module after the stack \(model.transformer.wte.weight is model.lm_head.weight\)"):
-        trainer("auto", [AutoFreeze(schedule={1: 2})], epochs=2).fit(module, family_data("gpt2"))
+        trainer("auto", [AutoFreeze(schedule={1: 2}, pre=["model.transformer.wte"])], epochs=2).fit(module, family_data("gpt2"))
+    assert not module.model.lm_head.weight.requires_grad
 
 
 class VariableLengths(torch.utils.data.Dataset):

@@ -1,0 +1,130 @@
+"""What AutoFreeze freezes with the first block is what runs before the stack, and tied embeddings keep training.
+
+Each run is compared with a plain Trainer whose callback freezes by hand exactly the modules that
+should freeze (the reference), and each comparison has its engagement check beside it (what
+changed after the freeze point, what the cache served).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
+from tests.helpers.families import FamilyModule, family_data
+from tests.integration.test_model_families import BlockRuns, STEPS, assert_same_weights, trainer
+
+
+class HandFreeze(Callback):
+    """The reference: at the start of epoch 1, requires_grad off and eval mode for the named modules."""
+
+    def __init__(self, paths):
+        self.paths = paths
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            for path in self.paths:
+                module = pl_module.get_submodule(path)
+                module.requires_grad_(False).eval()
+                for p in module.parameters():
+                    p.grad = None
+
+
+class Snapshot(Callback):
+    """A copy of one parameter at the start of epoch 1 (the freeze point)."""
+
+    def __init__(self, name):
+        self.name, self.value = name, None
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            self.value = pl_module.get_parameter(self.name).detach().clone()
+
+
+GPT2_BLOCKS = [f"model.transformer.h.{i}" for i in range(3)]
+GPT2_EMBEDDINGS = ["model.transformer.wte", "model.transformer.wpe", "model.transformer.drop"]
+
+
+def test_tied_embeddings_keep_training_by_default_and_the_cache_stands_aside_saying_how_to_untie():
+    reference = FamilyModule("gpt2")
+    trainer("auto", [HandFreeze(GPT2_BLOCKS)]).fit(reference, family_data("gpt2"))
+
+    alone = FamilyModule("gpt2")
+    head = Snapshot("model.lm_head.weight")
+    autofreeze = AutoFreeze(schedule={1: 3})
+    trainer("auto", [autofreeze, head]).fit(alone, family_data("gpt2"))
+    assert_same_weights(alone, reference)
+    # Engaged: three blocks froze; the tied head (and the embeddings) kept training after the freeze point.
+    assert autofreeze.num_frozen == 3 and "tie_word_embeddings=False" in autofreeze.embeddings_kept_training
+    assert not (alone.model.lm_head.weight - head.value).abs().max() < 1e-6
+    assert alone.model.transformer.wte.weight.requires_grad
+
+    cached = FamilyModule("gpt2")
+    runs = BlockRuns(cached)
+    strategy = PipeTransformerStrategy(pipe_len=2, chunks=2, cache=True, cache_memory=10**8)
+    with pytest.warns(UserWarning, match=r"tied to the output head.*tie_word_embeddings=False"):
+        trainer(strategy, [AutoFreeze(schedule={1: 3}), runs]).fit(cached, family_data("gpt2"))
+    assert_same_weights(cached, reference)
+    stats = strategy.cache_stats
+    # The cache stood aside for every batch once blocks froze (nothing served): the frozen blocks still ran every
+    # step (backward reaches the embeddings through them), the active one in two micro-batches.
+    assert stats["autocache/hits"] == 0 and stats["autocache/batches_bypassed"] == 2 * STEPS
+    assert runs.epochs[2] == [STEPS] * 3 + [2 * STEPS]
+
+
+def test_naming_tied_embeddings_in_pre_freezes_the_head_with_them_and_says_so():
+    module = FamilyModule("gpt2")
+    head = Snapshot("model.lm_head.weight")
+    with pytest.warns(UserWarning, match="tied to a module after the stack.*stops training too, as asked"):
+        trainer("auto", [AutoFreeze(schedule={1: 3}, pre=GPT2_EMBEDDINGS), head]).fit(module, family_data("gpt2"))
+    assert torch.equal(module.model.lm_head.weight, head.value)  # the head did not move after the freeze point
+    assert not module.model.lm_head.weight.requires_grad
+
+
+XLMR_FROZEN = ["model.roberta.embeddings"] + [f"model.roberta.encoder.layer.{i}" for i in range(3)]
+
+
+@pytest.mark.parametrize("runner", ["plain", "pipeline"])
+def test_a_head_registered_before_the_backbone_keeps_training(runner):
+    """transformers 5.x XLMRobertaForSequenceClassification registers `classifier` before `roberta`."""
+    from tests.helpers.families import FAMILIES
+
+    assert list(FAMILIES["xlm-roberta"].build()._modules) == ["classifier", "roberta"]  # what makes this test meaningful
+    reference = FamilyModule("xlm-roberta")
+    trainer("auto", [HandFreeze(XLMR_FROZEN)]).fit(reference, family_data("xlm-roberta"))
+    module = FamilyModule("xlm-roberta")
+    head = Snapshot("model.classifier.out_proj.weight")
+    autofreeze = AutoFreeze(schedule={1: 3})
+    strategy = "auto" if runner == "plain" else PipeTransformerStrategy(pipe_len=2, chunks=2)
+    trainer(strategy, [autofreeze, head]).fit(module, family_data("xlm-roberta"))
+    assert_same_weights(module, reference)
+    # Engaged: the embeddings froze, the head moved after the freeze point.
+    assert [p for p, _ in autofreeze.stack.pre] == ["model.roberta.embeddings"]
+    assert not module.model.roberta.embeddings.word_embeddings.weight.requires_grad
+    assert not (module.model.classifier.out_proj.weight - head.value).abs().max() < 1e-6
+
+    # A resumed run freezes the same modules before its first forward (the order travels in the state).
+    state = autofreeze.state_dict()
+    assert state["pre"] == ["model.roberta.embeddings"]
+    fresh, restored = FamilyModule("xlm-roberta"), AutoFreeze(schedule={1: 3})
+    restored._module = fresh
+    restored.find_stack(fresh)
+    restored.load_state_dict(state)
+    assert not fresh.model.roberta.embeddings.word_embeddings.weight.requires_grad
+    assert fresh.model.classifier.out_proj.weight.requires_grad
+
+
+def test_a_freeze_before_the_first_forward_freezes_what_runs_before_the_stack_once_it_is_known():
+    """An explicit schedule that freezes at epoch 0 decides before any forward: the prefix freezes after the first."""
+    module = FamilyModule("xlm-roberta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer("auto", [AutoFreeze(schedule={0: 2})], epochs=1).fit(module, family_data("xlm-roberta"))
+    assert not module.model.roberta.embeddings.word_embeddings.weight.requires_grad
+    assert module.model.classifier.out_proj.weight.requires_grad
+    # The embeddings never took a step: equal to their initial values.
+    initial = FamilyModule("xlm-roberta")
+    assert torch.equal(module.model.roberta.embeddings.word_embeddings.weight, initial.model.roberta.embeddings.word_embeddings.weight)
