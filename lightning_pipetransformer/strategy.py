@@ -49,7 +49,7 @@ from lightning_pipetransformer.pipe.planner import AutoPipe
 from lightning_pipetransformer.plan import Plan
 from lightning_pipetransformer.plan.change import PlanChange
 from lightning_pipetransformer.processes import ProcessLayout
-from lightning_pipetransformer.stack.declared import stack_for_strategy
+from lightning_pipetransformer.stack.declared import refuse_uncalled_blocks, stack_for_strategy
 from lightning_pipetransformer.stack.discovery import BlockStack
 from lightning_pipetransformer.stack.input_grad import FrozenOutputs
 from lightning_pipetransformer.stack.interception import remove_pipeline
@@ -201,6 +201,7 @@ class PipeTransformerStrategy(ProcessLayout):
             root_device=self.root_device, parallel_devices=self.parallel_devices or [self.root_device],
         )  # fmt: skip
         if self.config.pipelines_or_caches:
+            refuse_uncalled_blocks(stack, [a for a in self.config.asks_for_a_stack() if not a.startswith("layers=")])
             check_layer_outputs(module)
             if fitting:
                 self._turn_off_kv_cache(module)
@@ -212,6 +213,7 @@ class PipeTransformerStrategy(ProcessLayout):
                 self.config.cache, stack=stack, module=module, default_root_dir=trainer.default_root_dir,
                 processes_per_node=self.num_processes, precision=str(trainer.precision),
                 forward_context=self.precision_plugin.forward_context, include_pre=include_pre,
+                can_freeze=autofreeze is not None,
             )  # fmt: skip
         self.engine = Engine(stack, planner, self.config.chunks, self.autocache, include_pre, announce=rank_zero_info)
         self.engine.auto_chunks = measured

@@ -156,6 +156,9 @@ class AutoCache:
         #: Why the modules before the stack keep training, when that is known in advance (input embeddings
         #: tied to the output head): said when the cache stands aside for it.
         self.pre_trains_because: str | None = None
+        #: Why no block can ever be served in this fit (nothing will freeze one), decided before training; logged
+        #: as ``autocache/can_engage`` = 0.
+        self.never_engages: str | None = None
         #: ``key="index"``: the indices each loader (``f"{stage}{dataloader_idx}"``) gave since its pass began.
         self._seen_indices: dict[str, set[int]] = {}
         # Several processes: the boundary to open once the weights are final (see defer_boundary),
@@ -721,9 +724,11 @@ class AutoCache:
 
     def stats(self) -> dict[str, float]:
         """Hits, misses and bytes of the current store, for the logger."""
+        can_engage = float(self.never_engages is None)
         if self.store is None:
-            return {"autocache/enabled": 0.0, "autocache/batches_bypassed": float(self.batches_skipped)}
+            return {"autocache/enabled": 0.0, "autocache/batches_bypassed": float(self.batches_skipped), "autocache/can_engage": can_engage}
         metrics = self.store.stats().as_metrics("autocache/")
+        metrics["autocache/can_engage"] = can_engage
         metrics["autocache/enabled"] = float(self.enabled)
         metrics["autocache/boundary"] = float(self.store.boundary)
         metrics["autocache/advanced"] = float(self.advanced)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ from torch import nn
 from lightning_pipetransformer.cache.autocache import AutoCache
 from lightning_pipetransformer.cache.store import probe_cache_dir
 from lightning_pipetransformer.config import CacheConfig
-from lightning_pipetransformer.freeze.apply import tied_outside
+from lightning_pipetransformer.freeze.apply import tied_outside, untrainable_prefix
 from lightning_pipetransformer.stack.discovery import BlockStack
 
 __all__ = ["check_budget", "index_keys_from", "make_autocache"]
@@ -34,11 +35,15 @@ def make_autocache(
     precision: str,
     forward_context: Callable[[], Any],
     include_pre: bool,
+    can_freeze: bool = True,
 ) -> AutoCache:
     """AutoCache for one fit: its directory checked now (before training), keyed on the right inputs.
 
     ``include_pre``: key on the embeddings' inputs (the embeddings are frozen, or there is no
     AutoFreeze); with trainable embeddings the cache keys on the hidden state itself.
+    ``can_freeze``: something in the run can freeze blocks (AutoFreeze). Without it, and with no
+    leading block frozen before fit, the cache can never serve: said once now, and logged as
+    ``autocache/can_engage`` = 0, rather than a cache that silently never turns on.
     """
     directory = config.dir or os.path.join(default_root_dir, "pipetransformer_cache")
     probe_cache_dir(directory)
@@ -66,6 +71,15 @@ def make_autocache(
     if include_pre:
         cache.attach(stack, module)
     cache.watch_batch_bytes(stack.blocks[0])  # checked at the first training step
+    if not can_freeze and untrainable_prefix(stack) == 0:
+        cache.never_engages = (
+            f"cache={config.mode!r} is set but nothing in this run can freeze a block: there is no AutoFreeze callback "
+            "and every block of the stack trains, so the cache never serves (it stores nothing, and costs nothing). "
+            "Add AutoFreeze() to the Trainer's callbacks, or freeze leading blocks before fit (requires_grad=False), "
+            "or drop cache="
+        )
+        if int(os.environ.get("RANK", "0")) == 0:  # every process would say the same
+            warnings.warn(cache.never_engages + ".", stacklevel=2)
     return cache
 
 

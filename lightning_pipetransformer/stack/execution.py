@@ -100,14 +100,16 @@ class CallOrderObserver:
         for module in watched.values():
             self._handles.append(module.register_forward_pre_hook(lambda *_, key=id(module): self._called(key)))
         for block in stack.blocks:
-            self._handles.append(block.register_forward_pre_hook(lambda *_: self._block(start=True)))
-            self._handles.append(block.register_forward_hook(lambda *_: self._block(start=False), always_call=True))
+            for runs in _called_parts(block):
+                self._handles.append(runs.register_forward_pre_hook(lambda *_: self._block(start=True)))
+                self._handles.append(runs.register_forward_hook(lambda *_: self._block(start=False), always_call=True))
         # Parameters read (not called) before the stack: from the first block's arguments' graph.
         self._owner = {id(p): id(m) for m in watched.values() for p in m.parameters()}
         self._reads: dict[int, int] = {}
         self._walks = 0
         if stack.blocks:
-            self._handles.append(stack.blocks[0].register_forward_pre_hook(self._read_arguments, with_kwargs=True))
+            for runs in _called_parts(stack.blocks[0])[:1]:
+                self._handles.append(runs.register_forward_pre_hook(self._read_arguments, with_kwargs=True))
 
     # ------------------------------------------------------------------ hooks
 
@@ -178,6 +180,14 @@ class CallOrderObserver:
                 first[key] = time
         saw = any(f.block_span is not None for f in [*self._done, *self._frames])
         return CallOrder({k: frozenset(v - {BETWEEN}) for k, v in relations.items()}, first, saw)
+
+
+def _called_parts(block: nn.Module) -> list[nn.Module]:
+    """What runs when a block runs: the block, or, for a container that is never called itself (Funnel's
+    blocks are ``nn.ModuleList``s of layers), its first descendants that are."""
+    if type(block).forward is not nn.Module.forward:
+        return [block]
+    return [part for child in block.children() for part in _called_parts(child)]
 
 
 _MAX_WALKS = 4

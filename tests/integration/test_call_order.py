@@ -128,3 +128,62 @@ def test_a_freeze_before_the_first_forward_freezes_what_runs_before_the_stack_on
     # The embeddings never took a step: equal to their initial values.
     initial = FamilyModule("xlm-roberta")
     assert torch.equal(module.model.roberta.embeddings.word_embeddings.weight, initial.model.roberta.embeddings.word_embeddings.weight)
+
+
+def test_a_cache_that_nothing_can_ever_engage_is_said_before_training_and_logged():
+    class AtTrainStart(Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.said = sum("nothing in this run can freeze" in str(w.message) for w in caught)
+
+    module, start = FamilyModule("bert"), AtTrainStart()
+    strategy = PipeTransformerStrategy(cache=True, cache_memory=10**8)
+    with pytest.warns(UserWarning, match="nothing in this run can freeze a block: there is no AutoFreeze") as caught:
+        trainer(strategy, [start], epochs=1).fit(module, family_data("bert"))
+    assert start.said == 1  # before training, once
+    assert sum("nothing in this run can freeze" in str(w.message) for w in caught) == 1
+    assert strategy.cache_stats["autocache/can_engage"] == 0.0
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        served = PipeTransformerStrategy(cache=True, cache_memory=10**8)
+        trainer(served, [AutoFreeze(schedule={1: 3})], epochs=1).fit(FamilyModule("bert"), family_data("bert"))
+    assert not [w for w in seen if "nothing in this run can freeze" in str(w.message)]
+    assert served.cache_stats["autocache/can_engage"] == 1.0
+
+
+def funnel():
+    import transformers as T
+
+    torch.manual_seed(0)
+    return T.FunnelForSequenceClassification(T.FunnelConfig(vocab_size=40, d_model=32, n_head=2, d_head=16, d_inner=64,
+                                                            block_sizes=[2, 2], num_labels=3, hidden_dropout=0.0,
+                                                            attention_dropout=0.0, activation_dropout=0.0))
+
+
+class Funnel(FamilyModule):
+    def __init__(self):
+        super().__init__("bert")
+        self.model = funnel()
+
+
+@pytest.mark.parametrize("asked", [dict(pipe_len=2, chunks=2), dict(cache=True, cache_memory=10**8)])
+def test_blocks_the_model_never_calls_are_refused_before_training(asked):
+    """Funnel's blocks are nn.ModuleLists of layers: the runner would never see a pass (found after an epoch, before)."""
+    from lightning_pipetransformer.stack.discovery import BlockStackError
+
+    class NoStep(Callback):
+        def on_train_batch_start(self, *args):
+            raise AssertionError("training started")
+
+    with pytest.raises(BlockStackError, match=r"blocks of 'model.funnel.encoder.blocks' are ModuleList containers.*"
+                                              r"layers='model.funnel.encoder.blocks.0'"):
+        trainer(PipeTransformerStrategy(**asked), [AutoFreeze(schedule={1: 1}), NoStep()]).fit(Funnel(), family_data("bert"))
+
+
+def test_autofreeze_alone_observes_blocks_that_are_containers_through_their_layers():
+    module = Funnel()
+    autofreeze = AutoFreeze(schedule={1: 1})
+    trainer("auto", [autofreeze], epochs=2).fit(module, family_data("bert"))
+    assert not autofreeze.stack.provisional
+    assert [p for p, _ in autofreeze.stack.pre][0] == "model.funnel.embeddings"
+    assert not module.model.funnel.embeddings.word_embeddings.weight.requires_grad
+    assert module.model.classifier.linear_out.weight.requires_grad
