@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from tests.helpers.families import FamilyModule, family_data
-from tests.integration.test_model_families import BlockRuns, STEPS, assert_same_weights, trainer
+from tests.integration.test_model_families import STEPS, BlockRuns, assert_same_weights, trainer
 
 
 class HandFreeze(Callback):
