@@ -159,6 +159,9 @@ class AutoCache:
         #: Why no block can ever be served in this fit (nothing will freeze one), decided before training; logged
         #: as ``autocache/can_engage`` = 0.
         self.never_engages: str | None = None
+        #: A random augmentation of the stack's input the model applies in training (SpecAugment), in words:
+        #: the cause named when lookups miss.
+        self.input_augmented: str | None = None
         #: ``key="index"``: the indices each loader (``f"{stage}{dataloader_idx}"``) gave since its pass began.
         self._seen_indices: dict[str, set[int]] = {}
         # Several processes: the boundary to open once the weights are final (see defer_boundary),
@@ -711,6 +714,13 @@ class AutoCache:
         rate = (stats.hits - before[1]) / lookups
         if self.key == "content" and rate < _LOW_HIT_RATE and not self._low_hits_warned:
             self._low_hits_warned = True
+            if self.input_augmented is not None:
+                _warn(
+                    f"AutoCache: only {rate:.0%} of {lookups} lookups hit in an epoch after the entries of boundary "
+                    f"{store.boundary} were stored: {self.input_augmented}. Turn the augmentation off to cache, or use "
+                    "cache=False. Results are exact; only the speed-up is lost (autocache/period_hit_rate)."
+                )
+                return rate
             _warn(
                 f"AutoCache: only {rate:.0%} of {lookups} lookups hit in an epoch after the entries of boundary "
                 f"{store.boundary} were stored. Content keys name the exact tensor that enters the frozen blocks, so "

@@ -22,7 +22,7 @@ from lightning_pipetransformer.config import CacheConfig
 from lightning_pipetransformer.freeze.apply import tied_outside, untrainable_prefix
 from lightning_pipetransformer.stack.discovery import BlockStack
 
-__all__ = ["check_budget", "index_keys_from", "make_autocache"]
+__all__ = ["check_budget", "index_keys_from", "input_augmentation", "make_autocache"]
 
 
 def make_autocache(
@@ -71,6 +71,16 @@ def make_autocache(
     if include_pre:
         cache.attach(stack, module)
     cache.watch_batch_bytes(stack.blocks[0])  # checked at the first training step
+    augmented = input_augmentation(module)
+    if augmented is not None:
+        cache.input_augmented = augmented
+        if int(os.environ.get("RANK", "0")) == 0:
+            warnings.warn(
+                f"AutoCache will miss: {augmented}. Content keys name the exact tensor that enters the frozen blocks, "
+                "so nothing stored is looked up again. To cache, turn the augmentation off (mask_time_prob=0 and "
+                "mask_feature_prob=0, or apply_spec_augment=False), or use cache=False. Results are exact either way.",
+                stacklevel=2,
+            )
     if not can_freeze and untrainable_prefix(stack) == 0:
         cache.never_engages = (
             f"cache={config.mode!r} is set but nothing in this run can freeze a block: there is no AutoFreeze callback "
@@ -107,3 +117,23 @@ def index_keys_from(cache: AutoCache, args: tuple[Any, ...], kwargs: dict[str, A
     batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
     loader = args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0)
     cache.set_batch(batch, f"{stage}{loader}", batch_idx if isinstance(batch_idx, int) else None)
+
+
+def input_augmentation(module: nn.Module) -> str | None:
+    """In words, a random augmentation the model applies to the hidden state before its blocks in training, if any.
+
+    SpecAugment (Wav2Vec2, HuBERT, WavLM, Data2Vec-audio: ``apply_spec_augment`` with ``mask_time_prob`` or
+    ``mask_feature_prob`` above 0) masks time steps and features of the stack's input anew in every
+    training forward: a sample never enters the frozen blocks twice as the same tensor.
+    """
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if config is None or not getattr(config, "apply_spec_augment", False):
+            continue
+        time, feature = float(getattr(config, "mask_time_prob", 0) or 0), float(getattr(config, "mask_feature_prob", 0) or 0)
+        if time > 0 or feature > 0:
+            return (
+                f"{type(sub).__name__} masks its hidden state at random in training (SpecAugment: mask_time_prob={time:g}, "
+                f"mask_feature_prob={feature:g}), so a sample's input to the frozen blocks differs in every epoch"
+            )
+    return None

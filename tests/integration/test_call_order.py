@@ -187,3 +187,18 @@ def test_autofreeze_alone_observes_blocks_that_are_containers_through_their_laye
     assert [p for p, _ in autofreeze.stack.pre][0] == "model.funnel.embeddings"
     assert not module.model.funnel.embeddings.word_embeddings.weight.requires_grad
     assert module.model.classifier.linear_out.weight.requires_grad
+
+
+def test_spec_augment_is_named_as_the_reason_the_cache_misses_before_training_and_after():
+    module = FamilyModule("wav2vec2")
+    config = module.model.config
+    config.mask_time_prob, config.mask_time_length = 0.5, 2
+    module.model = type(module.model)(config)  # the masked-position embedding exists only with masking on
+    strategy = PipeTransformerStrategy(cache=True, cache_memory=10**8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(strategy, [AutoFreeze(schedule={1: 3})], epochs=4).fit(module, family_data("wav2vec2"))
+    said = [str(w.message) for w in caught if "SpecAugment: mask_time_prob=0.5" in str(w.message)]
+    assert len(said) == 2 and said[0].startswith("AutoCache will miss") and "only 0% of" in said[1]
+    assert not [w for w in caught if "padded" in str(w.message)]  # not blamed on padding
+    assert strategy.cache_stats["autocache/hits"] == 0
