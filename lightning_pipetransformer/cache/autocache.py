@@ -31,6 +31,7 @@ on this device.
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -230,14 +231,18 @@ class AutoCache:
             self.skip_once(f"{trainable}: {why}")
             return
         reason = (
-            f"the frozen blocks read {trainable}, which requires grad (it comes from trainable parameters, e.g. "
-            "DeBERTa's shared relative-position embeddings): their output changes as training goes and the gradient "
-            "must flow through them, so it cannot be cached"
+            f"the frozen blocks read {trainable}, which requires grad: their output changes as training goes and the "
+            "gradient must flow through them, so it cannot be cached"
         )
         if self.mode is True:
+            modules = sorted({n.rsplit(".", 1)[0] for n in re.findall(r"[\w.]+\.(?:weight|bias)\b", trainable)})
+            fix = (
+                f"freeze {', '.join(modules)} with the prefix: AutoFreeze(pre=[<the modules before the stack>, "
+                f"{', '.join(repr(m) for m in modules)}])" if modules else "freeze what produces that argument with the prefix (AutoFreeze(pre=[...]))"
+            )
             raise CacheConfigError(
-                f"AutoCache cannot serve this model: {reason}. Use cache=False (or cache='auto', which then stays off), "
-                "or freeze what produces that argument."
+                f"AutoCache cannot serve this model: {reason}. To cache, {fix}; or use cache=False (or cache='auto', "
+                "which then stays off)."
             )
         self.skip_once(reason)
 

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from lightning_pipetransformer.stack.discovery import BlockStack, BlockStackError
 
-__all__ = ["CallOrder", "CallOrderError", "CallOrderObserver", "split_by_order"]
+__all__ = ["CallOrder", "CallOrderError", "CallOrderObserver", "graph_leaves", "split_by_order"]
 
 BEFORE, AFTER, DURING, BETWEEN = "before", "after", "during", "between"
 
@@ -150,7 +150,7 @@ class CallOrderObserver:
             return
         self._walks += 1
         now = self._tick()
-        for leaf in _graph_leaves([*args, *kwargs.values()]):
+        for leaf in graph_leaves([*args, *kwargs.values()]):
             owner = self._owner.get(id(leaf))
             if owner is not None:
                 self._reads.setdefault(owner, now)
@@ -194,7 +194,7 @@ _MAX_WALKS = 4
 _MAX_NODES = 512
 
 
-def _graph_leaves(values: Sequence[Any]) -> list[Tensor]:
+def graph_leaves(values: Sequence[Any]) -> list[Tensor]:
     """The leaf tensors (parameters) the gradient of the tensors in ``values`` reaches, within a bounded walk."""
     roots: list[Any] = []
     leaves: list[Tensor] = []

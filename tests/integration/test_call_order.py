@@ -202,3 +202,14 @@ def test_spec_augment_is_named_as_the_reason_the_cache_misses_before_training_an
     assert len(said) == 2 and said[0].startswith("AutoCache will miss") and "only 0% of" in said[1]
     assert not [w for w in caught if "padded" in str(w.message)]  # not blamed on padding
     assert strategy.cache_stats["autocache/hits"] == 0
+
+
+def test_a_trainable_parameter_the_frozen_blocks_read_is_named_with_the_override_that_freezes_it():
+    """MPNet with a pre= that leaves out the relative attention bias (found automatically otherwise: families matrix)."""
+    from lightning_pipetransformer.cache.store import CacheConfigError
+
+    strategy = PipeTransformerStrategy(cache=True, cache_memory=10**8)
+    with pytest.raises(CacheConfigError, match=r"computed from model.mpnet.encoder.relative_attention_bias.weight.*"
+                                               r"AutoFreeze\(pre=\[<the modules before the stack>, "
+                                               r"'model.mpnet.encoder.relative_attention_bias'\]\)"):
+        trainer(strategy, [AutoFreeze(schedule={1: 3}, pre=["model.mpnet.embeddings"])]).fit(FamilyModule("mpnet"), family_data("mpnet"))
