@@ -311,6 +311,8 @@ class AutoFreeze(Callback):
             return
         order = observer.finish()
         self._observer = None
+        if not self.stack.provisional:  # the order arrived meanwhile (an AutoDP rank: with rank 0's state)
+            return
         if not order.saw_stack:
             self._observer = CallOrderObserver(pl_module, self.stack)
             return

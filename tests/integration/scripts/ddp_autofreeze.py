@@ -45,7 +45,17 @@ class CountAllReduced(Callback):
 
 
 class InOrder(TextClassifier):
-    """Each rank reads its DistributedSampler share in order (Lightning's own sampler would shuffle)."""
+    """Each rank reads its DistributedSampler share in order (Lightning's own sampler would shuffle).
+
+    The classifier head is registered before the backbone (as transformers 5.x XLMRobertaFor...
+    does): what freezes with the first block must be what runs before it, the embeddings, on every
+    rank, while the head keeps training.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        modules = self.model._modules
+        self.model._modules = type(modules)([("classifier", modules.pop("classifier")), *modules.items()])
 
     def train_dataloader(self):
         data = text_dataset(32)
