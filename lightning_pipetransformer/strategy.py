@@ -50,6 +50,7 @@ from lightning_pipetransformer.plan import Plan
 from lightning_pipetransformer.plan.change import PlanChange
 from lightning_pipetransformer.processes import ProcessLayout
 from lightning_pipetransformer.stack.declared import refuse_uncalled_blocks, stack_for_strategy
+from lightning_pipetransformer.stack.execution import OrderWatch
 from lightning_pipetransformer.stack.discovery import BlockStack
 from lightning_pipetransformer.stack.input_grad import FrozenOutputs
 from lightning_pipetransformer.stack.interception import remove_pipeline
@@ -124,6 +125,7 @@ class PipeTransformerStrategy(ProcessLayout):
         self._synced_boundary: int | None = None  # the cache boundary all ranks opened together last
         self._kv_cache_configs: list[Any] = []  # configs whose use_cache this fit turned off
         self._frozen_outputs: FrozenOutputs | None = None
+        self._order_watch: OrderWatch | None = None
 
     # ------------------------------------------------------------------ what users read
 
@@ -220,6 +222,8 @@ class PipeTransformerStrategy(ProcessLayout):
         if self._restored is not None:
             self.engine.load_state_dict(self._restored)
         self._report = report.EngagementReport(stack, rank_zero_warn)
+        # Without AutoFreeze (which watches it itself), what runs before the stack is read from the first training forward.
+        self._order_watch = OrderWatch(module, stack) if fitting and autofreeze is None and stack.provisional else None
         self._synced_boundary = None
         self._setup_model_and_optimizers(trainer, self._first_plan(trainer, autofreeze))
 
@@ -408,7 +412,11 @@ class PipeTransformerStrategy(ProcessLayout):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._order_watch is not None:
+            self._order_watch.start()
         output = self._step_together("training_step", lambda: idle.idle_loss(self.root_device), super().training_step, "train", args, kwargs)
+        if self._order_watch is not None and self._order_watch.finish():
+            self._order_watch = None
         if self.autocache is not None:
             cache_hooks.check_budget(self.autocache, self._replicas.control_group)
         return output
@@ -615,6 +623,9 @@ class PipeTransformerStrategy(ProcessLayout):
 
     @override
     def teardown(self) -> None:
+        if self._order_watch is not None:
+            self._order_watch.remove()
+            self._order_watch = None
         module = self.lightning_module
         if module is not None:
             idle_hooks.restore_module_hooks(module)

@@ -163,6 +163,10 @@ class AutoCache:
         #: A random augmentation of the stack's input the model applies in training (SpecAugment), in words:
         #: the cause named when lookups miss.
         self.input_augmented: str | None = None
+        #: Whether what runs before the stack is still provisional (registration order, before the first
+        #: training forward was observed): the frozen prefix is then computed, not looked up or stored.
+        self.order_pending: Callable[[], bool] = lambda: False
+        self._unchecked = False  # the pending boundary's prefix was not checked yet (see move_boundary)
         #: ``key="index"``: the indices each loader (``f"{stage}{dataloader_idx}"``) gave since its pass began.
         self._seen_indices: dict[str, set[int]] = {}
         # Several processes: the boundary to open once the weights are final (see defer_boundary),
@@ -470,6 +474,11 @@ class AutoCache:
         if self._previous is not None:
             self._previous.close()
             self._previous = None
+        if previous is None and num_frozen and self.mode and self.order_pending():
+            # What the prefix is (which modules run before the stack) is known after the first training forward:
+            # checked and opened at the first lookup after it (current_store).
+            self._pending, self._unchecked = (stack, num_frozen, include_pre, device), True
+            return
         if not self._cacheable(stack, num_frozen, include_pre):
             self.store = None
             self._drop_older()
@@ -635,6 +644,10 @@ class AutoCache:
         assert self._pending is not None
         stack, num_frozen, include_pre, _ = self._pending
         self._pending = None
+        if self._unchecked:
+            self._unchecked = False
+            if not self._cacheable(stack, num_frozen, include_pre):
+                return
         self.store = self._open(stack, num_frozen, include_pre)
 
     def _cacheable(self, stack: BlockStack, num_frozen: int, include_pre: bool) -> bool:

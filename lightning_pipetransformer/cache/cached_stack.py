@@ -73,6 +73,11 @@ class CachedStack:
         def active(boundary: Tensor) -> Any:
             return self.active(call.part(frozen, hidden=as_marked_input(boundary) if grad_free else boundary))
 
+        if frozen and cache.order_pending():
+            # The first training forward, whose call order decides what the prefix is (stack/execution.py):
+            # computed as without the cache (with its graph, should something before the stack still train).
+            cache.batches_skipped += 1
+            return active(self._prefix(full(), prefix_calls))
         store = cache.current_store(frozen)
         if torch.is_grad_enabled() and frozen:
             trainable = (

@@ -59,6 +59,7 @@ def make_autocache(
     cache.namespace = uuid.uuid4().hex[:12] + "-"
     # Entries advanced at a boundary move must equal what a forward computes (bf16-mixed: autocast).
     cache.forward_context = forward_context
+    cache.order_pending = lambda: stack.provisional
     tied = tied_outside(stack, module)
     if tied and not include_pre:
         listed = ", ".join(f"{a} is {b}" for a, b in tied[:3])

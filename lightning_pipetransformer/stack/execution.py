@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from lightning_pipetransformer.stack.discovery import BlockStack, BlockStackError
 
-__all__ = ["CallOrder", "CallOrderError", "CallOrderObserver", "graph_leaves", "split_by_order"]
+__all__ = ["CallOrder", "CallOrderError", "CallOrderObserver", "OrderWatch", "graph_leaves", "split_by_order"]
 
 BEFORE, AFTER, DURING, BETWEEN = "before", "after", "during", "between"
 
@@ -267,3 +267,37 @@ def split_by_order(stack: BlockStack, order: CallOrder) -> tuple[list[tuple[str,
         )
     pre.sort(key=lambda e: e[0])
     return [(p, m) for _, p, m in pre], post
+
+
+class OrderWatch:
+    """Watches training steps until one runs the stack, then refines ``stack`` (for a run without AutoFreeze).
+
+    ``start()`` before a step's forward, ``finish()`` after it (before backward): True once the order
+    is known (refined here, or by someone else meanwhile). A step that ran no block (an idle AutoDP
+    rank's stand-in) tells nothing: the next one is watched.
+    """
+
+    def __init__(self, root: nn.Module, stack: BlockStack) -> None:
+        self.root, self.stack = root, stack
+        self._observer: CallOrderObserver | None = None
+
+    def start(self) -> None:
+        if self.stack.provisional and self._observer is None:
+            self._observer = CallOrderObserver(self.root, self.stack)
+
+    def finish(self) -> bool:
+        observer, self._observer = self._observer, None
+        if observer is None:
+            return not self.stack.provisional
+        order = observer.finish()
+        if not self.stack.provisional:
+            return True
+        if not order.saw_stack:
+            return False
+        self.stack.refine(*split_by_order(self.stack, order))
+        return True
+
+    def remove(self) -> None:
+        if self._observer is not None:
+            self._observer.remove()
+            self._observer = None

@@ -213,3 +213,27 @@ def test_a_trainable_parameter_the_frozen_blocks_read_is_named_with_the_override
                                                r"AutoFreeze\(pre=\[<the modules before the stack>, "
                                                r"'model.mpnet.encoder.relative_attention_bias'\]\)"):
         trainer(strategy, [AutoFreeze(schedule={1: 3}, pre=["model.mpnet.embeddings"])]).fit(FamilyModule("mpnet"), family_data("mpnet"))
+
+
+def test_without_autofreeze_the_strategy_reads_the_call_order_itself():
+    """Blocks frozen before fit (as PEFT leaves them) and no AutoFreeze: the head registered first is not the prefix."""
+
+    def frozen_before_fit():
+        module = FamilyModule("xlm-roberta")
+        for path in XLMR_FROZEN[:3]:  # the embeddings and blocks 0-1
+            module.get_submodule(path).requires_grad_(False)
+        return module
+
+    reference = frozen_before_fit()
+    trainer("auto").fit(reference, family_data("xlm-roberta"))
+    module = frozen_before_fit()
+    runs = BlockRuns(module)
+    strategy = PipeTransformerStrategy(cache=True, cache_memory=10**8)
+    trainer(strategy, [runs]).fit(module, family_data("xlm-roberta"))
+    assert_same_weights(module, reference)
+    assert [p for p, _ in strategy.stack.pre] == ["model.roberta.embeddings"]
+    # Engaged: the first batch computed the prefix (its call order was being read), the rest of epoch 0 stored it,
+    # later epochs were served (blocks 0-1 do not run once cached).
+    stats = strategy.cache_stats
+    assert stats["autocache/hits"] == 5 * 6 and stats["autocache/batches_bypassed"] == 1
+    assert runs.epochs[2][:2] == [0, 0] and runs.epochs[2][2:] == [STEPS, STEPS]

@@ -70,6 +70,7 @@ def main() -> None:
     out = Path(args.out)
     counter = CountAllReduced()
     module = InOrder(num_layers=4)
+    assert list(module.model._modules)[0] == "classifier"
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=120)),
         max_epochs=3, callbacks=[AutoFreeze(schedule=SCHEDULE), counter], logger=False, enable_checkpointing=False,
