@@ -50,8 +50,8 @@ from lightning_pipetransformer.plan import Plan
 from lightning_pipetransformer.plan.change import PlanChange
 from lightning_pipetransformer.processes import ProcessLayout
 from lightning_pipetransformer.stack.declared import refuse_uncalled_blocks, stack_for_strategy
-from lightning_pipetransformer.stack.execution import OrderWatch
 from lightning_pipetransformer.stack.discovery import BlockStack
+from lightning_pipetransformer.stack.execution import OrderWatch
 from lightning_pipetransformer.stack.input_grad import FrozenOutputs
 from lightning_pipetransformer.stack.interception import remove_pipeline
 from lightning_pipetransformer.stack.model_flags import check_layer_outputs, turn_off_kv_cache
