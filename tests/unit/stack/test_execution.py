@@ -144,3 +144,22 @@ def test_a_forward_that_runs_no_block_tells_nothing():
     model = HeadFirst()
     stack, order = observed(model, lambda: model.embed(torch.randn(2, 3)))
     assert not order.saw_stack
+
+
+def test_transformers_modules_registered_after_the_layers_that_run_before_them_join_the_prefix():
+    """BART's layernorm_embedding and Llama's rotary_emb are registered after the layers and run before them."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    bart = T.BartModel(T.BartConfig(vocab_size=40, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                                    decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32))
+    llama = T.LlamaModel(T.LlamaConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                       num_key_value_heads=1, intermediate_size=32, max_position_embeddings=32))
+    ids = torch.randint(3, 40, (2, 6))
+    for model, layers, moved in ((bart.encoder, "layers", "layernorm_embedding"), (llama, "layers", "rotary_emb")):
+        stack = find_block_stack(model, layers)
+        assert moved in paths(stack.post)  # registration order
+        observer = CallOrderObserver(model, stack)
+        model(input_ids=ids)
+        pre, post = split_by_order(stack, observer.finish())
+        assert moved in paths(pre) and paths(pre)[0] == "embed_tokens" and moved not in paths(post)
