@@ -222,8 +222,9 @@ class PipeTransformerStrategy(ProcessLayout):
         if self._restored is not None:
             self.engine.load_state_dict(self._restored)
         self._report = report.EngagementReport(stack, rank_zero_warn)
-        # Without AutoFreeze (which watches it itself), what runs before the stack is read from the first training forward.
-        self._order_watch = OrderWatch(module, stack) if fitting and autofreeze is None and stack.provisional else None
+        # Unless AutoFreeze watches this very stack, what runs before it is read from the first training forward here.
+        watched = autofreeze is not None and autofreeze.stack is stack
+        self._order_watch = OrderWatch(module, stack) if fitting and not watched and stack.provisional else None
         self._synced_boundary = None
         self._setup_model_and_optimizers(trainer, self._first_plan(trainer, autofreeze))
 

@@ -22,9 +22,10 @@ no data drawn) with hooks on
 A call before the span is *before*, after it *after*, inside it *during*; between two calls of
 the way to the stack (a ``training_step`` that runs the model twice) it says nothing. A module
 called only before the stack joins ``pre`` (in the order of its first call: ``pre[0]`` is what runs
-first, the embeddings); a module called before and after it (BART's and T5's shared embeddings,
-which the decoder reads too) cannot be frozen with the prefix without freezing what runs after:
-:class:`CallOrderError` names it and the override. Anything else, called or not, is ``post``.
+first, the embeddings); a module called before and after it (shared embeddings that a decoder reads too) cannot be frozen with
+the prefix without freezing what runs after: :class:`CallOrderError` names it and the override
+(one without parameters, such as T5's dropout used on both sides, stays outside the prefix).
+Anything else, called or not, is ``post``.
 
 No Lightning imports: AutoFreeze drives it (the first training batch), under any strategy.
 """
@@ -248,6 +249,11 @@ def split_by_order(stack: BlockStack, order: CallOrder) -> tuple[list[tuple[str,
     for path, module in entries:
         where = order.relation(module)
         if BEFORE in where and where - {BEFORE}:
+            if not any(True for _ in module.parameters()):
+                # Nothing to freeze (T5's one dropout, used on the embeddings and after the last block): it stays
+                # outside the prefix, so it keeps its training mode for its use after the stack.
+                post.append((path, module))
+                continue
             mixed.setdefault(id(module), []).append(path)
         elif where == {BEFORE}:
             pre.append((order.first_call[id(module)], path, module))

@@ -163,3 +163,26 @@ def test_transformers_modules_registered_after_the_layers_that_run_before_them_j
         model(input_ids=ids)
         pre, post = split_by_order(stack, observer.finish())
         assert moved in paths(pre) and paths(pre)[0] == "embed_tokens" and moved not in paths(post)
+
+
+def test_a_module_without_parameters_run_on_both_sides_stays_outside_the_prefix():
+    """T5 applies one dropout to the embeddings and after the last block: nothing to freeze, and eval mode would
+    change its use after the stack."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(4, 4)
+            self.drop = nn.Dropout(0.0)
+            self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.drop(self.embed(x))
+            for block in self.blocks:
+                h = block(h)
+            return self.drop(h)
+
+    model = Model()
+    stack, order = observed(model, lambda: model(torch.randn(2, 4)))
+    pre, post = split_by_order(stack, order)
+    assert paths(pre) == ["embed"] and paths(post) == ["drop"]
