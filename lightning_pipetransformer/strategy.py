@@ -224,7 +224,7 @@ class PipeTransformerStrategy(ProcessLayout):
         self._report = report.EngagementReport(stack, rank_zero_warn)
         # Unless AutoFreeze watches this very stack, what runs before it is read from the first training forward here.
         watched = autofreeze is not None and autofreeze.stack is stack
-        self._order_watch = OrderWatch(module, stack) if fitting and not watched and stack.provisional else None
+        self._order_watch = OrderWatch(module, stack) if not watched and stack.provisional else None
         self._synced_boundary = None
         self._setup_model_and_optimizers(trainer, self._first_plan(trainer, autofreeze))
 
@@ -413,11 +413,10 @@ class PipeTransformerStrategy(ProcessLayout):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._order_watch is not None:
-            self._order_watch.start()
-        output = self._step_together("training_step", lambda: idle.idle_loss(self.root_device), super().training_step, "train", args, kwargs)
-        if self._order_watch is not None and self._order_watch.finish():
-            self._order_watch = None
+        step = super().training_step
+        output = self._watching_order(
+            lambda: self._step_together("training_step", lambda: idle.idle_loss(self.root_device), step, "train", args, kwargs)
+        )
         if self.autocache is not None:
             cache_hooks.check_budget(self.autocache, self._replicas.control_group)
         return output
@@ -442,15 +441,35 @@ class PipeTransformerStrategy(ProcessLayout):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step_together("validation_step", lambda: None, super().validation_step, "val", args, kwargs)
+        step = super().validation_step
+        return self._watching_order(lambda: self._step_together("validation_step", lambda: None, step, "val", args, kwargs), fit=False)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step_together("test_step", lambda: None, super().test_step, "test", args, kwargs)
+        step = super().test_step
+        return self._watching_order(lambda: self._step_together("test_step", lambda: None, step, "test", args, kwargs), fit=False)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step_together("predict_step", lambda: None, super().predict_step, "predict", args, kwargs)
+        step = super().predict_step
+        return self._watching_order(lambda: self._step_together("predict_step", lambda: None, step, "predict", args, kwargs), fit=False)
+
+    def _watching_order(self, step: Any, fit: bool = True) -> Any:
+        """Run ``step``, reading what runs before the stack from its forward while that is not known yet
+        (training steps; evaluation steps only outside fit, whose order comes from a training step)."""
+        watch = self._order_watch
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if watch is None or (not fit and trainer is not None and trainer.state.fn == TrainerFn.FITTING):
+            return step()
+        watch.start()
+        try:
+            output = step()
+        except BaseException:
+            watch.remove()
+            raise
+        if watch.finish():
+            self._order_watch = None
+        return output
 
     def _step_together(self, where: str, idle_output: Any, step: Any, stage: str, args: Any, kwargs: Any) -> Any:
         """A step on this rank (a shadow rank's stand-in). With the cache and several processes a

@@ -229,7 +229,8 @@ def test_without_autofreeze_the_strategy_reads_the_call_order_itself():
     module = frozen_before_fit()
     runs = BlockRuns(module)
     strategy = PipeTransformerStrategy(cache=True, cache_memory=10**8)
-    trainer(strategy, [runs]).fit(module, family_data("xlm-roberta"))
+    fit = trainer(strategy, [runs])
+    fit.fit(module, family_data("xlm-roberta"))
     assert_same_weights(module, reference)
     assert [p for p, _ in strategy.stack.pre] == ["model.roberta.embeddings"]
     # Engaged: the first batch computed the prefix (its call order was being read), the rest of epoch 0 stored it,
@@ -237,3 +238,9 @@ def test_without_autofreeze_the_strategy_reads_the_call_order_itself():
     stats = strategy.cache_stats
     assert stats["autocache/hits"] == 5 * 6 and stats["autocache/batches_bypassed"] == 1
     assert runs.epochs[2][:2] == [0, 0] and runs.epochs[2][2:] == [STEPS, STEPS]
+    # Validation after fit (a new set-up, a new stack, no AutoFreeze) reads the order from its own first forward,
+    # then looks up and stores the other batches.
+    fit.validate(module, family_data("xlm-roberta"), verbose=False)
+    assert [p for p, _ in strategy.stack.pre] == ["model.roberta.embeddings"] and not strategy.stack.provisional
+    stats = strategy.cache_stats
+    assert stats["autocache/batches_bypassed"] == 1 and stats["autocache/misses"] == 2 * 6
