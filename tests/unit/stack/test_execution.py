@@ -186,3 +186,21 @@ def test_a_module_without_parameters_run_on_both_sides_stays_outside_the_prefix(
     stack, order = observed(model, lambda: model(torch.randn(2, 4)))
     pre, post = split_by_order(stack, order)
     assert paths(pre) == ["embed"] and paths(post) == ["drop"]
+
+
+def test_gemma3n_altup_projections_run_before_the_layers_and_its_unembedding_after():
+    import transformers as T
+
+    torch.manual_seed(0)
+    config = T.Gemma3nTextConfig(
+        vocab_size=40, vocab_size_per_layer_input=40, hidden_size=32, hidden_size_per_layer_input=8, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64, laurel_rank=4, altup_num_inputs=2,
+        num_kv_shared_layers=0, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        activation_sparsity_pattern=[0.0, 0.0],
+    )
+    model = T.Gemma3nForCausalLM(config)
+    stack, order = observed(model, lambda: model(input_ids=torch.randint(0, 40, (2, 5))))
+    assert "model.altup_projections" in paths(stack.post)  # registered after the layers
+    pre, post = split_by_order(stack, order)
+    assert paths(pre)[0] == "model.embed_tokens" and "model.altup_projections" in paths(pre)
+    assert {"model.altup_unembed_projections", "model.norm", "lm_head"} <= set(paths(post))
