@@ -266,6 +266,7 @@ class AutoFreeze(Callback):
     def _check_ties(self, pl_module: nn.Module) -> None:
         """Input embeddings tied to an output head keep training unless ``pre=`` names them (see ``freeze_embeddings``)."""
         assert self.stack is not None
+        said = self.embeddings_kept_training
         self.freeze_embeddings, self.embeddings_kept_training = self._asked_embeddings, None
         if not self.freeze_embeddings:
             return
@@ -288,7 +289,8 @@ class AutoFreeze(Callback):
             "the weights, which then trains alone while the embeddings freeze with the first block); to freeze the head "
             "with the embeddings, name them in AutoFreeze(pre=[...])"
         )
-        rank_zero_info(f"AutoFreeze: {self.embeddings_kept_training}.")
+        if self.embeddings_kept_training != said:  # once (checked again when the call order refines pre)
+            rank_zero_info(f"AutoFreeze: {self.embeddings_kept_training}.")
 
     def _pre_applies(self) -> bool:
         """Whether to freeze ``pre`` now: it counts as frozen, and it is known (observed or declared) what runs before."""
