@@ -51,8 +51,9 @@ from lightning_pipetransformer.pipe.planner import AutoPipe
 from lightning_pipetransformer.plan import Plan
 from lightning_pipetransformer.plan.change import PlanChange
 from lightning_pipetransformer.processes import ProcessLayout
-from lightning_pipetransformer.stack.declared import stack_for_strategy
+from lightning_pipetransformer.stack.declared import refuse_uncalled_blocks, stack_for_strategy
 from lightning_pipetransformer.stack.discovery import BlockStack
+from lightning_pipetransformer.stack.execution import OrderWatch
 from lightning_pipetransformer.stack.input_grad import FrozenOutputs
 from lightning_pipetransformer.stack.interception import arm_self_check, installed_pipeline, remove_pipeline
 from lightning_pipetransformer.stack.kv_cache import builds_kv_cache
@@ -150,6 +151,7 @@ class PipeTransformerStrategy(ProcessLayout):
         self._signals = faults.SignalNotice()  # SIGTERM noted by the handler, acted on at the next step
         self._stopping_signal = 0  # the signal every rank agreed to stop for
         self._failing_together = False  # a failure every rank agreed on at a step
+        self._order_watch: OrderWatch | None = None
 
     # ------------------------------------------------------------------ what users read
 
@@ -231,6 +233,7 @@ class PipeTransformerStrategy(ProcessLayout):
             root_device=self.root_device, parallel_devices=self.parallel_devices or [self.root_device],
         )  # fmt: skip
         if self.config.pipelines_or_caches:
+            refuse_uncalled_blocks(stack, [a for a in self.config.asks_for_a_stack() if not a.startswith("layers=")])
             check_model_flags(module, fitting)
             if fitting:
                 self._turn_off_kv_cache(module)
@@ -242,6 +245,7 @@ class PipeTransformerStrategy(ProcessLayout):
                 self.config.cache, stack=stack, module=module, default_root_dir=trainer.default_root_dir,
                 processes_per_node=self.num_processes, precision=str(trainer.precision),
                 forward_context=self.precision_plugin.forward_context, include_pre=include_pre,
+                can_freeze=autofreeze is not None,
             )  # fmt: skip
         self.engine = Engine(stack, planner, self.config.chunks, self.autocache, include_pre, announce=rank_zero_info)
         self.engine.auto_chunks = measured
@@ -250,6 +254,9 @@ class PipeTransformerStrategy(ProcessLayout):
         self._report = report.EngagementReport(stack, rank_zero_warn)
         if fitting:  # frozen blocks are in eval mode on purpose (restored from a checkpoint, before the first batch)
             lightning_internals.exclude_from_eval_mode_warning(trainer, self._is_frozen_module)
+        # Unless AutoFreeze watches this very stack, what runs before it is read from the first training forward here.
+        watched = autofreeze is not None and autofreeze.stack is stack
+        self._order_watch = OrderWatch(module, stack) if not watched and stack.provisional else None
         self._synced_boundary = None
         self._setup_model_and_optimizers(trainer, self._first_plan(trainer, autofreeze))
 
@@ -450,7 +457,10 @@ class PipeTransformerStrategy(ProcessLayout):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = self._step_together("training_step", lambda: idle.idle_loss(self.root_device), super().training_step, "train", args, kwargs)
+        step = super().training_step
+        output = self._watching_order(
+            lambda: self._step_together("training_step", lambda: idle.idle_loss(self.root_device), step, "train", args, kwargs)
+        )
         if self.autocache is not None:
             cache_hooks.check_budget(self.autocache, self._replicas.control_group)
         return output
@@ -475,15 +485,35 @@ class PipeTransformerStrategy(ProcessLayout):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step_together("validation_step", lambda: None, super().validation_step, "val", args, kwargs)
+        step = super().validation_step
+        return self._watching_order(lambda: self._step_together("validation_step", lambda: None, step, "val", args, kwargs), fit=False)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step_together("test_step", lambda: None, super().test_step, "test", args, kwargs)
+        step = super().test_step
+        return self._watching_order(lambda: self._step_together("test_step", lambda: None, step, "test", args, kwargs), fit=False)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step_together("predict_step", lambda: None, super().predict_step, "predict", args, kwargs)
+        step = super().predict_step
+        return self._watching_order(lambda: self._step_together("predict_step", lambda: None, step, "predict", args, kwargs), fit=False)
+
+    def _watching_order(self, step: Any, fit: bool = True) -> Any:
+        """Run ``step``, reading what runs before the stack from its forward while that is not known yet
+        (training steps; evaluation steps only outside fit, whose order comes from a training step)."""
+        watch = self._order_watch
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if watch is None or (not fit and trainer is not None and trainer.state.fn == TrainerFn.FITTING):
+            return step()
+        watch.start()
+        try:
+            output = step()
+        except BaseException:
+            watch.remove()
+            raise
+        if watch.finish():
+            self._order_watch = None
+        return output
 
     def _step_together(self, where: str, idle_output: Any, step: Any, stage: str, args: Any, kwargs: Any) -> Any:
         """A step on this rank (a shadow rank's stand-in), then, with several processes, the step's
@@ -703,6 +733,9 @@ class PipeTransformerStrategy(ProcessLayout):
 
     @override
     def teardown(self) -> None:
+        if self._order_watch is not None:
+            self._order_watch.remove()
+            self._order_watch = None
         module = self.lightning_module
         interrupted = module is not None and module._trainer is not None and module._trainer.state.status == TrainerStatus.INTERRUPTED
         self._stop_watch(finished=not interrupted)

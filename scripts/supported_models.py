@@ -36,6 +36,7 @@ class Outcomes:
 def main() -> int:
     sys.path.insert(0, str(ROOT))  # the repository root, for tests.helpers
     from tests.helpers.families import FAMILIES
+    from tests.integration.test_model_families import tied
 
     outcomes = Outcomes()
     tests = ["tests/integration/test_model_families.py", "tests/integration/distributed/test_autodp.py::test_idle_ranks_join_as_pipeline_shrinks_and_match_reference"]
@@ -54,8 +55,18 @@ def main() -> int:
         pipe_cell = "works: equals plain training, every block runs once per micro-batch" if pipe == "passed" else f"**{pipe or 'not run'}**"
         if family.cache_refused is not None:
             cache_cell = f"refused (`CacheConfigError` at the first cached step): {family.cache_refused[1]}" if cache == "passed" else f"**{cache or 'not run'}**"
+        elif family.cache_stands_aside is not None:
+            cache_cell = (
+                "stands aside, warned (exact, nothing served): a block argument shared by all samples (the relative-position "
+                "embeddings, frozen with the prefix) cannot be stored per sample"
+            ) if cache == "passed" else f"**{cache or 'not run'}**"
         else:
             cache_cell = "works: equals cache off, frozen blocks not run once cached" if cache == "passed" else f"**{cache or 'not run'}**"
+            if tied(name) and cache == "passed":
+                cache_cell += (
+                    " (with `tie_word_embeddings=False`; tied, the default, the embeddings keep training with the head and "
+                    "the cache stands aside, warned)"
+                )
         arch = "llama" if name == "llama" else "bert" if name == "bert" else None
         if arch is None:
             dp_cell = "not tested (the AutoDP path does not depend on the model)"

@@ -68,6 +68,19 @@ ENTRY_FORMAT = 2
 _MARKER = "m.inputs"
 
 
+def _readable(path: str) -> str:
+    """``"b3.krel_embeddings"`` as ``"block 3's argument rel_embeddings"``, ``"b2.a1.t0"`` as ``"block 2's argument 2 [0]"``."""
+    block, *parts = path.split(".")
+    words = f"block {block[1:]}'s argument "
+    for i, part in enumerate(parts):
+        kind, rest = part[0], part[1:]
+        if i == 0:
+            words += rest if kind == "k" else str(int(rest) + 1)
+        else:
+            words += f" [{rest}]" if kind in "tl" else f" [{rest!r}]"
+    return words
+
+
 def pack_block_inputs(calls: Sequence[BlockArgs], first_block: int, batch_size: int) -> dict[str, Tensor]:
     """Encode the arguments of blocks ``first_block, first_block + 1, ...`` as per-sample tensors ``[B, ...]``.
 
@@ -100,8 +113,8 @@ def pack_block_inputs(calls: Sequence[BlockArgs], first_block: int, batch_size: 
                 out[f"t.{path}"] = value.detach().expand(batch_size, *value.shape[1:])
             else:
                 raise TypeError(
-                    f"Block argument {path} has shape {tuple(value.shape)}, neither [batch={batch_size}, ...] "
-                    "nor broadcast [1, ...]: it cannot be stored per sample."
+                    f"{_readable(path)} is a tensor of shape {tuple(value.shape)}, neither [batch={batch_size}, ...] "
+                    "nor broadcast [1, ...] (one value shared by all samples, such as a weight handed to every block)"
                 )
             seen[id(value)] = path
         elif isinstance(value, (bool, int, float)):
@@ -118,8 +131,8 @@ def pack_block_inputs(calls: Sequence[BlockArgs], first_block: int, batch_size: 
                 pack(f"{path}.d{name}", item, key)
         else:
             raise TypeError(
-                f"Block argument {path} of type {type(value).__name__} cannot be stored per sample: "
-                "supply it inside the run function given to advance_store."
+                f"{_readable(path)} is a {type(value).__module__}.{type(value).__qualname__}, which an entry cannot hold "
+                "(tensors, None, bool/int/float and plain tuples, lists and dicts of them can)"
             )
 
     for offset, (args, kwargs) in enumerate(calls):

@@ -31,6 +31,7 @@ on this device.
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -155,6 +156,19 @@ class AutoCache:
         self._verdict: Exception | None = None
         #: ``id(parameter) -> name``, to name what the frozen blocks' input trains (set by the strategy).
         self.parameter_names: dict[int, str] = {}
+        #: Why the modules before the stack keep training, when that is known in advance (input embeddings
+        #: tied to the output head): said when the cache stands aside for it.
+        self.pre_trains_because: str | None = None
+        #: Why no block can ever be served in this fit (nothing will freeze one), decided before training; logged
+        #: as ``autocache/can_engage`` = 0.
+        self.never_engages: str | None = None
+        #: A random augmentation of the stack's input the model applies in training (SpecAugment), in words:
+        #: the cause named when lookups miss.
+        self.input_augmented: str | None = None
+        #: Whether what runs before the stack is still provisional (registration order, before the first
+        #: training forward was observed): the frozen prefix is then computed, not looked up or stored.
+        self.order_pending: Callable[[], bool] = lambda: False
+        self._unchecked = False  # the pending boundary's prefix was not checked yet (see move_boundary)
         #: ``key="index"``: the indices each loader (``f"{stage}{dataloader_idx}"``) gave since its pass began.
         self._seen_indices: dict[str, set[int]] = {}
         # Several processes: the boundary to open once the weights are final (see defer_boundary),
@@ -219,22 +233,26 @@ class AutoCache:
     def cannot_serve(self, trainable: str) -> None:
         """The frozen blocks read ``trainable``, which requires grad: refuse (``cache=True``) or stay off."""
         if trainable.startswith(_INPUT_TRAINS):
-            # Trainable embeddings (freeze_embeddings=False): expected, and exact without the cache.
-            self.skip_once(
-                f"{trainable}: a trainable parameter before the stack (trainable embeddings, e.g. "
-                "AutoFreeze(freeze_embeddings=False); or a module that runs before the stack but is registered after "
-                "it, such as BART's layernorm_embedding: name it in AutoFreeze(pre=[...]))"
+            # Trainable embeddings (tied to the head, or freeze_embeddings=False): expected, and exact without the cache.
+            why = self.pre_trains_because or (
+                "a trainable parameter before the stack (trainable embeddings, e.g. AutoFreeze(freeze_embeddings=False), "
+                "or a parameter nothing froze: name its module in AutoFreeze(pre=[...]))"
             )
+            self.skip_once(f"{trainable}: {why}")
             return
         reason = (
-            f"the frozen blocks read {trainable}, which requires grad (it comes from trainable parameters, e.g. "
-            "DeBERTa's shared relative-position embeddings): their output changes as training goes and the gradient "
-            "must flow through them, so it cannot be cached"
+            f"the frozen blocks read {trainable}, which requires grad: their output changes as training goes and the "
+            "gradient must flow through them, so it cannot be cached"
         )
         if self.mode is True:
+            modules = sorted({n.rsplit(".", 1)[0] for n in re.findall(r"[\w.]+\.(?:weight|bias)\b", trainable)})
+            fix = (
+                f"freeze {', '.join(modules)} with the prefix: AutoFreeze(pre=[<the modules before the stack>, "
+                f"{', '.join(repr(m) for m in modules)}])" if modules else "freeze what produces that argument with the prefix (AutoFreeze(pre=[...]))"
+            )
             raise CacheConfigError(
-                f"AutoCache cannot serve this model: {reason}. Use cache=False (or cache='auto', which then stays off), "
-                "or freeze what produces that argument."
+                f"AutoCache cannot serve this model: {reason}. To cache, {fix}; or use cache=False (or cache='auto', "
+                "which then stays off)."
             )
         self.skip_once(reason)
 
@@ -252,6 +270,8 @@ class AutoCache:
         (the module the stack was found in) lets the skipper find the forward that calls both.
         """
         self.detach()
+        # pre is provisional (registration order) until AutoFreeze observes the first forward: follow it then.
+        stack.when_refined(_Reattach(self, stack, root))
         if not stack.pre:
             return
         pre = stack.pre[0][1]
@@ -460,6 +480,11 @@ class AutoCache:
         if self._previous is not None:
             self._previous.close()
             self._previous = None
+        if previous is None and num_frozen and self.mode and self.order_pending():
+            # What the prefix is (which modules run before the stack) is known after the first training forward:
+            # checked and opened at the first lookup after it (current_store).
+            self._pending, self._unchecked = (stack, num_frozen, include_pre, device), True
+            return
         if not self._cacheable(stack, num_frozen, include_pre):
             self.store = None
             self._drop_older()
@@ -625,6 +650,10 @@ class AutoCache:
         assert self._pending is not None
         stack, num_frozen, include_pre, _ = self._pending
         self._pending = None
+        if self._unchecked:
+            self._unchecked = False
+            if not self._cacheable(stack, num_frozen, include_pre):
+                return
         self.store = self._open(stack, num_frozen, include_pre)
 
     def _cacheable(self, stack: BlockStack, num_frozen: int, include_pre: bool) -> bool:
@@ -719,6 +748,13 @@ class AutoCache:
         rate = (stats.hits - before[1]) / lookups
         if self.key == "content" and rate < _LOW_HIT_RATE and not self._low_hits_warned:
             self._low_hits_warned = True
+            if self.input_augmented is not None:
+                _warn(
+                    f"AutoCache: only {rate:.0%} of {lookups} lookups hit in an epoch after the entries of boundary "
+                    f"{store.boundary} were stored: {self.input_augmented}. Turn the augmentation off to cache, or use "
+                    "cache=False. Results are exact; only the speed-up is lost (autocache/period_hit_rate)."
+                )
+                return rate
             _warn(
                 f"AutoCache: only {rate:.0%} of {lookups} lookups hit in an epoch after the entries of boundary "
                 f"{store.boundary} were stored. Content keys name the exact tensor that enters the frozen blocks, so "
@@ -732,9 +768,11 @@ class AutoCache:
 
     def stats(self) -> dict[str, float]:
         """Hits, misses and bytes of the current store, for the logger."""
+        can_engage = float(self.never_engages is None)
         if self.store is None:
-            return {"autocache/enabled": 0.0, "autocache/batches_bypassed": float(self.batches_skipped)}
+            return {"autocache/enabled": 0.0, "autocache/batches_bypassed": float(self.batches_skipped), "autocache/can_engage": can_engage}
         metrics = self.store.stats().as_metrics("autocache/")
+        metrics["autocache/can_engage"] = can_engage
         metrics["autocache/enabled"] = float(self.enabled)
         metrics["autocache/boundary"] = float(self.store.boundary)
         metrics["autocache/advanced"] = float(self.advanced)
@@ -788,3 +826,26 @@ def _warn(message: str) -> None:
     """A warning from global rank 0 only (every replica would say the same)."""
     if not torch.distributed.is_available() or not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         warnings.warn(message, stacklevel=3)
+
+
+class _Reattach:
+    """Re-attach ``cache`` to ``stack`` when its ``pre`` is refined and the first module before it changed.
+
+    Equal for the same cache and stack, so that a stack keeps one listener per cache however often it attaches.
+    """
+
+    def __init__(self, cache: AutoCache, stack: BlockStack, root: nn.Module | None) -> None:
+        self.cache, self.stack, self.root = cache, stack, root
+        self.first = stack.pre[0][1] if stack.pre else None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Reattach) and other.cache is self.cache and other.stack is self.stack
+
+    def __hash__(self) -> int:
+        return hash((id(self.cache), id(self.stack)))
+
+    def __call__(self) -> None:
+        first = self.stack.pre[0][1] if self.stack.pre else None
+        if first is not self.first:
+            self.first = first
+            self.cache.attach(self.stack, self.root)

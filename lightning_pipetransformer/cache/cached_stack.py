@@ -7,7 +7,7 @@ merged boundary activations. :class:`~lightning_pipetransformer.cache.autocache.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +20,7 @@ from lightning_pipetransformer.cache.advance import (
 )
 from lightning_pipetransformer.cache.prefix import run_blocks
 from lightning_pipetransformer.pipe.microbatch import tensors_in
+from lightning_pipetransformer.stack.execution import graph_leaves
 from lightning_pipetransformer.stack.input_grad import as_marked_input, gradient_leaf, needs_no_gradient
 from lightning_pipetransformer.stack.interception import BlockArgs, StackCall
 
@@ -27,12 +28,16 @@ if TYPE_CHECKING:
     from lightning_pipetransformer.cache.autocache import AutoCache
 
 
-def first_trainable(calls: Sequence[BlockArgs]) -> str | None:
-    """Names the first tensor among the blocks' arguments that requires grad (``None``: none does)."""
+def first_trainable(calls: Sequence[BlockArgs], parameter_names: Mapping[int, str] | None = None) -> str | None:
+    """Names the first tensor among the blocks' arguments that requires grad, and the parameters its gradient
+    reaches when ``parameter_names`` knows them (``None``: no argument requires grad)."""
     for index, (args, kwargs) in enumerate(calls):
-        for name, value in [*((f"argument {i + 1}", a) for i, a in enumerate(args)), *((repr(k), v) for k, v in kwargs.items())]:
-            if any(t.requires_grad for t in tensors_in(value)):
-                return f"block {index} argument {name}"
+        for name, value in [*((f"argument {i + 1}", a) for i, a in enumerate(args)), *((f"argument {k}", v) for k, v in kwargs.items())]:
+            trainable = [t for t in tensors_in(value) if t.requires_grad]
+            if trainable:
+                found = [parameter_names[id(p)] for p in graph_leaves(trainable) if parameter_names and id(p) in parameter_names]
+                source = f", computed from {', '.join(sorted(set(found))[:3])}" if found else ""
+                return f"block {index}'s {name}{source}"
     return None
 
 
@@ -68,11 +73,16 @@ class CachedStack:
         def active(boundary: Tensor) -> Any:
             return self.active(call.part(frozen, hidden=as_marked_input(boundary) if grad_free else boundary))
 
+        if frozen and cache.order_pending():
+            # The first training forward, whose call order decides what the prefix is (stack/execution.py):
+            # computed as without the cache (with its graph, should something before the stack still train).
+            cache.batches_skipped += 1
+            return active(self._prefix(full(), prefix_calls))
         store = cache.current_store(frozen)
         if torch.is_grad_enabled() and frozen:
             trainable = (
                 cache.describe_input_gradient(gradient_leaf(hidden)) if hidden.requires_grad and not grad_free
-                else first_trainable(prefix_calls)
+                else first_trainable(prefix_calls, cache.parameter_names)
             )
             if trainable is not None:
                 # Something the frozen blocks read still trains: the gradient must flow through them,

@@ -6,7 +6,9 @@ strategy's hooks are one call each and AutoCache never sees the strategy.
 
 from __future__ import annotations
 
+import os
 import uuid
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -18,9 +20,10 @@ from lightning_pipetransformer.cache.autocache import AutoCache
 from lightning_pipetransformer.cache.folders import default_cache_dir
 from lightning_pipetransformer.cache.store import probe_cache_dir
 from lightning_pipetransformer.config import CacheConfig
+from lightning_pipetransformer.freeze.apply import tied_outside, untrainable_prefix
 from lightning_pipetransformer.stack.discovery import BlockStack
 
-__all__ = ["check_budget", "index_keys_from", "make_autocache"]
+__all__ = ["check_budget", "index_keys_from", "input_augmentation", "make_autocache"]
 
 
 def make_autocache(
@@ -33,11 +36,15 @@ def make_autocache(
     precision: str,
     forward_context: Callable[[], Any],
     include_pre: bool,
+    can_freeze: bool = True,
 ) -> AutoCache:
     """AutoCache for one fit: its directory checked now (before training), keyed on the right inputs.
 
     ``include_pre``: key on the embeddings' inputs (the embeddings are frozen, or there is no
     AutoFreeze); with trainable embeddings the cache keys on the hidden state itself.
+    ``can_freeze``: something in the run can freeze blocks (AutoFreeze). Without it, and with no
+    leading block frozen before fit, the cache can never serve: said once now, and logged as
+    ``autocache/can_engage`` = 0, rather than a cache that silently never turns on.
     """
     directory = config.dir or default_cache_dir(default_root_dir)
     probe_cache_dir(directory)
@@ -53,9 +60,38 @@ def make_autocache(
     cache.namespace = uuid.uuid4().hex[:12] + "-"
     # Entries advanced at a boundary move must equal what a forward computes (bf16-mixed: autocast).
     cache.forward_context = forward_context
+    cache.order_pending = lambda: stack.provisional
+    tied = tied_outside(stack, module)
+    if tied and not include_pre:
+        listed = ", ".join(f"{a} is {b}" for a, b in tied[:3])
+        cache.pre_trains_because = (
+            f"the input embeddings are tied to the output head ({listed}), so AutoFreeze keeps them training (freezing "
+            "them would freeze the head) and the frozen blocks' input changes every step. To use the cache, untie them: "
+            "tie_word_embeddings=False in the model's config (the head gets its own copy of the weights and trains "
+            "alone; the embeddings then freeze with the first block). Or freeze both: AutoFreeze(pre=[...]) naming them"
+        )
     if include_pre:
         cache.attach(stack, module)
     cache.watch_batch_bytes(stack.blocks[0])  # checked at the first training step
+    augmented = input_augmentation(module)
+    if augmented is not None:
+        cache.input_augmented = augmented
+        if int(os.environ.get("RANK", "0")) == 0:
+            warnings.warn(
+                f"AutoCache will miss: {augmented}. Content keys name the exact tensor that enters the frozen blocks, "
+                "so nothing stored is looked up again. To cache, turn the augmentation off (mask_time_prob=0 and "
+                "mask_feature_prob=0, or apply_spec_augment=False), or use cache=False. Results are exact either way.",
+                stacklevel=2,
+            )
+    if not can_freeze and untrainable_prefix(stack) == 0:
+        cache.never_engages = (
+            f"cache={config.mode!r} is set but nothing in this run can freeze a block: there is no AutoFreeze callback "
+            "and every block of the stack trains, so the cache never serves (it stores nothing, and costs nothing). "
+            "Add AutoFreeze() to the Trainer's callbacks, or freeze leading blocks before fit (requires_grad=False), "
+            "or drop cache="
+        )
+        if int(os.environ.get("RANK", "0")) == 0:  # every process would say the same
+            warnings.warn(cache.never_engages + ".", stacklevel=2)
     return cache
 
 
@@ -83,3 +119,23 @@ def index_keys_from(cache: AutoCache, args: tuple[Any, ...], kwargs: dict[str, A
     batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
     loader = args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0)
     cache.set_batch(batch, f"{stage}{loader}", batch_idx if isinstance(batch_idx, int) else None)
+
+
+def input_augmentation(module: nn.Module) -> str | None:
+    """In words, a random augmentation the model applies to the hidden state before its blocks in training, if any.
+
+    SpecAugment (Wav2Vec2, HuBERT, WavLM, Data2Vec-audio: ``apply_spec_augment`` with ``mask_time_prob`` or
+    ``mask_feature_prob`` above 0) masks time steps and features of the stack's input anew in every
+    training forward: a sample never enters the frozen blocks twice as the same tensor.
+    """
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if config is None or not getattr(config, "apply_spec_augment", False):
+            continue
+        time, feature = float(getattr(config, "mask_time_prob", 0) or 0), float(getattr(config, "mask_feature_prob", 0) or 0)
+        if time > 0 or feature > 0:
+            return (
+                f"{type(sub).__name__} masks its hidden state at random in training (SpecAugment: mask_time_prob={time:g}, "
+                f"mask_feature_prob={feature:g}), so a sample's input to the frozen blocks differs in every epoch"
+            )
+    return None

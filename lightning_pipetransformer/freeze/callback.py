@@ -59,6 +59,7 @@ from lightning_pipetransformer.freeze.rules import (
 )
 from lightning_pipetransformer.stack.declared import block_stack_of
 from lightning_pipetransformer.stack.discovery import BlockStack, BlockStackError
+from lightning_pipetransformer.stack.execution import CallOrderObserver, split_by_order
 
 __all__ = ["AutoFreeze"]
 
@@ -91,8 +92,9 @@ class AutoFreeze(Callback):
         layers: the block container's attribute path relative to the LightningModule (e.g.
             ``"model.bert.encoder.layer"``), the container, or a ``BlockStack``. Default: the module's
             ``configure_block_stack()`` hook if it has one, else automatic discovery.
-        pre: attribute paths of the modules that run before the blocks, if registration order
-            does not tell (see :mod:`lightning_pipetransformer.stack.discovery`).
+        pre: attribute paths of the modules that run before the blocks, taken as given. Default:
+            what the first training forward runs before the stack (observed once, see
+            :mod:`lightning_pipetransformer.stack.execution`), whatever the registration order.
         freeze_every_n_epochs: epochs between freeze points. The first freeze point is the start
             of epoch ``freeze_every_n_epochs``: the first interval always trains the whole model.
         freeze_interval: freeze points inside epochs instead: an int is a number of optimizer
@@ -104,7 +106,10 @@ class AutoFreeze(Callback):
         min_active: blocks that are never frozen. ``0`` lets the whole stack freeze (the head
             after it still trains).
         freeze_embeddings: freeze the modules before the stack (embeddings) together with the
-            first block. Keep ``True`` to let AutoCache skip them.
+            first block. Keep ``True`` to let AutoCache skip them. Input embeddings tied to an
+            output head (GPT-2's ``lm_head``) keep training by default whatever this says: freezing
+            them would freeze the head; name them in ``pre=`` to freeze both, or untie the model
+            (``tie_word_embeddings=False``) to freeze the embeddings alone. See docs/autofreeze.md.
         anneal: smooth freezing (FreezeOut): ``"linear"`` or ``"cosine"`` (or a callable
             ``progress -> factor``) anneals the learning rate of the blocks that freeze at the next
             point to zero over the interval before it, so the freeze itself changes nothing.
@@ -159,6 +164,10 @@ class AutoFreeze(Callback):
         self.freeze_every_n_epochs = freeze_every_n_epochs
         self.min_active = min_active
         self.freeze_embeddings = freeze_embeddings
+        self._asked_embeddings = freeze_embeddings
+        #: Why the embeddings keep training although freeze_embeddings=True was asked (tied to the head); None otherwise.
+        self.embeddings_kept_training: str | None = None
+        self._observer: CallOrderObserver | None = None
 
         self.stack: BlockStack | None = None
         self.num_frozen = 0
@@ -247,21 +256,96 @@ class AutoFreeze(Callback):
                 "(eval mode, as blocks AutoFreeze freezes)."
             )
             self.num_frozen = untrainable
-        if self.freeze_embeddings:
-            tied = tied_outside(stack, pl_module)
-            if tied:
-                listed = ", ".join(f"{a} is {b}" for a, b in tied[:3])
-                rank_zero_warn(
-                    f"AutoFreeze(freeze_embeddings=True) freezes the embeddings with the first block, but they are tied to "
-                    f"a module after the stack ({listed}): that output head stops training too. Pass "
-                    "freeze_embeddings=False to keep it training (AutoCache then keys on the hidden state), or untie "
-                    "the weights (tie_word_embeddings=False)."
-                )
+        self._check_ties(pl_module)
         if self.freeze_embeddings and self.num_frozen and not _pre_trainable(stack):
             self._pre_frozen = True  # frozen before fit (PEFT): treated as AutoFreeze would
         if self.num_frozen:  # a second fit() with the same callback, or blocks frozen before fit
-            apply_freeze(stack, self.num_frozen, self._pre_frozen)
+            apply_freeze(stack, self.num_frozen, self._pre_applies())
         return stack
+
+    def _check_ties(self, pl_module: nn.Module) -> None:
+        """Input embeddings tied to an output head keep training unless ``pre=`` names them (see ``freeze_embeddings``)."""
+        assert self.stack is not None
+        said = self.embeddings_kept_training
+        self.freeze_embeddings, self.embeddings_kept_training = self._asked_embeddings, None
+        if not self.freeze_embeddings:
+            return
+        tied = tied_outside(self.stack, pl_module)
+        if not tied:
+            return
+        listed = ", ".join(f"{a} is {b}" for a, b in tied[:3])
+        if self.pre is not None:  # asked for by name: freeze them, and the head with them
+            rank_zero_warn(
+                f"AutoFreeze(pre=[...]) freezes the embeddings with the first block, but they are tied to a module after "
+                f"the stack ({listed}): that output head stops training too, as asked. To keep the head training, leave "
+                "the tied module out of pre=; to freeze the embeddings alone, untie the weights (tie_word_embeddings=False)."
+            )
+            return
+        self.freeze_embeddings = False
+        self.embeddings_kept_training = (
+            f"the input embeddings are tied to the output head ({listed}): freezing them would freeze the head, so they "
+            "keep training, the frozen blocks still run backward for them (without weight gradients of their own) and "
+            "AutoCache stands aside. For the cache, untie them (tie_word_embeddings=False: the head gets its own copy of "
+            "the weights, which then trains alone while the embeddings freeze with the first block); to freeze the head "
+            "with the embeddings, name them in AutoFreeze(pre=[...])"
+        )
+        if self.embeddings_kept_training != said:  # once (checked again when the call order refines pre)
+            rank_zero_info(f"AutoFreeze: {self.embeddings_kept_training}.")
+
+    def _pre_applies(self) -> bool:
+        """Whether to freeze ``pre`` now: it counts as frozen, and it is known (observed or declared) what runs before."""
+        return self._pre_frozen and self.stack is not None and not self.stack.provisional
+
+    # ------------------------------------------------------------------ what runs before the stack (observed)
+
+    def _observe_order(self, pl_module: pl.LightningModule) -> None:
+        """At a training batch start: watch this forward's call order, while ``pre``/``post`` are provisional."""
+        if self.stack is not None and self.stack.provisional and self._observer is None:
+            self._observer = CallOrderObserver(pl_module, self.stack)
+
+    def _finish_observation(self, pl_module: pl.LightningModule) -> None:
+        """After the forward (before backward and any optimizer step): put ``pre``/``post`` where they ran.
+
+        A forward that ran no block (an idle AutoDP rank's stand-in step) tells nothing: watch the next one.
+        """
+        observer = self._observer
+        if observer is None or self.stack is None:
+            return
+        order = observer.finish()
+        self._observer = None
+        if not self.stack.provisional:  # the order arrived meanwhile (an AutoDP rank: with rank 0's state)
+            return
+        if not order.saw_stack:
+            self._observer = CallOrderObserver(pl_module, self.stack)
+            return
+        before = [p for p, _ in self.stack.pre]
+        try:
+            pre, post = split_by_order(self.stack, order)
+        except BlockStackError as err:
+            raise BlockStackError(f"AutoFreeze: {err}") from None
+        self._refine(pl_module, pre, post, before)
+
+    def _refine(self, pl_module: nn.Module, pre: list, post: list, before: list[str]) -> None:
+        assert self.stack is not None
+        self.stack.refine(pre, post)
+        moved_in = [p for p, _ in pre if p not in before]
+        moved_out = [p for p in before if p not in {q for q, _ in pre}]
+        if moved_in or moved_out:
+            rank_zero_info(
+                "AutoFreeze: from the model's call order, "
+                + "; ".join(
+                    ([f"{', '.join(moved_out)} run(s) after the block stack (not frozen with the embeddings)"] if moved_out else [])
+                    + ([f"{', '.join(moved_in)} run(s) before it (frozen with the embeddings)"] if moved_in else [])
+                )
+                + f". Before the stack: {', '.join(p for p, _ in pre) or 'nothing'}."
+            )
+        self._check_ties(pl_module)
+        if not self.freeze_embeddings:
+            self._pre_frozen = False
+        if self.num_frozen and self._pre_applies():
+            # A freeze decided before the first forward (an explicit schedule at epoch 0, a restored state)
+            # froze the blocks; what runs before them freezes now, before any gradient reaches it.
+            apply_freeze(self.stack, self.num_frozen, True)
 
     def _rule_text(self) -> str:
         if self.schedule is not None:
@@ -296,6 +380,12 @@ class AutoFreeze(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.stack is None:  # built in setup() / configure_model(), and no strategy asked yet
             self.find_stack(pl_module, trainer)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._finish_observation(pl_module)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._finish_observation(pl_module)  # a step that skipped backward (training_step returned None)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.freeze_interval is not None:
@@ -346,7 +436,7 @@ class AutoFreeze(Callback):
             if self._points_wait_for_epochs(trainer):
                 self._at_point(trainer, trainer.global_step)
             elif self.stack is not None:
-                ensure_frozen_eval(self.stack, self.num_frozen, self._pre_frozen)
+                ensure_frozen_eval(self.stack, self.num_frozen, self._pre_applies())
             return
         if not getattr(trainer.strategy, "autofreeze_decides_here", True):
             # AutoDP: global rank 0 alone decides (an idle rank has no gradient norms, and stale
@@ -354,7 +444,7 @@ class AutoFreeze(Callback):
             # state reach this rank with the plan, in the strategy's transition right after this
             # (on_freeze_point), and load_state_dict freezes the same blocks here.
             if self.stack is not None:
-                ensure_frozen_eval(self.stack, self.num_frozen, self._pre_frozen)
+                ensure_frozen_eval(self.stack, self.num_frozen, self._pre_applies())
             return
         epoch = trainer.current_epoch
         self._freeze_annealed(trainer, trainer.global_step, epoch)
@@ -362,7 +452,7 @@ class AutoFreeze(Callback):
         if target > self.num_frozen and not self._anneal_first(trainer, target, trainer.global_step, epoch):
             self._apply(trainer, target, announce=True, epoch=epoch)
         elif self.stack is not None:
-            ensure_frozen_eval(self.stack, self.num_frozen, self._pre_frozen)
+            ensure_frozen_eval(self.stack, self.num_frozen, self._pre_applies())
         self._anneal_ahead(trainer, trainer.global_step, epoch)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -376,7 +466,8 @@ class AutoFreeze(Callback):
         # A user's `model.train()` (e.g. in on_validation_model_train) would re-enable dropout in
         # frozen blocks; one attribute read per frozen module puts that right.
         if self.stack is not None and self.num_frozen:
-            ensure_frozen_eval(self.stack, self.num_frozen, self._pre_frozen)
+            ensure_frozen_eval(self.stack, self.num_frozen, self._pre_applies())
+        self._observe_order(pl_module)
         if self._annealer is not None and self.stack is not None:  # which optimizer step comes next: its update's factor
             self._annealer.bind(self.stack, self.freeze_embeddings, self._pre_frozen)
             self._annealer.at_step(trainer.global_step, trainer.optimizers)
@@ -400,7 +491,7 @@ class AutoFreeze(Callback):
         self._next_point += ((step - self._next_point) // self._interval_steps + 1) * self._interval_steps
         if not getattr(trainer.strategy, "autofreeze_decides_here", True):
             if self.stack is not None:  # rank 0's decision arrives with the plan (load_state_dict)
-                ensure_frozen_eval(self.stack, self.num_frozen, self._pre_frozen)
+                ensure_frozen_eval(self.stack, self.num_frozen, self._pre_applies())
             return True
         self._freeze_annealed(trainer, step, trainer.current_epoch)
         target = self._decide_at_point()
@@ -558,9 +649,9 @@ class AutoFreeze(Callback):
     def _apply(self, trainer: pl.Trainer, target: int, announce: bool, epoch: int | None = None, step: int | None = None) -> None:
         assert self.stack is not None
         before = self.num_frozen
-        changed = apply_freeze(self.stack, target, self.freeze_embeddings)
-        self.num_frozen = target
         self._pre_frozen = self.freeze_embeddings
+        changed = apply_freeze(self.stack, target, self._pre_applies())
+        self.num_frozen = target
         if self._grad_sums is not None:  # rule="autofreeze": frozen blocks' sums are not needed any more
             for index in range(before, target):
                 self._grad_sums[index] = [torch.zeros_like(s) for s in self._grad_sums[index]]
@@ -705,6 +796,9 @@ class AutoFreeze(Callback):
             self._begin_anneal(trainer, target, step, self._next_point_step(trainer, step, epoch))
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._observer is not None:
+            self._observer.remove()
+            self._observer = None
         if self._annealer is not None:
             self._annealer.detach()  # the optimizer's step hooks go with the fit
 
@@ -737,6 +831,9 @@ class AutoFreeze(Callback):
             "pre_frozen": self._pre_frozen,
             # anneal: the interval that anneals now (blocks, steps); None without one.
             "anneal": self._annealer.state_dict() if self._annealer is not None else None,
+            # What runs before and after the stack, once observed: a resumed run freezes the same modules.
+            "pre": [p for p, _ in self.stack.pre] if self.stack is not None and not self.stack.provisional else None,
+            "post": [p for p, _ in self.stack.post] if self.stack is not None and not self.stack.provisional else None,
         }
 
     def _mean_sum_list(self) -> list[float] | None:
@@ -773,10 +870,15 @@ class AutoFreeze(Callback):
             self._grad_sums = None
         if self._annealer is not None:
             self._annealer.load_state_dict(state_dict.get("anneal"))
+        order = state_dict.get("pre"), state_dict.get("post")
+        if self.stack is not None and self.stack.provisional and order[0] is not None and self._module is not None:
+            root = self._module
+            self._refine(root, [(p, root.get_submodule(p)) for p in order[0]], [(p, root.get_submodule(p)) for p in order[1] or []],
+                         [p for p, _ in self.stack.pre])
         if self.stack is not None and self.num_frozen:
             # Callbacks are restored before the strategy wraps the model: freeze now so DDP's
             # first wrapper already leaves the frozen prefix out.
-            apply_freeze(self.stack, self.num_frozen, self._pre_frozen)
+            apply_freeze(self.stack, self.num_frozen, self._pre_applies())
 
 
 def _steps_per_epoch(trainer: pl.Trainer) -> int:

@@ -17,7 +17,7 @@ from lightning_pipetransformer.stack.discovery import (
     resolve_block_stack,
 )
 
-__all__ = ["block_stack_of", "stack_for_strategy", "BLOCK_STACK_HOOK"]
+__all__ = ["block_stack_of", "refuse_uncalled_blocks", "stack_for_strategy", "BLOCK_STACK_HOOK"]
 
 #: Name of the optional LightningModule hook. It returns the attribute path of the block
 #: container (``"model.encoder.layer"``), the container itself, or a ready ``BlockStack``.
@@ -57,3 +57,22 @@ def stack_for_strategy(module: nn.Module, layers: str | None, asked: Sequence[st
         if asked:
             raise BlockStackError(f"{', '.join(asked)} needs a block stack to pipeline or cache. {err}") from None
     return None
+
+
+def refuse_uncalled_blocks(stack: BlockStack, asked: Sequence[str]) -> None:
+    """Before training: blocks that are containers never called themselves cannot be pipelined or cached.
+
+    The pipeline and the cache take over the model's *calls* of the blocks; Funnel's blocks are
+    ``nn.ModuleList``s of layers that its loop walks into, so no call ever reaches them and the
+    runner would never see a pass (found only after an epoch). ``asked``: what needs the calls.
+    """
+    uncalled = sorted({type(b).__name__ for b in stack.blocks if type(b).forward is nn.Module.forward})
+    if not uncalled or not asked:
+        return
+    inner = [f"'{stack.path}.{name}'" for name, _ in list(stack.container.named_children())[:3]]
+    raise BlockStackError(
+        f"{', '.join(asked)}: the blocks of '{stack.path}' are {'/'.join(uncalled)} containers, which the model never "
+        "calls (it walks into them and calls their layers), so the pipeline and the cache would never see a pass. Name "
+        f"a stack of layers the model calls one by one, e.g. layers={inner[0]} (the stacks inside: {', '.join(inner)}), "
+        "or train without pipe_len/cache (AutoFreeze alone freezes these blocks as they are)."
+    )

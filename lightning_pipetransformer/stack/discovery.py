@@ -15,16 +15,22 @@ explicit attribute path. What comes
 *before* the stack is read from registration order along the path from the root to the stack:
 at each ancestor, children registered before the branch that leads to the stack are ``pre``
 (plus parameters held directly by an ancestor, such as timm's ``cls_token``), children
-registered after it are ``post``. Registration order is how every supported family declares
-its modules; a model that registers its head before its embeddings needs an explicit ``pre``.
+registered after it are ``post``. That split is *provisional*: registration order is not call
+order (transformers 5.x ``XLMRobertaForSequenceClassification`` registers its ``classifier``
+before ``roberta``; MPNet registers the ``relative_attention_bias`` it computes before the layers
+after them; BART's ``layernorm_embedding`` runs before the encoder's layers and is registered
+after). :mod:`lightning_pipetransformer.stack.execution` observes the first training forward and
+:meth:`BlockStack.refine` puts each module where it runs, in place, so every holder of the stack
+(AutoFreeze, the engine, the cache) sees the same picture. An explicit ``pre`` is taken as given.
 
 This module has no Lightning imports: the callback and the strategy both use it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from torch import nn
 
@@ -74,6 +80,9 @@ class BlockStack:
         pre_params: ``(path, parameter)`` pairs held directly by an ancestor of the stack, read
             as inputs of the first block (timm's ``cls_token`` and ``pos_embed``).
         post: ``(path, module)`` pairs that run after the last block (pooler, norm, head).
+        order: where ``pre``/``post`` come from: ``"declared"`` (given by the user: taken as is),
+            ``"registration"`` (discovery's provisional split, until the first forward is
+            observed) or ``"observed"`` (the model's call order, :meth:`refine`).
     """
 
     path: str
@@ -81,6 +90,30 @@ class BlockStack:
     pre: tuple[tuple[str, nn.Module], ...] = ()
     pre_params: tuple[tuple[str, nn.Parameter], ...] = ()
     post: tuple[tuple[str, nn.Module], ...] = field(default=())
+    order: Literal["declared", "registration", "observed"] = "declared"
+    _listeners: list[Callable[[], None]] = field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def provisional(self) -> bool:
+        """Whether ``pre``/``post`` still come from registration order (the call order is not known yet)."""
+        return self.order == "registration"
+
+    def refine(self, pre: Sequence[tuple[str, nn.Module]], post: Sequence[tuple[str, nn.Module]]) -> None:
+        """Put the modules where the model runs them (observed), in place, and tell the listeners.
+
+        In place because the engine, the cache and AutoFreeze hold this very object since set-up; the
+        listeners (:meth:`when_refined`) move what they hooked on the old ``pre`` (the cache's key recorder).
+        """
+        object.__setattr__(self, "pre", tuple(pre))
+        object.__setattr__(self, "post", tuple(post))
+        object.__setattr__(self, "order", "observed")
+        for listener in list(self._listeners):
+            listener()
+
+    def when_refined(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` after every :meth:`refine` (registered once)."""
+        if listener not in self._listeners:
+            self._listeners.append(listener)
 
     @property
     def blocks(self) -> list[nn.Module]:
@@ -93,7 +126,8 @@ class BlockStack:
         pre = ", ".join(p for p, _ in self.pre) or "nothing"
         post = ", ".join(p for p, _ in self.post) or "nothing"
         kinds = sorted({type(b).__name__ for b in self.blocks})
-        return f"{len(self)} x {'/'.join(kinds)} at '{self.path}' (before: {pre}; after: {post})"
+        provisional = ", by registration order until the first training forward shows the call order" if self.provisional else ""
+        return f"{len(self)} x {'/'.join(kinds)} at '{self.path}' (before: {pre}; after: {post}{provisional})"
 
 
 def _num_params(module: nn.Module) -> int:
@@ -216,7 +250,8 @@ def _stack_at(root: nn.Module, path: str, pre: Sequence[str] | None) -> BlockSta
         chosen = {p: _get_submodule(root, p) for p in pre}
         post = [(p, m) for p, m in post + found_pre if p not in chosen]
         found_pre = list(chosen.items())
-    return BlockStack(path, container, tuple(found_pre), tuple(pre_params), tuple(post))
+    order = "declared" if pre is not None else "registration"
+    return BlockStack(path, container, tuple(found_pre), tuple(pre_params), tuple(post), order)
 
 
 def find_block_stack(root: nn.Module, layers: str | None = None, pre: Sequence[str] | None = None) -> BlockStack:
@@ -226,8 +261,9 @@ def find_block_stack(root: nn.Module, layers: str | None = None, pre: Sequence[s
         root: the model (a LightningModule is fine: paths are then relative to it).
         layers: attribute path of the block container, e.g. ``"model.bert.encoder.layer"``;
             ``None`` searches for it.
-        pre: attribute paths of the modules that run before the blocks, when registration
-            order does not tell (see the module docstring).
+        pre: attribute paths of the modules that run before the blocks, taken as given (no
+            observation); everything else along the path is ``post``. ``None``: the registration
+            split, refined from the first training forward (see the module docstring).
 
     Raises:
         BlockStackError: no candidate, or two comparable candidates (the message names them

@@ -2,8 +2,8 @@
 
 Each family is a builder returning a ``transformers`` model with 4 blocks, dropout 0 and its
 default ``use_cache`` (the strategy must turn the key-value cache off for fit itself), plus how to
-feed it: ``"lm"`` (a causal LM trained on its own tokens), ``"cls"`` (sequence classification)
-or ``"image"`` (image classification).
+feed it: ``"lm"`` (a causal LM trained on its own tokens), ``"cls"`` (sequence classification),
+``"image"`` or ``"audio"`` (classification of float inputs, :attr:`Family.inputs`).
 """
 
 from __future__ import annotations
@@ -22,27 +22,37 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attenti
               max_position_embeddings=64)
 DROPOUTS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "attention_dropout", "hidden_dropout", "resid_pdrop",
             "embd_pdrop", "attn_pdrop", "dropout", "embedding_dropout", "mlp_dropout", "seq_classif_dropout",
-            "classifier_dropout", "drop_path_rate", "pooler_dropout")
+            "classifier_dropout", "drop_path_rate", "pooler_dropout", "activation_dropout", "final_dropout",
+            "feat_proj_dropout")
 
 
 @dataclass(frozen=True)
 class Family:
     name: str
-    build: Callable[[], nn.Module]
-    task: str  # "lm", "cls" or "image"
+    build: Callable[..., nn.Module]  # build(untie=False): untie=True unties tied input/output embeddings
+    task: str  # "lm", "cls", "image" or "audio"
     #: Why ``cache=True`` is refused for this family (words the error contains, and the reason for the docs).
     cache_refused: tuple[str, str] | None = None
+    #: Why ``cache=True`` stands aside (exact, warned, nothing served): words of the warning.
+    cache_stands_aside: str | None = None
+    #: Float inputs (image, audio): the keyword the model takes them by and one sample's shape.
+    inputs: tuple[str, tuple[int, ...]] | None = None
 
 
-def _model(model_cls: type, config_cls: type, **kwargs: object) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
+def _model(model_cls: type, config_cls: type, **kwargs: object) -> Callable[..., nn.Module]:
+    def build(untie: bool = False) -> nn.Module:
         config = config_cls(**kwargs)
         for name in DROPOUTS:
             if isinstance(getattr(config, name, None), float):
                 setattr(config, name, 0.0)
+        if untie:
+            config.tie_word_embeddings = False
         return model_cls(config)
 
     return build
+
+
+IMAGE = ("pixel_values", (1, 16, 16))
 
 
 FAMILIES = {
@@ -53,9 +63,9 @@ FAMILIES = {
         Family("distilbert", _model(T.DistilBertForSequenceClassification, T.DistilBertConfig, vocab_size=VOCAB, dim=32, n_layers=4,
                                     n_heads=2, hidden_dim=64, max_position_embeddings=64, num_labels=LABELS), "cls"),
         Family("vit", _model(T.ViTForImageClassification, T.ViTConfig, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
-                             intermediate_size=64, image_size=16, patch_size=4, num_channels=1, num_labels=LABELS), "image"),
+                             intermediate_size=64, image_size=16, patch_size=4, num_channels=1, num_labels=LABELS), "image", inputs=IMAGE),
         Family("deit", _model(T.DeiTForImageClassification, T.DeiTConfig, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
-                              intermediate_size=64, image_size=16, patch_size=4, num_channels=1, num_labels=LABELS), "image"),
+                              intermediate_size=64, image_size=16, patch_size=4, num_channels=1, num_labels=LABELS), "image", inputs=IMAGE),
         Family("llama", _model(T.LlamaForCausalLM, T.LlamaConfig, **COMMON, num_key_value_heads=1), "lm"),
         Family("qwen2", _model(T.Qwen2ForCausalLM, T.Qwen2Config, **COMMON, num_key_value_heads=1, use_sliding_window=True,
                                sliding_window=4, max_window_layers=2), "lm"),
@@ -74,11 +84,27 @@ FAMILIES = {
                                     eos_token_id=2, cls_token_id=1, sep_token_id=2), "cls"),
         Family("bloom", _model(T.BloomForCausalLM, T.BloomConfig, vocab_size=VOCAB, hidden_size=32, n_layer=4, n_head=2), "lm"),
         Family("swin", _model(T.SwinForImageClassification, T.SwinConfig, image_size=16, patch_size=1, num_channels=1, embed_dim=8,
-                              depths=[1, 1, 1, 1], num_heads=[1, 1, 2, 2], window_size=2, num_labels=LABELS), "image"),
+                              depths=[1, 1, 1, 1], num_heads=[1, 1, 2, 2], window_size=2, num_labels=LABELS), "image", inputs=IMAGE),
+        # Its shared relative-position embeddings are read (not called) before the layers and handed to every
+        # block: found from the first block's arguments, they freeze with the embeddings. The weight itself is a
+        # block argument shared by all samples, which a cache entry cannot hold: the cache stands aside, warned.
         Family("deberta-v2", _model(T.DebertaV2ForSequenceClassification, T.DebertaV2Config, **COMMON, num_labels=LABELS,
                                     relative_attention=True, position_buckets=8, max_relative_positions=16), "cls",
-               cache_refused=("rel_embeddings", "every block reads the shared relative-position embeddings, which "
-                                                "keep training: the frozen blocks' output is not fixed")),
+               cache_stands_aside=r"block \d's argument rel_embeddings is a tensor of shape"),
+        # transformers 5 registers the classifier before the backbone: it runs after the stack, and keeps training.
+        Family("xlm-roberta", _model(T.XLMRobertaForSequenceClassification, T.XLMRobertaConfig, **COMMON, num_labels=LABELS,
+                                     pad_token_id=1), "cls"),
+        # The relative attention bias is computed once before the layers (registered after them) and passed to each.
+        Family("mpnet", _model(T.MPNetForSequenceClassification, T.MPNetConfig, **COMMON, num_labels=LABELS), "cls"),
+        Family("mixtral", _model(T.MixtralForCausalLM, T.MixtralConfig, **COMMON, num_key_value_heads=1, num_local_experts=2,
+                                 num_experts_per_tok=1, output_router_logits=False), "lm"),
+        Family("whisper-encoder", _model(T.WhisperForAudioClassification, T.WhisperConfig, vocab_size=VOCAB, d_model=32,
+                                         encoder_layers=4, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=4,
+                                         max_source_positions=8, num_labels=LABELS), "audio", inputs=("input_features", (4, 16))),
+        Family("wav2vec2", _model(T.Wav2Vec2ForSequenceClassification, T.Wav2Vec2Config, **COMMON, num_labels=LABELS, layerdrop=0.0,
+                                  mask_time_prob=0.0, conv_dim=(8, 8), conv_kernel=(10, 3), conv_stride=(5, 2),
+                                  num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2, feat_extract_norm="layer",
+                                  classifier_proj_size=16), "audio", inputs=("input_values", (400,))),
     ]
 }
 
@@ -86,15 +112,15 @@ FAMILIES = {
 class FamilyModule(pl.LightningModule):
     """A LightningModule around one family's model; SGD with momentum (frozen vs active differences show)."""
 
-    def __init__(self, family: str, seed: int = 0) -> None:
+    def __init__(self, family: str, seed: int = 0, untie: bool = False) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.family = FAMILIES[family]
-        self.model = self.family.build()
+        self.model = self.family.build(untie=untie)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        if self.family.task == "image":
-            return self.model(pixel_values=x).logits
+        if self.family.inputs is not None:
+            return self.model(**{self.family.inputs[0]: x}).logits
         return self.model(input_ids=x, attention_mask=mask).logits
 
     def loss(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -119,8 +145,9 @@ class FamilyModule(pl.LightningModule):
 def family_data(family: str, n: int = 3 * BATCH, seed: int = 0) -> DataLoader:
     """``(inputs, attention_mask, labels)`` batches; text padded at the end of every other sample."""
     g = torch.Generator().manual_seed(seed)
-    if FAMILIES[family].task == "image":
-        x = torch.randn(n, 1, 16, 16, generator=g)
+    inputs = FAMILIES[family].inputs
+    if inputs is not None:
+        x = torch.randn(n, *inputs[1], generator=g)
         mask = torch.ones(n, 1)
     else:
         x = torch.randint(3, VOCAB, (n, SEQ), generator=g)

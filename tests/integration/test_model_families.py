@@ -8,6 +8,8 @@ raises the documented refusal. The supported-models table in docs/user-guide.md 
 
 from __future__ import annotations
 
+import contextlib
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -76,13 +78,20 @@ def test_pipeline_equals_plain_training_and_runs_every_block_per_micro_batch(fam
         assert module.model.config.use_cache is True
 
 
-def fit_cached(family, cache):
-    module = FamilyModule(family)
+def fit_cached(family, cache, untie=False):
+    module = FamilyModule(family, untie=untie)
     runs = BlockRuns(module)
     strategy = PipeTransformerStrategy(cache=cache, cache_memory=10**8)
     fit = trainer(strategy, [AutoFreeze(schedule={1: 3}), runs])
     fit.fit(module, family_data(family))
     return module, runs, strategy
+
+
+def tied(family):
+    """Whether the family ties its input embeddings to its output head (they then keep training by default)."""
+    model = FAMILIES[family].build()
+    head = model.get_output_embeddings()
+    return head is not None and head.weight is model.get_input_embeddings().weight
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -92,10 +101,23 @@ def test_cache_equals_cache_off_and_serves_the_frozen_blocks(family):
         with pytest.raises(CacheConfigError, match=refused[0]):
             fit_cached(family, True)
         return
-    off, _, _ = fit_cached(family, False)
-    on, runs, strategy = fit_cached(family, True)
+    # Tied embeddings keep training by default and the cache stands aside (test_tied_embeddings_...): untied, it serves.
+    untie = tied(family)
+    off, _, _ = fit_cached(family, False, untie)
+    aside = FAMILIES[family].cache_stands_aside
+    with pytest.warns(UserWarning, match=aside) if aside else contextlib.nullcontext():
+        on, runs, strategy = fit_cached(family, True, untie)
     assert_same_weights(on, off)
+    # What runs before the stack (by call order, whatever the registration order) froze; nothing after it did.
+    stack = strategy.stack
+    assert stack.pre and not stack.provisional
+    assert not any(p.requires_grad for _, m in stack.pre for p in m.parameters())
+    assert all(p.requires_grad for _, m in stack.post for p in m.parameters())
     stats = strategy.cache_stats
+    if aside:
+        assert stats["autocache/hits"] == 0 and stats["autocache/batches_bypassed"] == 2 * STEPS
+        assert runs.epochs[2] == [STEPS] * 4  # every block runs: nothing is served
+        return
     # Epoch 1 computes and stores every sample at boundary 3; epoch 2 is served from the store:
     # blocks 0-2 run only for the one-off check of the first hits (one batch), block 3 every step.
     assert stats["autocache/hits"] == STEPS * BATCH and stats["autocache/misses"] == STEPS * BATCH

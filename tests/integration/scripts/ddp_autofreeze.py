@@ -45,7 +45,17 @@ class CountAllReduced(Callback):
 
 
 class InOrder(TextClassifier):
-    """Each rank reads its DistributedSampler share in order (Lightning's own sampler would shuffle)."""
+    """Each rank reads its DistributedSampler share in order (Lightning's own sampler would shuffle).
+
+    The classifier head is registered before the backbone (as transformers 5.x XLMRobertaFor...
+    does): what freezes with the first block must be what runs before it, the embeddings, on every
+    rank, while the head keeps training.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        modules = self.model._modules
+        self.model._modules = type(modules)([("classifier", modules.pop("classifier")), *modules.items()])
 
     def train_dataloader(self):
         data = text_dataset(32)
@@ -60,6 +70,7 @@ def main() -> None:
     out = Path(args.out)
     counter = CountAllReduced()
     module = InOrder(num_layers=4)
+    assert list(module.model._modules)[0] == "classifier"
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=120)),
         max_epochs=3, callbacks=[AutoFreeze(schedule=SCHEDULE), counter], logger=False, enable_checkpointing=False,

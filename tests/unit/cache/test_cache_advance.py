@@ -195,10 +195,13 @@ def test_block_inputs_round_trip_and_refusals(tmp_path):
     assert torch.equal(only_args[0], window)
     with pytest.raises(ValueError, match="no inputs for block 3"):
         unpack_block_inputs(extras, [3])
-    with pytest.raises(TypeError, match="cannot be stored per sample"):
+    # The argument is named as the model passes it, with its type (not the entry's internal path).
+    with pytest.raises(TypeError, match=r"block 0's argument 1 is a tensor of shape \(7,\), neither \[batch=4"):
         pack_block_inputs([((torch.zeros(7),), {})], 0, 4)
-    with pytest.raises(TypeError, match="run function"):
-        pack_block_inputs([((object(),), {})], 0, 4)
+    with pytest.raises(TypeError, match=r"block 2's argument resolution is a torch.Size"):
+        pack_block_inputs([((), {"resolution": torch.Size([4, 4])})], 2, 4)
+    with pytest.raises(TypeError, match=r"block 0's argument 1 \[1\] is a builtins.object"):
+        pack_block_inputs([(((None, object()),), {})], 0, 4)
     src = ActivationStore(tmp_path, "a" * 32, 1, memory_budget=0)
     src.store(["x"], torch.zeros(1, 2))  # no block inputs recorded
     with pytest.raises(ValueError, match="without its block inputs"):
