@@ -125,6 +125,7 @@ CACHE_DIAGNOSTICS = {
     "corrupt": "files whose checksum did not match (recomputed and rewritten)",
     "nonfinite": "samples whose activation held NaN or inf (never stored)",
     "unwritten": "entries that could not go to disk (disk full, write refused)",
+    "can_engage": "0 when nothing in the run can freeze a block (no AutoFreeze, nothing frozen before fit): the cache can never serve",
     "disk_failures": "times the disk refused a boundary's directory or an entry (read-only, permission, I/O error): disk writes stopped at that boundary",
     "recreated": "times the store's directory was removed from outside and made again",
 }

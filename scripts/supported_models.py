@@ -53,7 +53,11 @@ def main() -> int:
         pipe = result("test_pipeline_equals_plain_training", name)
         cache = result("test_cache_equals_cache_off", name)
         pipe_cell = "works: equals plain training, every block runs once per micro-batch" if pipe == "passed" else f"**{pipe or 'not run'}**"
-        if family.cache_refused is not None:
+        if family.observed is not None and pipe == "passed":
+            pipe_cell = f"exact, not micro-batched (each pass runs whole, warned): {family.observed}"
+        if family.observed is not None:
+            cache_cell = f"stands aside, warned (exact, nothing served): {family.observed}" if cache == "passed" else f"**{cache or 'not run'}**"
+        elif family.cache_refused is not None:
             cache_cell = f"refused (`CacheConfigError` at the first cached step): {family.cache_refused[1]}" if cache == "passed" else f"**{cache or 'not run'}**"
         elif family.cache_stands_aside is not None:
             cache_cell = (

@@ -160,7 +160,7 @@ class AutoCache:
         #: tied to the output head): said when the cache stands aside for it.
         self.pre_trains_because: str | None = None
         #: Why no block can ever be served in this fit (nothing will freeze one), decided before training; logged
-        #: as ``autocache/can_engage`` = 0.
+        #: as ``autocache_diagnostics/can_engage`` = 0.
         self.never_engages: str | None = None
         #: A random augmentation of the stack's input the model applies in training (SpecAugment), in words:
         #: the cause named when lookups miss.

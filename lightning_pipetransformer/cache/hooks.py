@@ -44,7 +44,7 @@ def make_autocache(
     AutoFreeze); with trainable embeddings the cache keys on the hidden state itself.
     ``can_freeze``: something in the run can freeze blocks (AutoFreeze). Without it, and with no
     leading block frozen before fit, the cache can never serve: said once now, and logged as
-    ``autocache/can_engage`` = 0, rather than a cache that silently never turns on.
+    ``autocache_diagnostics/can_engage`` = 0, rather than a cache that silently never turns on.
     """
     directory = config.dir or default_cache_dir(default_root_dir)
     probe_cache_dir(directory)

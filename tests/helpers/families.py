@@ -35,6 +35,9 @@ class Family:
     cache_refused: tuple[str, str] | None = None
     #: Why ``cache=True`` stands aside (exact, warned, nothing served): words of the warning.
     cache_stands_aside: str | None = None
+    #: Why every training forward is observed (the model asks transformers to record per-layer outputs each
+    #: time): the pipeline runs each pass as one micro-batch and the cache stands aside, exact and warned.
+    observed: str | None = None
     #: Float inputs (image, audio): the keyword the model takes them by and one sample's shape.
     inputs: tuple[str, tuple[int, ...]] | None = None
 
@@ -104,7 +107,9 @@ FAMILIES = {
         Family("wav2vec2", _model(T.Wav2Vec2ForSequenceClassification, T.Wav2Vec2Config, **COMMON, num_labels=LABELS, layerdrop=0.0,
                                   mask_time_prob=0.0, conv_dim=(8, 8), conv_kernel=(10, 3), conv_stride=(5, 2),
                                   num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2, feat_extract_norm="layer",
-                                  classifier_proj_size=16), "audio", inputs=("input_values", (400,))),
+                                  classifier_proj_size=16), "audio", inputs=("input_values", (400,)),
+               observed="Wav2Vec2ForSequenceClassification asks for the hidden states on every forward (transformers' "
+                        "`filter_output_hidden_states`, then drops them), so its output recorders observe every block run"),
     ]
 }
 
