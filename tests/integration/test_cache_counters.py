@@ -11,33 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning.pytorch as pl
-from lightning.pytorch.loggers import Logger
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.report import CACHE_DIAGNOSTICS, CACHE_METRICS
 from tests.helpers.families import FamilyModule, family_data
+from tests.helpers.loggers import Recorder
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
-class Recorder(Logger):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[dict[str, float]] = []
-
-    @property
-    def name(self) -> str:
-        return "recorder"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params, *args, **kwargs) -> None:
-        pass
-
-    def log_metrics(self, metrics, step=None) -> None:
-        self.calls.append(dict(metrics))
 
 
 def test_lazy_advance_counts_as_served_and_the_logged_metrics_are_split() -> None:

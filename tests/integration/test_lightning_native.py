@@ -10,7 +10,6 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
-from lightning.pytorch.loggers import Logger
 from lightning.pytorch.trainer.connectors import accelerator_connector
 from lightning.pytorch.tuner import Tuner
 from torch import nn
@@ -19,28 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.stack.discovery import BlockStackError
 from tests.helpers.lightning_models import Classifier, data_for
-
-
-class Recorder(Logger):
-    """Every ``log_metrics`` call, as Lightning's tests observe loggers."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[dict[str, float]] = []
-
-    @property
-    def name(self) -> str:
-        return "recorder"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params, *args, **kwargs) -> None:
-        pass
-
-    def log_metrics(self, metrics, step=None) -> None:
-        self.calls.append(dict(metrics))
+from tests.helpers.loggers import Recorder
 
 
 def trainer_for(strategy, **kwargs) -> pl.Trainer:
