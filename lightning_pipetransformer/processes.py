@@ -10,6 +10,7 @@ then holds only the hooks that plan, install and transition. They ask ``self._re
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sys
 from datetime import timedelta
 from typing import Any
@@ -32,6 +33,9 @@ from lightning_pipetransformer.plan import Plan
 
 __all__ = ["ProcessLayout"]
 
+#: Trainer calls set up in this process (the fault board's keys are per call).
+_TRAINER_CALLS = itertools.count(1)
+
 
 class ProcessLayout(ParallelStrategy):
     """One process (rank 0 of 1, no launcher, no process group), or several as under ``DDPStrategy``."""
@@ -45,7 +49,6 @@ class ProcessLayout(ParallelStrategy):
         self._replicas: Replicas = OneProcess()  # one process, or several (AutoDP): picked at setup_environment
         self._board: faults.FaultBoard | None = None  # failures every rank reads without a collective
         self._watch: faults.PeerWatch | None = None  # ends this rank when another failed and it waits
-        self._calls = 0  # trainer calls set up in this process (the board's keys are per call)
         self._handled: tuple[BaseException, bool] | None = None  # the exception in hand, and whether it ended every rank together
         self._posted = False  # this rank posted the exception in hand: the first failure
 
@@ -164,9 +167,12 @@ class ProcessLayout(ParallelStrategy):
     # seconds; the launcher's rank ends the children it started. See docs/autodp.md, "Operations".
 
     def _start_watch(self) -> None:
-        self._calls += 1
+        self._stop_watch(finished=False)  # a watch of an earlier call on this strategy object ends first
         self._handled = None
-        self._board = faults.FaultBoard.for_default_group(self.global_rank, self.world_size, self._calls)
+        # Per trainer call in this process, whatever strategy object makes it: the default store outlives
+        # trainers, and an earlier call's posted failure must not end a later, healthy one. Every rank
+        # makes the same calls in the same order, so the numbers agree.
+        self._board = faults.FaultBoard.for_default_group(self.global_rank, self.world_size, next(_TRAINER_CALLS))
         children = list(getattr(self._launcher, "procs", None) or [])
         if children:  # it would SIGKILL every process, rank 0 too, without a word: the watch names the child instead
             lightning_internals.stop_child_process_observer()
@@ -254,7 +260,9 @@ class ProcessLayout(ParallelStrategy):
             self._board.wait_seen(timeout=3.0)
         children = list(getattr(self._launcher, "procs", None) or [])
         if children:
-            killed = faults.end_children(children, grace=10.0)
+            # Stopped together (an agreed signal or failure), every child runs its own exception hooks
+            # (Lightning's checkpoint): wait for them far longer than for a child that may never return.
+            killed = faults.end_children(children, grace=25.0 if self._ended_together(exception) else 10.0)
             if killed:
                 print(f"[pipetransformer] rank 0: ended the ranks it launched that were still running (pids {killed}).",
                       file=sys.stderr, flush=True)

@@ -147,11 +147,6 @@ def agree_at_step(error: BaseException | None, signum: int, group: Any, where: s
     raise PeerFailedError(f"Rank {rank} failed in {where}, so every rank stops here: {report}")
 
 
-def raise_together(error: BaseException | None, group: Any, where: str) -> None:
-    """:func:`agree_at_step` without a signal: every rank raises if any failed."""
-    agree_at_step(error, 0, group, where)
-
-
 class FaultBoard:
     """Failures posted where every rank reads them without a collective: the rendezvous store.
 
@@ -242,6 +237,9 @@ class PeerWatch(threading.Thread):
             self.cause = cause
             if self._stopped.wait(self.grace):
                 return  # the main thread ended by itself (and named the cause from the board)
+            if self.find_cause() is None:  # a store call that failed once under load: not a peer's failure
+                self.cause = None
+                continue
             deadline = time.monotonic() + self.unwind_grace - self.grace
             while self.unwinding() and time.monotonic() < deadline:  # its exception hooks run: let them end
                 if self._stopped.wait(self.poll):

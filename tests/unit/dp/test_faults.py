@@ -107,3 +107,37 @@ def test_the_watch_gives_a_rank_that_handles_its_exception_longer():
     rank1.post("InjectedFault: boom")
     watch.join(timeout=10)
     assert exits == [1] and time.monotonic() - start >= 1.0  # its exception hooks ran for the unwind grace
+
+
+def test_one_failed_store_call_under_load_does_not_end_a_healthy_rank():
+    """A TCPStore call that times out once reads as "rank 0 is gone"; the watch looks again after the grace."""
+
+    class Flaky:
+        def __init__(self):
+            self.calls = 0
+
+        def add(self, *a):
+            self.calls += 1
+            if self.calls == 1:
+                raise RuntimeError("Socket Timeout")
+            return 0
+
+    exits: list[int] = []
+    watch = faults.PeerWatch(faults.FaultBoard(Flaky(), 1, 2), grace=0.2, poll=0.05, exit_process=exits.append)
+    watch.start()
+    time.sleep(1.0)
+    watch.stop()
+    watch.join(timeout=5)
+    assert not exits and watch.cause is None
+
+
+def test_each_trainer_call_in_a_process_gets_a_board_of_its_own():
+    """An earlier call's posted failure (the default store outlives trainers) must not end a later call."""
+    from lightning_pipetransformer import processes
+
+    first, second = next(processes._TRAINER_CALLS), next(processes._TRAINER_CALLS)
+    store = dist.HashStore()
+    earlier = faults.FaultBoard(dist.PrefixStore(f"pipetransformer/faults/{first}/", store), 1, 2)
+    earlier.post("InjectedFault: from an earlier fit")
+    later = faults.FaultBoard(dist.PrefixStore(f"pipetransformer/faults/{second}/", store), 0, 2)
+    assert first != second and later.failures() == {}
