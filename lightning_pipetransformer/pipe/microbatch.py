@@ -194,6 +194,10 @@ def _aliases(views: Sequence[Tensor]) -> tuple[Tensor, ...]:
     """
     if any(v.is_inference() for v in views):
         return tuple(views)
+    if len({v.storage_offset() for v in views}) < len(views):
+        # An argument expanded along the batch (stride 0 there): its micro-batches share elements, so
+        # an in-place write to one would change the others behind autograd's back. Copies keep them apart.
+        return _copies(views, len(views))
     with torch.no_grad():
         return tuple(
             torch.empty(0, dtype=v.dtype, device=v.device).set_(v.untyped_storage(), v.storage_offset(), v.size(), v.stride())

@@ -184,3 +184,17 @@ def test_map_tensors_reaches_nested_tensors_only():
     out = map_tensors(lambda t: t * 2, (a, [a, None], Output(x=a), "s"))
     assert torch.equal(out[0], a * 2) and torch.equal(out[1][0], a * 2) and out[1][1] is None
     assert isinstance(out[2], Output) and torch.equal(out[2]["x"], a * 2) and out[3] == "s"
+
+
+def test_an_argument_expanded_along_the_batch_is_copied_not_aliased():
+    """Its rows are one memory: aliases would let an in-place write to one micro-batch change the others."""
+    from lightning_pipetransformer.pipe.microbatch import _aliases
+
+    mask = torch.zeros(1, 3).expand(4, 3)
+    pieces = _aliases(torch.tensor_split(mask, 2))
+    pieces[0].add_(1)
+    assert torch.equal(pieces[1], torch.zeros(2, 3)) and torch.equal(mask, torch.zeros(4, 3))
+    rows = torch.zeros(4, 3)
+    aliased = _aliases(torch.tensor_split(rows, 2))
+    aliased[0].add_(1)  # rows that do not overlap stay aliases: the write lands in the argument
+    assert torch.equal(rows[:2], torch.ones(2, 3)) and torch.equal(rows[2:], torch.zeros(2, 3))
