@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Protocol
+import weakref
 
 import torch
 from torch import Tensor
@@ -424,8 +425,10 @@ class VirtualDevices:
     """
 
     def __init__(self) -> None:
-        self._where: dict[int, tuple[Any, torch.device]] = {}  # id(tensor) -> (tensor ref, device)
-        self.wrapped: dict[int, torch.device] = {}  # id(param) -> the device DDP saw it on
+        # id(tensor) -> (tensor ref, device). An id is reused once its tensor dies, so every lookup
+        # checks the reference: a stale entry must never speak for a new tensor at the same address.
+        self._where: dict[int, tuple[Any, torch.device]] = {}
+        self.wrapped: dict[int, tuple[Any, torch.device]] = {}  # id(param) -> (param ref, the device DDP saw it on)
         self.process_device: torch.device | None = None  # set by the strategy (bind_process_device)
 
     def __enter__(self) -> VirtualDevices:
@@ -438,15 +441,19 @@ class VirtualDevices:
         _virtual = self._previous
 
     def tag(self, tensor: Tensor, device: torch.device) -> None:
-        import weakref
-
         self._where[id(tensor)] = (weakref.ref(tensor), device)
 
+    @staticmethod
+    def _live(table: dict[int, tuple[Any, torch.device]], tensor: Tensor) -> torch.device | None:
+        found = table.get(id(tensor))
+        return found[1] if found is not None and found[0]() is tensor else None
+
+    def tagged(self, tensor: Tensor) -> bool:
+        return self._live(self._where, tensor) is not None
+
     def device_of(self, tensor: Tensor) -> torch.device:
-        found = self._where.get(id(tensor))
-        if found is not None and found[0]() is tensor:
-            return found[1]
-        return tensor.device  # never placed: where torch says it is
+        where = self._live(self._where, tensor)
+        return tensor.device if where is None else where  # never placed: where torch says it is
 
     def live_bytes(self, device: torch.device) -> int:
         """Bytes of the memory held by tensors tagged on ``device`` that are still alive (staging
@@ -461,7 +468,7 @@ class VirtualDevices:
 
     def placed(self, module: torch.nn.Module, device: torch.device) -> None:
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-            seen = self.wrapped.get(id(tensor))
+            seen = self._live(self.wrapped, tensor)
             if seen is not None and seen != device:
                 raise VirtualDeviceError(
                     f"{name} moved from {seen} to {device} after DDP wrapped it: DDP's hooks and buckets stay on the "
@@ -474,15 +481,15 @@ class VirtualDevices:
             where = self.device_of(param)
             if where != root:
                 raise VirtualDeviceError(f"DDP wraps a parameter on {where}, not on the process's device {root}.")
-            self.wrapped[id(param)] = where
+            self.wrapped[id(param)] = (weakref.ref(param), where)
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         for param, state in optimizer.state.items():
             home = self.device_of(param)
             for key, value in state.items():
-                if not isinstance(value, Tensor) or (key == "step" and value.dim() == 0 and id(value) not in self._where):
+                if not isinstance(value, Tensor) or (key == "step" and value.dim() == 0 and not self.tagged(value)):
                     continue
-                if id(value) not in self._where:  # made by the optimizer next to its parameter
+                if not self.tagged(value):  # made by the optimizer next to its parameter
                     self.tag(value, home)
                 elif self.device_of(value) != home:
                     raise VirtualDeviceError(

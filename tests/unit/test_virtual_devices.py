@@ -59,6 +59,31 @@ def test_optimizer_state_follows_its_parameter(options):
         assert (virtual.device_of(step) == CPU1) == bool(options)
 
 
+def test_a_dead_tensors_tag_never_speaks_for_a_new_tensor_at_its_address():
+    # CPython reuses a dead object's id: a tag (or DDP's record) keyed by id alone made a new momentum
+    # buffer at a reused address look "tagged on cpu" and failed the 4-process virtual run at random.
+    param = nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    with VirtualDevices() as virtual:
+        virtual.tag(param, CPU0)
+        for _ in range(1000):
+            dead = torch.zeros(3)
+            virtual.tag(dead, CPU1)
+            virtual.wrapped[id(dead)] = (lambda: None, CPU1)  # as DDP's record of a parameter now dead
+            address = id(dead)
+            del dead
+            buffer = torch.zeros(3)
+            if id(buffer) == address:
+                break
+        else:
+            pytest.fail("CPython gave no dead tensor's address to a new one in 1000 tries")
+        assert virtual.device_of(buffer) == buffer.device and not virtual.tagged(buffer)
+        optimizer.state[param]["momentum_buffer"] = buffer
+        dev.check_optimizer(optimizer)  # made next to its parameter: tagged there, not refused
+        assert virtual.device_of(buffer) == CPU0
+        assert virtual._live(virtual.wrapped, buffer) is None  # DDP's dead record: no refusal of a move of the new one
+
+
 def test_a_collective_on_a_tensor_off_the_process_device_fails_and_staging_avoids_it():
     on_stage = torch.randn(300_000)  # > COALESCE_BYTES: sent straight from its own memory when it may be
     with VirtualDevices():
