@@ -210,20 +210,49 @@ def test_keys_come_from_the_skipped_call_not_a_later_one(tmp_path):
     assert cache.embeddings_skipped == 2
 
 
+class SharedPositionEmbeddings(nn.Module):
+    """Token embeddings plus one position vector per column, from a 1-D ``positions`` shared by every row."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, dim)
+        self.positions = nn.Embedding(SEQ, dim)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.tokens(ids) + self.positions(positions)[None]
+
+
+class SharedPositions(nn.Module):
+    """Embeddings that read an argument shared by all rows, then the stack (a 1-D position_ids, as BERT took
+    before transformers 5.25 made its mask builder read it per row)."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.embeddings = SharedPositionEmbeddings(dim)
+        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(3))
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embeddings(ids, positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(dim=1))
+
+
 def test_rows_of_a_half_hit_batch_keep_shared_inputs_whole(tmp_path):
-    # A 1-D position_ids shared by all rows, whose length equals the batch size: cutting rows out of
-    # the embeddings' inputs would cut it too and give the misses wrong positions.
-    plain, model, cache = plain_and_cached(lambda: tiny_bert(3), tmp_path, 2)
+    # A 1-D argument shared by all rows, whose length equals the batch size: cutting rows out of the
+    # embeddings' inputs would cut it too and give the misses wrong positions.
+    plain, model, cache = plain_and_cached(SharedPositions, tmp_path, 2)
     g = torch.Generator().manual_seed(0)
     a = torch.randint(0, VOCAB, (SEQ, SEQ), generator=g)
     b = a.clone()
     b[-1] = torch.randint(0, VOCAB, (SEQ,), generator=g)  # 7 hits, 1 miss
-    shared = dict(position_ids=torch.arange(SEQ), token_type_ids=torch.zeros(SEQ, SEQ, dtype=torch.long))
+    positions = torch.arange(SEQ)
     with torch.no_grad():
-        model(input_ids=a, **shared)  # stores a, arms skipping
-        model(input_ids=a, **shared)  # skipped, all hits, verified
-        out = model(input_ids=b, **shared).logits  # skipped; the real embeddings run for the miss
-        torch.testing.assert_close(out, plain(input_ids=b, **shared).logits, rtol=1e-5, atol=1e-6)
+        model(a, positions)  # stores a, arms skipping
+        model(a, positions)  # skipped, all hits, verified
+        out = model(b, positions)  # skipped; the real embeddings run for the miss
+        torch.testing.assert_close(out, plain(b, positions), rtol=1e-5, atol=1e-6)
     assert cache.embeddings_skipped == 2
 
 
