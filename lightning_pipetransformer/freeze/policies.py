@@ -66,9 +66,10 @@ class FreezePoint:
 
     ``index`` is ``T``, the freeze step: with ``freeze_every_n_epochs=n`` the point at the start of
     epoch ``e`` is ``e // n``; with ``freeze_interval`` the number of intervals passed (several
-    when AutoDP applies the points of an epoch at its end); for a plan per epoch, the epoch.
-    ``untrainable``: leading blocks that had no trainable parameter at set-up (frozen before fit):
-    they count as frozen whatever a rule says.
+    when AutoDP applies the points of an epoch at the next epoch start); for a plan per epoch, the
+    epoch. ``epoch``: the epoch the point falls in (for :meth:`FreezeRule.ahead` at epoch level, the
+    coming point's epoch; inside epochs, the current one). ``untrainable``: leading blocks that had
+    no trainable parameter at set-up (frozen before fit): they count as frozen whatever a rule says.
     """
 
     index: int
