@@ -653,8 +653,7 @@ class AutoFreeze(Callback):
             # What runs before and after the stack, once observed: a resumed run freezes the same modules.
             "pre": [p for p, _ in self.stack.pre] if known and self.stack is not None else None,
             "post": [p for p, _ in self.stack.post] if known and self.stack is not None else None,
-            # The rule's statistics, under the keys the callback has always written
-            # ("norm_sum"/"norm_steps", "previous_l1"/"grad_sums").
+            # The rule's state between points, as flat keys ("norm_sum"/"norm_steps", "previous_l1"/"grad_sums").
             **self.freeze_rule.state_dict(full),
         }
 

@@ -5,7 +5,7 @@ due, freezing, telling the strategy, annealing, checkpoints); a rule only answer
 blocks should be frozen now?". Keeping the two apart lets a rule be tested by feeding it statistics
 and points by hand, without a Trainer, and lets a user bring a rule of their own::
 
-    class FreezeHalfAtEpoch3(FreezeRule):
+    class FreezeHalfAtEpoch3(FreezeRuleBase):
         name = "half at epoch 3"
 
         def decide(self, point: FreezePoint) -> int:
@@ -20,7 +20,8 @@ the same all-reduced numbers, so decisions agree without a collective.
 The built-in rules (``"paper"``, ``"schedule"``, ``"autofreeze"``, explicit plans) are defined in
 :mod:`lightning_pipetransformer.freeze.rules` as pure functions; the classes here hold the state
 between points (statistics of :mod:`lightning_pipetransformer.freeze.statistics`) and checkpoint it
-under the keys the callback has always written.
+as flat keys of the callback's state (``norm_sum``, ``norm_steps``, ``previous_l1``, ``grad_sums``),
+so that a checkpoint loads whichever rule wrote it.
 """
 
 from __future__ import annotations

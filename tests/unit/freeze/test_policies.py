@@ -222,3 +222,10 @@ def test_an_annealing_checkpoint_of_the_old_format_restores_its_plan():
     plan = freeze._anneal.plan
     assert plan is not None and (plan.source, plan.target, plan.start, plan.end) == (0, 3, 0, 8)
     assert freeze.state_dict()["anneal"] == OLD_ANNEAL["anneal"]
+
+
+def test_the_most_the_strategy_plans_for_is_what_the_plan_reaches_in_the_run():
+    planned = callback(schedule={1: 2, 3: 4})
+    # The plan reaches 2 within two epochs, 4 within five; unbounded: anything up to L - min_active = 5.
+    assert [planned.most_frozen(2), planned.most_frozen(5), planned.most_frozen(None)] == [2, 4, 5]
+    assert callback(rule="paper").most_frozen(2) == 5
