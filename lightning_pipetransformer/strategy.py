@@ -47,6 +47,7 @@ from lightning_pipetransformer.dp.ddp import GradientSync
 from lightning_pipetransformer.dp.replicas import Elastic
 from lightning_pipetransformer.engine import Engine, make_planner
 from lightning_pipetransformer.freeze.apply import untrainable_prefix
+from lightning_pipetransformer.freeze.seam import FreezeSource
 from lightning_pipetransformer.pipe.planner import AutoPipe
 from lightning_pipetransformer.plan import Plan
 from lightning_pipetransformer.plan.change import PlanChange
@@ -269,7 +270,7 @@ class PipeTransformerStrategy(ProcessLayout):
         frozen += [m for _, m in stack.pre if not any(p.requires_grad for p in m.parameters())]
         return any(module is inner for outer in frozen for inner in outer.modules())
 
-    def _find_stack(self, module: pl.LightningModule, autofreeze: Any, fitting: bool) -> BlockStack | None:
+    def _find_stack(self, module: pl.LightningModule, autofreeze: FreezeSource | None, fitting: bool) -> BlockStack | None:
         """The block stack to plan over; ``None`` (with a warning) when the model has none and
         nothing asks for one, so that any LightningModule trains as under the plain strategy."""
         if self.config.layers is None and autofreeze is not None:
@@ -297,12 +298,12 @@ class PipeTransformerStrategy(ProcessLayout):
                 "which stores the frozen blocks' outputs.)"
             )
 
-    def _target_frozen(self, autofreeze: Any) -> int:
+    def _target_frozen(self, autofreeze: FreezeSource | None) -> int:
         """The frozen prefix to plan for: AutoFreeze's, and blocks without a trainable parameter count as frozen."""
         assert self._stack is not None
         return max(autofreeze.num_frozen if autofreeze is not None else 0, untrainable_prefix(self._stack))
 
-    def _first_plan(self, trainer: pl.Trainer, autofreeze: Any) -> Plan:
+    def _first_plan(self, trainer: pl.Trainer, autofreeze: FreezeSource | None) -> Plan:
         """One process: the planner's plan. Several: rank 0's, agreed on, with the groups made."""
         assert self.engine is not None
         replicas = self._replicas
@@ -320,7 +321,7 @@ class PipeTransformerStrategy(ProcessLayout):
             groups.point_metrics_at(module, replicas.active_group)
         return plan
 
-    def _agree(self, trainer: pl.Trainer, autofreeze: Any) -> Plan:
+    def _agree(self, trainer: pl.Trainer, autofreeze: FreezeSource | None) -> Plan:
         """Rank 0's plan (and planner and AutoFreeze state) on every rank; the others take its decision."""
         assert self.engine is not None and isinstance(self._replicas, Elastic)
         proposal = None
@@ -424,10 +425,7 @@ class PipeTransformerStrategy(ProcessLayout):
             or self.engine is None or autofreeze.stack is None
         ):  # fmt: skip
             return
-        most_frozen = autofreeze.max_frozen
-        if autofreeze.schedule is not None and trainer.max_epochs is not None and trainer.max_epochs > 0:
-            most_frozen = min(most_frozen, max(autofreeze.schedule(e) for e in range(trainer.max_epochs)))
-        most_frozen = max(most_frozen, autofreeze.num_frozen)
+        most_frozen = autofreeze.most_frozen(trainer.max_epochs)
         data.check_val_check_interval(interval, dataloader, self.engine.most_replicas(most_frozen), trainer.limit_train_batches)
 
     @override
@@ -596,7 +594,7 @@ class PipeTransformerStrategy(ProcessLayout):
 
     # ------------------------------------------------------------------ freeze points and the transition
 
-    def on_freeze_point(self, trainer: pl.Trainer, autofreeze: Any, epoch_start: bool) -> None:
+    def on_freeze_point(self, trainer: pl.Trainer, autofreeze: FreezeSource, epoch_start: bool) -> None:
         """AutoFreeze reached a freeze point (on every rank, decided or not). One process re-plans now,
         also inside an epoch; several change replicas together, at epoch starts only (:meth:`transition`)."""
         if self.engine is None or self.plan is None:  # no block stack, or not set up
@@ -609,7 +607,7 @@ class PipeTransformerStrategy(ProcessLayout):
         if num_frozen != self.plan.num_frozen:
             self._apply(self.engine.propose(num_frozen))
 
-    def transition(self, trainer: pl.Trainer, autofreeze: Any) -> None:
+    def transition(self, trainer: pl.Trainer, autofreeze: FreezeSource | None) -> None:
         """The AutoDP transition, on every rank at a train-epoch start, every step in order, under one SIGTERM hold.
 
         1. agree on rank 0's plan and what changes (:class:`~lightning_pipetransformer.plan.change.PlanChange`);
@@ -654,7 +652,7 @@ class PipeTransformerStrategy(ProcessLayout):
         # A signal that came during the transition (held until now): every rank stops before the epoch's first batch.
         self._agree_on_signal("the transition")
 
-    def _send_state(self, trainer: pl.Trainer, autofreeze: Any, joining: tuple[int, ...], clock: PhaseClock) -> None:
+    def _send_state(self, trainer: pl.Trainer, autofreeze: FreezeSource | None, joining: tuple[int, ...], clock: PhaseClock) -> None:
         """Rank 0's weights to ``joining`` (buffers to every replica), then its optimizer, LR-scheduler and scaler state."""
         assert isinstance(self._replicas, Elastic)
         self._replicas.send_weights(self.lightning_module, joining, self.root_device)
@@ -817,7 +815,7 @@ def _lightning_arguments(given: dict[str, Any]) -> dict[str, Any]:
     return dict(given)
 
 
-def _autofreeze_of(trainer: pl.Trainer) -> Any:
+def _autofreeze_of(trainer: pl.Trainer) -> FreezeSource | None:
     from lightning_pipetransformer.freeze.callback import AutoFreeze
 
     return next((c for c in trainer.callbacks if isinstance(c, AutoFreeze)), None)

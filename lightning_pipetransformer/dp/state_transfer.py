@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipetransformer import devices as dev
+from lightning_pipetransformer.freeze.seam import FreezeSource
 
 #: Tensors are sent in pieces of at most this many bytes, so that a rank that has received a piece
 #: forwards it while the next one arrives (a pipelined tree, see :func:`transfer_tree`).
@@ -462,7 +463,7 @@ def without_state_of(optimizer_state: dict[str, Any], optimizer: torch.optim.Opt
     return {**optimizer_state, "state": {k: v for k, v in optimizer_state["state"].items() if k not in indices}}
 
 
-def frozen_for_good(autofreeze: Any) -> list[nn.Parameter]:
+def frozen_for_good(autofreeze: FreezeSource | None) -> list[nn.Parameter]:
     """The parameters AutoFreeze has frozen (``requires_grad`` off): they never thaw."""
     if autofreeze is None or autofreeze.stack is None or not autofreeze.num_frozen:
         return []

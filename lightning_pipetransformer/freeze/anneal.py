@@ -31,8 +31,8 @@ called; a fused one is called and changes nothing, and scaling no change is no c
 with ``grad=None`` are skipped by the optimizer, so they do not move either way. Parameters may
 sit on several devices (the pipeline's stages): each copy stays on its parameter's device.
 
-This module is pure torch (no Lightning): :class:`~lightning_pipetransformer.freeze.callback.AutoFreeze`
-decides the plans, this module carries them out.
+This module is pure torch (no Lightning): :mod:`lightning_pipetransformer.freeze.anneal_timing`
+chooses the plans from AutoFreeze's freeze points, this module carries them out.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def annealed_parameters(
 class Annealer:
     """Scale the optimizer's updates of the blocks about to freeze, by a curve over the interval before the freeze.
 
-    Usage (what :class:`AutoFreeze` does)::
+    Usage (what :class:`~lightning_pipetransformer.freeze.anneal_timing.AnnealTiming` does)::
 
         annealer = Annealer("cosine")
         annealer.bind(stack, include_pre=True)

@@ -1,33 +1,36 @@
 """AutoFreeze: progressive freezing of a model's leading blocks, as a Lightning callback.
 
 Works alone under single-device and DDP-family strategies (plain progressive freezing: the
-frozen prefix runs forward only and leaves DDP's gradient all-reduce), and under
-``strategy="pipetransformer"``, which it signals to repartition the pipeline.
+frozen prefix runs forward only and leaves DDP's gradient all-reduce), and under a strategy that
+follows the freeze points (:class:`~lightning_pipetransformer.freeze.seam.FreezeFollower`:
+``strategy="pipetransformer"``), which repartitions the pipeline at each.
 
-When things happen (every rank runs the same code on the same numbers, so decisions agree):
+The callback is the mechanism; the rule is a policy object
+(:class:`~lightning_pipetransformer.freeze.policies.FreezeRule`) that observes each optimizer step
+and answers, at a freeze point, how many blocks should be frozen. When things happen (every rank
+runs the same code on the same numbers, so decisions agree):
 
 * every optimizer step (``on_before_optimizer_step``: gradients are final, after DDP averaging
-  and gradient accumulation, and unscaled under AMP): the ``"paper"`` rule adds each active
-  block's gradient norm to an on-device running sum, the ``"autofreeze"`` rule the gradients
-  themselves to per-block sums; a step with non-finite gradients (AMP skipped it) adds nothing.
-  No host sync per step.
-* at each freeze point: decide the new frozen count ``F``, freeze, and tell the strategy (DDP's
-  wrapper is rebuilt so frozen parameters leave the gradient buckets; the pipeline strategy
-  repartitions). Freeze points are the start of every ``freeze_every_n_epochs``-th epoch, or,
-  with ``freeze_interval``, every N optimizer steps (an int) or every fraction of an epoch (a
-  float: that share of the first epoch's optimizer steps, counted across epochs), checked in
-  ``on_train_batch_start`` of a batch that begins an accumulation window, so that a freeze never
-  splits one.
+  and gradient accumulation, and unscaled under AMP): the rule observes the gradients (the
+  statistics of :mod:`lightning_pipetransformer.freeze.statistics`, on the device, no host sync).
+* at each freeze point: the rule decides the new frozen count ``F``, capped at
+  ``len(stack) - min_active`` and never below the current; the blocks freeze, and the strategy is
+  told (DDP's wrapper is rebuilt so frozen parameters leave the gradient buckets; a
+  :class:`~lightning_pipetransformer.freeze.seam.FreezeFollower` re-plans). Freeze points are the
+  start of every ``freeze_every_n_epochs``-th epoch, or, with ``freeze_interval``, every N
+  optimizer steps (an int) or every fraction of an epoch (a float: that share of the first epoch's
+  optimizer steps, counted across epochs), checked in ``on_train_batch_start`` of a batch that
+  begins an accumulation window, so that a freeze never splits one. A plan per epoch
+  (``schedule=``) is asked at every epoch start.
 * at the end of every epoch: log ``autofreeze/num_frozen``.
 
 Deciding at epoch *start* (not end) makes resuming exact wherever the checkpoint was written
-(at validation end or train-epoch end): the gradient sums of the finished epoch are part of the
+(at validation end or train-epoch end): the statistics of the finished epoch are part of the
 callback state, and the decision for the next epoch is taken after loading it.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -40,7 +43,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_pipetransformer.freeze.anneal import Annealer, AnnealPlan, AnnealSpec, anneal_curve
+from lightning_pipetransformer.freeze.anneal import AnnealSpec
+from lightning_pipetransformer.freeze.anneal_timing import AnnealTiming
 from lightning_pipetransformer.freeze.apply import (
     apply_freeze,
     ensure_frozen_eval,
@@ -48,27 +52,18 @@ from lightning_pipetransformer.freeze.apply import (
     tied_outside,
     untrainable_prefix,
 )
-from lightning_pipetransformer.freeze.rules import (
-    ExplicitSchedule,
-    autofreeze_num_frozen,
-    geometric_num_frozen,
-    interval_steps,
-    paper_num_frozen,
-    validate_alpha,
-    validate_interval,
-)
+from lightning_pipetransformer.freeze.policies import FreezePoint, FreezeRule, make_rule, validate_percentile
+from lightning_pipetransformer.freeze.rules import ExplicitSchedule, interval_steps, validate_alpha, validate_interval
+from lightning_pipetransformer.freeze.seam import FreezeFollower
 from lightning_pipetransformer.stack.declared import block_stack_of
 from lightning_pipetransformer.stack.discovery import BlockStack, BlockStackError
 from lightning_pipetransformer.stack.execution import CallOrderObserver, split_by_order
+from lightning_pipetransformer.warn_once import WarnOnce
 
 __all__ = ["AutoFreeze"]
 
 Rule = Literal["paper", "schedule", "autofreeze"]
-
-#: A strategy that implements this method is told at every freeze point, on every rank, decided or not
-#: (the pipeline strategy): ``hook(trainer, autofreeze, epoch_start)``. It runs inside AutoFreeze's own
-#: hook, right after the decision, so its place does not depend on the order of ``trainer.callbacks``.
-STRATEGY_HOOK = "on_freeze_point"
+RULES = ("paper", "schedule", "autofreeze")
 
 
 class AutoFreeze(Callback):
@@ -86,7 +81,10 @@ class AutoFreeze(Callback):
             gradient summed over the interval; the blocks before the first one whose norm changed
             by at least the ``percentile``-th percentile of the active blocks' relative changes
             (since the previous interval) freeze. It needs two intervals before its first freeze.
-            See :mod:`lightning_pipetransformer.freeze.rules`.
+            Or a rule of your own: an object implementing
+            :class:`~lightning_pipetransformer.freeze.policies.FreezeRule` (subclass
+            ``FreezeRuleBase`` and override ``decide``). See
+            :mod:`lightning_pipetransformer.freeze.rules` and docs/autofreeze.md.
         schedule: an explicit plan, ``{epoch: num_frozen}`` (a step function) or a callable
             ``epoch -> num_frozen``. Overrides ``rule`` and ``alpha``; for reproducible experiments.
         layers: the block container's attribute path relative to the LightningModule (e.g.
@@ -117,13 +115,13 @@ class AutoFreeze(Callback):
             interval before their freeze points (the same freezes as without); ``"paper"`` and
             ``"autofreeze"`` decide at a point as without, anneal the chosen blocks over the next
             interval and freeze them at the point after (one interval later). See
-            :mod:`lightning_pipetransformer.freeze.anneal` and docs/autofreeze.md.
+            :mod:`lightning_pipetransformer.freeze.anneal_timing` and docs/autofreeze.md.
     """
 
     def __init__(
         self,
         alpha: float = 1 / 3,
-        rule: Rule = "paper",
+        rule: Rule | FreezeRule = "paper",
         schedule: Mapping[int, int] | Callable[[int], int] | None = None,
         layers: str | nn.Module | BlockStack | None = None,
         pre: Sequence[str] | None = None,
@@ -135,14 +133,12 @@ class AutoFreeze(Callback):
         anneal: AnnealSpec | None = None,
     ) -> None:
         super().__init__()
-        if anneal is not None:
-            anneal_curve(anneal)  # refused at construction
         self.anneal = anneal
-        self._annealer: Annealer | None = None  # built at setup, where it can engage (see _setup_anneal)
-        self._anneal_told: set[str] = set()
+        # Smooth freezing's timing; its annealer is built at setup, where it can engage (see _setup_anneal).
+        self._anneal = AnnealTiming(anneal, warn=rank_zero_warn, info=rank_zero_info) if anneal is not None else None
         self.alpha = validate_alpha(alpha)
-        if rule not in ("paper", "schedule", "autofreeze"):
-            raise ValueError(f"rule must be 'paper', 'schedule' or 'autofreeze', got {rule!r}.")
+        if not (isinstance(rule, FreezeRule) or rule in RULES):
+            raise ValueError(f"rule must be 'paper', 'schedule', 'autofreeze' or a FreezeRule object, got {rule!r}.")
         self.freeze_interval = validate_interval(freeze_interval)
         if self.freeze_interval is not None and schedule is not None:
             raise ValueError(
@@ -150,15 +146,17 @@ class AutoFreeze(Callback):
             )
         if self.freeze_interval is not None and freeze_every_n_epochs != 1:
             raise ValueError("Pass freeze_interval (points inside epochs) or freeze_every_n_epochs, not both.")
-        if not 0.0 < float(percentile) < 100.0:
-            raise ValueError(f"percentile must be in (0, 100) (the original AutoFreeze uses 50), got {percentile!r}.")
-        self.percentile = float(percentile)
+        self.percentile = validate_percentile(percentile)
         if isinstance(freeze_every_n_epochs, bool) or not isinstance(freeze_every_n_epochs, int) or freeze_every_n_epochs < 1:
             raise ValueError(f"freeze_every_n_epochs must be a positive int, got {freeze_every_n_epochs!r}.")
         if isinstance(min_active, bool) or not isinstance(min_active, int) or min_active < 0:
             raise ValueError(f"min_active must be an int >= 0, got {min_active!r}.")
-        self.rule: Rule = rule
         self.schedule = ExplicitSchedule(schedule) if schedule is not None else None
+        #: The policy that decides at each freeze point (:mod:`lightning_pipetransformer.freeze.policies`).
+        self.freeze_rule: FreezeRule = make_rule(rule, self.alpha, self.percentile, self.schedule)
+        if self.freeze_rule.per_epoch and self.freeze_interval is not None:
+            raise ValueError(f"The rule {self.freeze_rule.name!r} is a plan per epoch: pass it without freeze_interval.")
+        self.rule: str = rule if isinstance(rule, str) else rule.name
         self.layers = layers
         self.pre = list(pre) if pre is not None else None
         self.freeze_every_n_epochs = freeze_every_n_epochs
@@ -168,6 +166,7 @@ class AutoFreeze(Callback):
         #: Why the embeddings keep training although freeze_embeddings=True was asked (tied to the head); None otherwise.
         self.embeddings_kept_training: str | None = None
         self._observer: CallOrderObserver | None = None
+        self._said = WarnOnce(lambda message, stacklevel: rank_zero_info(message))
 
         self.stack: BlockStack | None = None
         self.num_frozen = 0
@@ -179,18 +178,10 @@ class AutoFreeze(Callback):
         #: (global step, num_frozen) at each freeze event.
         self.step_history: list[tuple[int, int]] = []
         self._decided_epoch = 0  # the last epoch whose start already took its freeze decision
-        self._norm_sum: torch.Tensor | None = None  # per block, summed over optimizer steps
-        self._norm_steps: int | torch.Tensor = 0  # finite optimizer steps summed (a device tensor while training)
-        self._restored_norms: list[float] | None = None
         # freeze_interval: the global step of the next freeze point, and how many points have passed.
         self._next_point: int | None = None
         self._points = 0
         self._interval_steps: int | None = None
-        self._deferred_told = False
-        # rule="autofreeze": per block, the gradient summed over the interval, and the previous
-        # interval's L1 norms.
-        self._grad_sums: list[list[torch.Tensor]] | None = None
-        self._previous_l1: list[float] | None = None
 
     # ------------------------------------------------------------------ set-up and checks
 
@@ -245,9 +236,8 @@ class AutoFreeze(Callback):
                 "min_active=0 would leave nothing to train: every trainable parameter is in the block stack "
                 "(or before it). Use min_active >= 1."
             )
-        if self.schedule is not None:
-            epochs = trainer.max_epochs if trainer is not None and trainer.max_epochs is not None and trainer.max_epochs > 0 else None
-            self.schedule.validate(self.max_frozen, epochs)
+        epochs = trainer.max_epochs if trainer is not None and trainer.max_epochs is not None and trainer.max_epochs > 0 else None
+        self.freeze_rule.check(self.max_frozen, epochs)
         rank_zero_info(f"AutoFreeze: block stack {stack.describe()}; {self._rule_text()}.")
         untrainable = self._untrainable = untrainable_prefix(stack)
         if untrainable > self.num_frozen:
@@ -348,14 +338,14 @@ class AutoFreeze(Callback):
             apply_freeze(self.stack, self.num_frozen, True)
 
     def _rule_text(self) -> str:
-        if self.schedule is not None:
-            return "explicit schedule" + self._anneal_text()
+        if self.freeze_rule.per_epoch:
+            return self.freeze_rule.name + self._anneal_text()
         every = (
             f"every {self.freeze_interval} optimizer step(s)" if isinstance(self.freeze_interval, int)
             else f"every {self.freeze_interval:g} of an epoch" if self.freeze_interval is not None
             else f"every {self.freeze_every_n_epochs} epoch(s)"
         )
-        return f"rule '{self.rule}', alpha={self.alpha:.3g}, {every}, min_active={self.min_active}{self._anneal_text()}"
+        return f"rule '{self.freeze_rule.name}', alpha={self.alpha:.3g}, {every}, min_active={self.min_active}{self._anneal_text()}"
 
     def _trains_outside_stack(self, pl_module: pl.LightningModule) -> bool:
         assert self.stack is not None
@@ -365,9 +355,7 @@ class AutoFreeze(Callback):
     @staticmethod
     def _check_strategy(trainer: pl.Trainer) -> None:
         strategy = trainer.strategy
-        if callable(getattr(strategy, STRATEGY_HOOK, None)):
-            return
-        if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+        if _follower(trainer) is not None or isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
             return
         raise ValueError(
             f"AutoFreeze supports single-device, DDP-family and 'pipetransformer' strategies, not "
@@ -397,11 +385,10 @@ class AutoFreeze(Callback):
 
     def _warn_if_no_point_fits(self, trainer: pl.Trainer) -> None:
         """Once, before training: a run too short for any freeze decision freezes nothing, and says so."""
-        if self.schedule is not None or self.num_frozen >= self.max_frozen:
+        if self.freeze_rule.per_epoch or self.num_frozen >= self.max_frozen:
             return
-        needed = 2 if self.rule == "autofreeze" else 1  # the autofreeze rule compares two intervals
         lag = self._anneal_lags()  # anneal: a gradient rule's freeze comes one point after its decision
-        needed += lag
+        needed = self.freeze_rule.points_before_first_freeze + lag
         if self.freeze_interval is not None:
             total = trainer.estimated_stepping_batches
             assert self._next_point is not None and self._interval_steps is not None
@@ -419,305 +406,177 @@ class AutoFreeze(Callback):
             every = f"freeze_every_n_epochs={self.freeze_every_n_epochs}"
             length, fix = f"max_epochs={epochs}", "more epochs, or freeze points inside epochs (freeze_interval=0.5)"
         if fits < needed:
-            rule = f"rule='{self.rule}'" + (" with anneal (each freeze one point after its decision)" if lag else "")
-            what = "freeze point falls inside it" if fits == 0 else f"freeze point{'s fit' if fits > 1 else ' fits'}, and {rule} needs {('two', 'three')[needed - 2]}"
+            rule = f"rule='{self.freeze_rule.name}'" + (" with anneal (each freeze one point after its decision)" if lag else "")
+            count = {2: "two", 3: "three"}.get(needed, str(needed))
+            what = "freeze point falls inside it" if fits == 0 else f"freeze point{'s fit' if fits > 1 else ' fits'}, and {rule} needs {count}"
             rank_zero_warn(
                 f"AutoFreeze: with {every} and a run of {length}, {'no' if fits == 0 else 'only one' if fits == 1 else f'only {fits}'} {what}: "
                 f"nothing will be frozen. Use {fix}."
             )
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._epoch_start_point(trainer)
-        # Every rank, every epoch start: under AutoDP this is where the replicas change, together.
-        self._tell_strategy(trainer, epoch_start=True)
-
-    def _epoch_start_point(self, trainer: pl.Trainer) -> None:
-        if self.freeze_interval is not None:
-            if self._points_wait_for_epochs(trainer):
-                self._at_point(trainer, trainer.global_step)
-            elif self.stack is not None:
-                ensure_frozen_eval(self.stack, self.num_frozen, self._pre_applies())
-            return
-        if not getattr(trainer.strategy, "autofreeze_decides_here", True):
-            # AutoDP: global rank 0 alone decides (an idle rank has no gradient norms, and stale
-            # ones from rank 0's half-finished interval would decide otherwise). Its decision and
-            # state reach this rank with the plan, in the strategy's transition right after this
-            # (on_freeze_point), and load_state_dict freezes the same blocks here.
-            if self.stack is not None:
-                ensure_frozen_eval(self.stack, self.num_frozen, self._pre_applies())
-            return
-        epoch = trainer.current_epoch
-        self._freeze_annealed(trainer, trainer.global_step, epoch)
-        target = self._decide(epoch)
-        if target > self.num_frozen and not self._anneal_first(trainer, target, trainer.global_step, epoch):
-            self._apply(trainer, target, announce=True, epoch=epoch)
-        elif self.stack is not None:
+        changed = 0
+        if self.freeze_interval is None:
+            if self._decides_here(trainer):
+                changed = self._at_point(trainer, self._epoch_index(trainer.current_epoch), epoch_level=True)
+        elif self._points_wait_for_epochs(trainer):
+            index = self._interval_index(trainer)
+            if index is not None and self._decides_here(trainer):
+                changed = self._at_point(trainer, index, epoch_level=False)
+        if self.stack is not None:
             ensure_frozen_eval(self.stack, self.num_frozen, self._pre_applies())
-        self._anneal_ahead(trainer, trainer.global_step, epoch)
+        # Every rank, every epoch start: under AutoDP this is where the replicas change, together.
+        self._tell_strategy(trainer, epoch_start=True, changed=changed)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if (
             self.freeze_interval is not None
             and batch_idx % max(1, trainer.accumulate_grad_batches) == 0  # never inside an accumulation window
             and not self._points_wait_for_epochs(trainer)
-            and self._at_point(trainer, trainer.global_step)
         ):
-            self._tell_strategy(trainer, epoch_start=False)  # one process: the plan follows inside the epoch
+            index = self._interval_index(trainer)
+            if index is not None:
+                changed = self._at_point(trainer, index, epoch_level=False) if self._decides_here(trainer) else 0
+                self._tell_strategy(trainer, epoch_start=False, changed=changed)  # one process: the plan follows inside the epoch
         # A user's `model.train()` (e.g. in on_validation_model_train) would re-enable dropout in
         # frozen blocks; one attribute read per frozen module puts that right.
         if self.stack is not None and self.num_frozen:
             ensure_frozen_eval(self.stack, self.num_frozen, self._pre_applies())
         self._observe_order(pl_module)
-        if self._annealer is not None and self.stack is not None:  # which optimizer step comes next: its update's factor
-            self._annealer.bind(self.stack, self.freeze_embeddings, self._pre_frozen)
-            self._annealer.at_step(trainer.global_step, trainer.optimizers)
-
-    def _points_wait_for_epochs(self, trainer: pl.Trainer) -> bool:
-        """Several processes under the pipeline strategy: AutoDP changes replicas at epoch starts only."""
-        waits = callable(getattr(trainer.strategy, STRATEGY_HOOK, None)) and trainer.world_size > 1
-        if waits and not self._deferred_told:
-            self._deferred_told = True
-            rank_zero_info(
-                "AutoFreeze: with several processes under strategy='pipetransformer', freeze points inside an epoch are "
-                "applied at the next epoch start, where AutoDP can change the number of replicas."
-            )
-        return waits
-
-    def _at_point(self, trainer: pl.Trainer, step: int) -> bool:
-        """At a batch start (or an epoch start under AutoDP): decide if a freeze point is due; whether one was."""
-        if self._next_point is None or self._interval_steps is None or step < self._next_point:
-            return False
-        self._points += (step - self._next_point) // self._interval_steps + 1
-        self._next_point += ((step - self._next_point) // self._interval_steps + 1) * self._interval_steps
-        if not getattr(trainer.strategy, "autofreeze_decides_here", True):
-            if self.stack is not None:  # rank 0's decision arrives with the plan (load_state_dict)
-                ensure_frozen_eval(self.stack, self.num_frozen, self._pre_applies())
-            return True
-        self._freeze_annealed(trainer, step, trainer.current_epoch)
-        target = self._decide_at_point()
-        if target > self.num_frozen and not self._anneal_first(trainer, target, step, trainer.current_epoch):
-            self._apply(trainer, target, announce=True, epoch=trainer.current_epoch, step=step)
-        self._anneal_ahead(trainer, step)
-        return True
+        if self._anneal is not None and self.stack is not None:  # which optimizer step comes next: its update's factor
+            self._anneal.at_step(self.stack, self.freeze_embeddings, self._pre_frozen, trainer.global_step, trainer.optimizers)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self.schedule is not None or self.stack is None:
-            return
-        if self.rule == "autofreeze":
-            self._add_gradients()
-            return
-        if self.rule != "paper":
-            return
-        norms = self._block_grad_norms()
-        if norms is None:
-            return
-        if self._norm_sum is None:
-            self._norm_sum = torch.zeros_like(norms)
-            if self._restored_norms is not None:
-                self._norm_sum += torch.tensor(self._restored_norms, dtype=norms.dtype, device=norms.device)
-                self._restored_norms = None
-        # A step skipped by AMP's scaler has inf/nan gradients: it must not decide a freeze, so it is
-        # left out of both the sums and the count (a tensor count: no host sync per step).
-        finite = torch.isfinite(norms).all()
-        self._norm_sum += torch.where(finite, norms, torch.zeros_like(norms))
-        self._norm_steps = self._norm_steps + finite.to(torch.int64)
+        if self.stack is not None:
+            self.freeze_rule.observe(self.stack, self.num_frozen)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         pl_module.log("autofreeze/num_frozen", float(self.num_frozen), on_step=False, on_epoch=True, sync_dist=True)
 
-    # ------------------------------------------------------------------ decisions
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._observer is not None:
+            self._observer.remove()
+            self._observer = None
+        if self._anneal is not None:
+            self._anneal.detach()
 
-    def _decide(self, epoch: int) -> int:
-        """The frozen count the rule asks for at the start of ``epoch`` (never below the current)."""
+    # ------------------------------------------------------------------ freeze points
+
+    def _epoch_index(self, epoch: int) -> int | None:
+        """The index ``T`` of the freeze point at the start of ``epoch``, or None when the epoch start
+        is not one (a plan per epoch is asked at every epoch; a resumed epoch start does not decide twice)."""
         if self.stack is None:
-            return self.num_frozen
-        if self.schedule is not None:
-            # Blocks without a trainable parameter count as frozen from the start, whatever the plan says.
-            target = max(self.schedule(epoch), self._untrainable)
-            if target < self.num_frozen or target > max(self.max_frozen, self._untrainable):
-                raise ValueError(
-                    f"schedule({epoch}) = {target}, but {self.num_frozen} blocks are already frozen and at most "
-                    f"{self.max_frozen} may be: a schedule must not decrease or exceed the stack."
-                )
-            return target
+            return None
+        if self.freeze_rule.per_epoch:
+            return epoch
         n = self.freeze_every_n_epochs
         if epoch == 0 or epoch % n != 0 or epoch <= self._decided_epoch:
-            return self.num_frozen
+            return None
         self._decided_epoch = epoch
-        if self.rule == "schedule":
-            target = geometric_num_frozen(self.num_blocks, self.alpha, epoch // n)
-        elif self.rule == "autofreeze":
-            target = self._autofreeze_rule()
-        else:
-            norms = self._mean_norms()
-            self._reset_norms()
-            if norms is None:  # no optimizer step in the interval: nothing to go on
-                return self.num_frozen
-            target = paper_num_frozen(self.num_frozen, self.alpha, norms)
-        return max(self.num_frozen, min(target, self.max_frozen))
+        return epoch // n
 
-    def _decide_at_point(self) -> int:
-        """The frozen count at a point of ``freeze_interval`` (never below the current)."""
-        if self.rule == "schedule":
-            target = geometric_num_frozen(self.num_blocks, self.alpha, self._points)
-        elif self.rule == "paper":
-            norms = self._mean_norms()
-            self._reset_norms()
-            if norms is None:
-                return self.num_frozen
-            target = paper_num_frozen(self.num_frozen, self.alpha, norms)
-        else:
-            target = self._autofreeze_rule()
-        return max(self.num_frozen, min(target, self.max_frozen))
-
-    def _add_gradients(self) -> None:
-        """rule="autofreeze": add this step's gradients of the active blocks to the interval's sums.
-
-        A step with a non-finite gradient (skipped by AMP's scaler) adds nothing, decided on the
-        device (no host sync). Sums restored from a checkpoint sit where the checkpoint was loaded
-        (callbacks load before the strategy moves the model): they follow their gradients here.
-        """
-        assert self.stack is not None
-        if self._grad_sums is None:
-            self._grad_sums = [[torch.zeros_like(p) for p in block.parameters()] for block in self.stack.blocks]
-        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for index, block in enumerate(self.stack.blocks):
-            if index < self.num_frozen:
-                continue
-            sums = self._grad_sums[index]
-            for position, p in enumerate(block.parameters()):
-                if p.grad is None:
-                    continue
-                if sums[position].device != p.grad.device:
-                    sums[position] = sums[position].to(p.grad.device)
-                by_device.setdefault(p.grad.device, []).append((sums[position], p.grad))
-        if not by_device:
-            return
-        # One flag for the whole step, as the optimizer skips a step as a whole (pipeline stages may
-        # sit on several devices: each checks its own gradients, the flags meet on one device).
-        # The largest magnitude (ord=inf) cannot overflow in half precision as an L2 norm can, and keeps nan and inf.
-        flags = [torch.isfinite(torch.stack(torch._foreach_norm([g for _, g in pairs], ord=math.inf))).all() for pairs in by_device.values()]
-        finite = torch.stack([f.to(flags[0].device) for f in flags]).all()
-        for device, pairs in by_device.items():
-            ok = finite.to(device)
-            torch._foreach_add_([s for s, _ in pairs], [torch.where(ok, g, 0.0) for _, g in pairs])
-
-    def _autofreeze_rule(self) -> int:
-        """Liu et al.'s decision: compare each block's summed-gradient L1 norm with the previous interval's."""
-        if self._grad_sums is None:
-            return self.num_frozen
-        l1 = [float(sum(float(s.abs().sum()) for s in sums)) for sums in self._grad_sums]
-        self._grad_sums = None
-        if not all(math.isfinite(v) for v in l1):  # overflowed sums: no decision, and no baseline for the next
-            self._previous_l1 = None
-            return self.num_frozen
-        previous, self._previous_l1 = self._previous_l1, l1
-        if previous is None:
-            return self.num_frozen
-        return autofreeze_num_frozen(self.num_frozen, previous, l1, self.percentile)
-
-    def _block_grad_norms(self) -> torch.Tensor | None:
-        """Per-block gradient norms (0 for frozen blocks), on the device of the last block."""
-        assert self.stack is not None
-        blocks = self.stack.blocks
-        device = next((p.grad.device for p in blocks[-1].parameters() if p.grad is not None), None)
-        if device is None:
+    def _interval_index(self, trainer: pl.Trainer) -> int | None:
+        """With ``freeze_interval``: the index of the point due at this step (counting every interval
+        passed since the last one, as under AutoDP, which applies them at epoch starts), or None."""
+        step = trainer.global_step
+        if self._next_point is None or self._interval_steps is None or step < self._next_point:
             return None
-        norms = []
-        for index, block in enumerate(blocks):
-            grads = [p.grad for p in block.parameters() if p.grad is not None] if index >= self.num_frozen else []
-            if not grads:
-                norms.append(torch.zeros((), device=device))
-                continue
-            per_tensor = torch._foreach_norm(grads, dtype=torch.float32)  # in fp16 a finite gradient's L2 norm can overflow
-            norms.append(torch.linalg.vector_norm(torch.stack(per_tensor)).to(device, non_blocking=True))
-        return torch.stack(norms).float()
+        passed = (step - self._next_point) // self._interval_steps + 1
+        self._points += passed
+        self._next_point += passed * self._interval_steps
+        return self._points
 
-    def _mean_norms(self) -> list[float] | None:
-        steps = int(self._norm_steps)  # the finite steps of the interval (a device tensor while training)
-        if steps == 0:
-            return None
-        if self._norm_sum is None:
-            return None if self._restored_norms is None else [v / steps for v in self._restored_norms]
-        return (self._norm_sum / steps).tolist()
+    def _point(self, index: int, epoch: int) -> FreezePoint:
+        return FreezePoint(index, epoch, self.num_frozen, self.num_blocks, self.max_frozen, self._untrainable)
 
-    def _reset_norms(self) -> None:
-        self._norm_sum, self._norm_steps, self._restored_norms = None, 0, None
+    def _decides_here(self, trainer: pl.Trainer) -> bool:
+        """AutoDP: global rank 0 alone decides (an idle rank has no gradient statistics, and stale
+        ones from rank 0's half-finished interval would decide otherwise). Its decision and state
+        reach the other ranks with the plan, in the strategy's transition right after the point
+        (``on_freeze_point``), and :meth:`load_state_dict` freezes the same blocks there."""
+        follower = _follower(trainer)
+        return follower is None or follower.autofreeze_decides_here
+
+    def _at_point(self, trainer: pl.Trainer, index: int | None, epoch_level: bool) -> int:
+        """At freeze point ``index`` on the deciding rank (None: an epoch start that is no point,
+        where smooth freezing still moves on): freeze what annealed to zero, decide, freeze or
+        anneal first, and anneal ahead for the next point. Returns how many parameters froze."""
+        step, epoch = trainer.global_step, trainer.current_epoch
+        changed = 0
+        annealed = self._anneal.due(step) if self._anneal is not None else None
+        if annealed is not None and annealed > self.num_frozen:
+            changed += self._apply(annealed, epoch, step)
+        target = self._decide(index, epoch) if index is not None else self.num_frozen
+        if target > self.num_frozen and not self._anneal_lagging(trainer, target, step, epoch if epoch_level else None):
+            changed += self._apply(target, epoch, step)
+        self._anneal_ahead(trainer, step, epoch if epoch_level else None)
+        return changed
+
+    def _decide(self, index: int, epoch: int) -> int:
+        """The rule's answer at point ``index``, kept between the blocks frozen now and ``max_frozen``:
+        blocks never thaw. The point is built here, after any freeze earlier at the same point."""
+        if self.stack is None:
+            return self.num_frozen
+        return max(self.num_frozen, min(self.freeze_rule.decide(self._point(index, epoch)), self.max_frozen))
+
+    def _points_wait_for_epochs(self, trainer: pl.Trainer) -> bool:
+        """Several processes under the pipeline strategy: AutoDP changes replicas at epoch starts only."""
+        waits = _follower(trainer) is not None and trainer.world_size > 1
+        if waits:
+            self._said(
+                "deferred", "AutoFreeze: with several processes under strategy='pipetransformer', freeze points inside an epoch "
+                "are applied at the next epoch start, where AutoDP can change the number of replicas.",
+            )
+        return waits
 
     # ------------------------------------------------------------------ applying a freeze
 
-    def _apply(self, trainer: pl.Trainer, target: int, announce: bool, epoch: int | None = None, step: int | None = None) -> None:
+    def _apply(self, target: int, epoch: int, step: int) -> int:
+        """Freeze ``target`` leading blocks, record and log the event; how many parameters froze."""
         assert self.stack is not None
         before = self.num_frozen
         self._pre_frozen = self.freeze_embeddings
         changed = apply_freeze(self.stack, target, self._pre_applies())
         self.num_frozen = target
-        if self._grad_sums is not None:  # rule="autofreeze": frozen blocks' sums are not needed any more
-            for index in range(before, target):
-                self._grad_sums[index] = [torch.zeros_like(s) for s in self._grad_sums[index]]
-        if announce:
-            epoch = int(epoch if epoch is not None else trainer.current_epoch)
-            step = int(step if step is not None else trainer.global_step)
-            self.history.append((epoch, target))
-            self.step_history.append((step, target))
-            where = f"epoch {epoch}" + (f", step {step}" if self.freeze_interval is not None else "")
-            rank_zero_info(
-                f"AutoFreeze: {where}: froze blocks {before}..{target - 1} "
-                f"({target}/{self.num_blocks} frozen{', embeddings too' if self.freeze_embeddings else ''})."
-            )
-        self._notify_strategy(trainer, target, changed)
+        self.history.append((int(epoch), target))
+        self.step_history.append((int(step), target))
+        where = f"epoch {epoch}" + (f", step {step}" if self.freeze_interval is not None else "")
+        rank_zero_info(
+            f"AutoFreeze: {where}: froze blocks {before}..{target - 1} "
+            f"({target}/{self.num_blocks} frozen{', embeddings too' if self.freeze_embeddings else ''})."
+        )
+        return changed
 
-    def _tell_strategy(self, trainer: pl.Trainer, epoch_start: bool) -> None:
-        """The pipeline strategy brings its plan in line with :attr:`num_frozen` (also when no parameter
-        changed: blocks that had none trainable still move the plan)."""
-        hook = getattr(trainer.strategy, STRATEGY_HOOK, None)
-        if callable(hook):
-            hook(trainer, self, epoch_start)
-
-    def _notify_strategy(self, trainer: pl.Trainer, target: int, changed: int) -> None:
+    def _tell_strategy(self, trainer: pl.Trainer, epoch_start: bool, changed: int) -> None:
+        """After a freeze point: a :class:`FreezeFollower` brings its plan in line with :attr:`num_frozen`
+        (on every rank, decided or not); under DDP the wrapper is rebuilt if a parameter froze."""
         strategy = trainer.strategy
-        if callable(getattr(strategy, STRATEGY_HOOK, None)):
-            return  # told at the freeze point (_tell_strategy), after the decision is complete
-        if changed and isinstance(strategy, DDPStrategy) and isinstance(strategy.model, DistributedDataParallel):
+        follower = _follower(trainer)
+        if follower is not None:
+            follower.on_freeze_point(trainer, self, epoch_start)
+        elif changed and isinstance(strategy, DDPStrategy) and isinstance(strategy.model, DistributedDataParallel):
             # DDP's reducer fixed its gradient buckets when it was built; parameters frozen
             # afterwards would still be all-reduced (or raise "Expected to have finished
             # reduction"). Re-wrapping drops them (Lightning issue #20340).
             strategy.model = strategy.lightning_module
             strategy.configure_ddp()
 
-    # ------------------------------------------------------------------ smooth freezing (anneal=..., freeze/anneal.py)
+    # ------------------------------------------------------------------ smooth freezing (anneal=..., freeze/anneal_timing.py)
 
     def _setup_anneal(self, trainer: pl.Trainer) -> None:
-        """Build the annealer for this fit, or say once why it cannot engage (the stack may be found later)."""
-        if self.anneal is None:
-            return
-        if callable(getattr(trainer.strategy, STRATEGY_HOOK, None)) and trainer.world_size > 1:
-            self._annealer = None
-            self._tell_anneal(
-                "autodp",
-                "AutoFreeze(anneal=...) is off: with several processes under strategy='pipetransformer', AutoDP applies "
-                "freezes at epoch starts whose optimizer step is not known in advance (replicas joining change the "
-                "epoch's length), so an interval cannot be annealed to end at the freeze. Blocks freeze without annealing.",
-            )
-            return
-        if self._annealer is None:
-            self._annealer = Annealer(self.anneal)
+        """Engage smooth freezing for this fit, or say once why it cannot (several AutoDP processes)."""
+        if self._anneal is not None:
+            self._anneal.setup(_follower(trainer) is not None and trainer.world_size > 1)
 
     def _anneal_text(self) -> str:
-        if self.anneal is None:
+        if self._anneal is None:
             return ""
-        name = self.anneal if isinstance(self.anneal, str) else "custom"
-        lag = self.schedule is None and self.rule in ("paper", "autofreeze")
-        return f", anneal={name}" + (" (each freeze one interval after its decision)" if lag else "")
-
-    def _tell_anneal(self, key: str, message: str) -> None:
-        if key not in self._anneal_told:
-            self._anneal_told.add(key)
-            rank_zero_warn(message)
+        lag = not self.freeze_rule.plans_ahead
+        return f", anneal={self._anneal.label}" + (" (each freeze one interval after its decision)" if lag else "")
 
     def _anneal_lags(self) -> bool:
         """The rules that decide from the interval's gradients know the next F only at the point itself."""
-        return self._annealer is not None and self.schedule is None and self.rule in ("paper", "autofreeze")
+        return self._anneal is not None and self._anneal.annealer is not None and not self.freeze_rule.plans_ahead
 
     def _next_point_step(self, trainer: pl.Trainer, step: int, epoch: int | None) -> int | None:
         """The optimizer step of the next freeze point after the one at ``step`` (None: unknown)."""
@@ -728,120 +587,77 @@ class AutoFreeze(Callback):
         try:
             per_epoch = _steps_per_epoch(trainer)
         except ValueError:
-            self._tell_anneal(
-                "length", "AutoFreeze(anneal=...) cannot anneal: the training loader has no length, so the step of the next "
-                "epoch-start freeze point is unknown. Blocks freeze without annealing.",
-            )
+            assert self._anneal is not None
+            self._anneal.no_length()
             return None
-        n = 1 if self.schedule is not None else self.freeze_every_n_epochs
+        n = 1 if self.freeze_rule.per_epoch else self.freeze_every_n_epochs
         return step + ((epoch // n + 1) * n - epoch) * per_epoch
 
-    def _begin_anneal(self, trainer: pl.Trainer, target: int, step: int, end: int | None) -> bool:
-        """Anneal blocks ``num_frozen..target-1`` over the steps ``step..end-1``; False if it cannot engage."""
-        if self._annealer is None or end is None or target <= self.num_frozen:
-            return False
-        if end - step < 2:
-            self._tell_anneal(
-                "short", f"AutoFreeze(anneal=...): the interval before the freeze at step {end} has {end - step} optimizer "
-                "step(s); annealing needs at least 2 (an interval's first step runs at the full rate), so its blocks "
-                "freeze without annealing.",
-            )
-            return False
-        assert self.stack is not None
-        self._annealer.bind(self.stack, self.freeze_embeddings, self._pre_frozen)
-        if self._annealer.begin(AnnealPlan(self.num_frozen, target, step, end)):
-            rank_zero_info(
-                f"AutoFreeze: step {step}: annealing blocks {self.num_frozen}..{target - 1} to a zero learning rate "
-                f"({self.anneal if isinstance(self.anneal, str) else 'custom curve'}) until the freeze point at step {end}."
-            )
-        return True
+    def _begin_anneal(self, target: int, step: int, end: int | None) -> bool:
+        assert self._anneal is not None and self.stack is not None
+        return self._anneal.begin(self.stack, self.freeze_embeddings, self._pre_frozen, self.num_frozen, target, step, end)
 
-    def _anneal_first(self, trainer: pl.Trainer, target: int, step: int, epoch: int) -> bool:
-        """``"paper"``/``"autofreeze"``: the decision of this point anneals over the next interval and freezes
-        at the next point. True when it does (nothing freezes now)."""
+    def _anneal_lagging(self, trainer: pl.Trainer, target: int, step: int, epoch: int | None) -> bool:
+        """A rule that decides from gradients: this point's decision anneals over the next interval
+        and freezes at the next point. True when it does (nothing freezes now)."""
         if not self._anneal_lags():
             return False
-        epoch_level = None if self.freeze_interval is not None else epoch
-        return self._begin_anneal(trainer, target, step, self._next_point_step(trainer, step, epoch_level))
-
-    def _freeze_annealed(self, trainer: pl.Trainer, step: int, epoch: int) -> None:
-        """At a freeze point: freeze the blocks whose interval ends here (their rate reached zero)."""
-        plan = self._annealer.plan if self._annealer is not None else None
-        if plan is None or step < plan.end:
-            return
-        assert self._annealer is not None
-        self._annealer.clear()
-        if plan.target > self.num_frozen:
-            self._apply(trainer, plan.target, announce=True, epoch=epoch, step=step)
+        return self._begin_anneal(target, step, self._next_point_step(trainer, step, epoch))
 
     def _anneal_ahead(self, trainer: pl.Trainer, step: int, epoch: int | None = None) -> None:
-        """``"schedule"`` and explicit schedules know the next F: anneal its blocks over the interval before it."""
-        if self._annealer is None or self._anneal_lags() or self.stack is None:
+        """A rule that knows its next decision: anneal that decision's blocks over the interval before its point."""
+        if self._anneal is None or self._anneal.annealer is None or self._anneal_lags() or self.stack is None:
             return
-        if self.schedule is not None:
+        if self.freeze_rule.per_epoch:
             assert epoch is not None
             if trainer.max_epochs is not None and 0 < trainer.max_epochs <= epoch + 1:
                 return  # no freeze point after the last epoch
-            target = self.schedule(epoch + 1)
-            if not self.num_frozen < target <= self.max_frozen:
-                return  # nothing to freeze next (or a bad plan, which _decide refuses at that epoch)
-        elif self.freeze_interval is not None:
-            target = geometric_num_frozen(self.num_blocks, self.alpha, self._points + 1)
+            point = self._point(epoch + 1, epoch + 1)
+        elif epoch is None:  # freeze_interval
+            point = self._point(self._points + 1, trainer.current_epoch)
         else:
-            assert epoch is not None
             n = self.freeze_every_n_epochs
-            target = geometric_num_frozen(self.num_blocks, self.alpha, epoch // n + 1)
+            point = self._point(epoch // n + 1, (epoch // n + 1) * n)
+        target = self.freeze_rule.ahead(point)
+        if target is None:
+            return
         target = min(target, self.max_frozen)
         if target > self.num_frozen:
-            self._begin_anneal(trainer, target, step, self._next_point_step(trainer, step, epoch))
-
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._observer is not None:
-            self._observer.remove()
-            self._observer = None
-        if self._annealer is not None:
-            self._annealer.detach()  # the optimizer's step hooks go with the fit
+            self._begin_anneal(target, step, self._next_point_step(trainer, step, epoch))
 
     # ------------------------------------------------------------------ checkpointing
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            **self.decision_state(),
-            # rule="autofreeze" mid-interval: the summed gradients (a copy of the active blocks' size).
-            "grad_sums": [[t.detach().cpu() for t in block] for block in self._grad_sums] if self._grad_sums is not None else None,
-        }
+        return self._state(full=True)
 
     def decision_state(self) -> dict[str, Any]:
         """What every rank needs of rank 0's decisions (what AutoDP's agree message carries): the
-        state without the summed gradients, which only the deciding rank reads and which are a copy
-        of the active blocks' size (~340 MB for BERT-base). :meth:`load_state_dict` takes it; the
-        receiving rank's own sums restart empty, as they are never read there."""
-        norms = self._mean_sum_list()
+        state without the rule's bulk statistics (the ``"autofreeze"`` rule's summed gradients, a
+        copy of the active blocks' size: ~340 MB for BERT-base), which only the deciding rank reads.
+        :meth:`load_state_dict` takes it; the receiving rank's own statistics restart empty."""
+        return self._state(full=False)
+
+    def _state(self, full: bool) -> dict[str, Any]:
+        known = self.stack is not None and not self.stack.provisional
         return {
             "num_frozen": self.num_frozen,
             "num_blocks": self.num_blocks,
             "history": [list(h) for h in self.history],
             "decided_epoch": self._decided_epoch,
-            "norm_sum": norms,
-            "norm_steps": int(self._norm_steps),
             "step_history": [list(h) for h in self.step_history],
             "next_point": self._next_point,
             "points": self._points,
-            "previous_l1": self._previous_l1,
             "pre_frozen": self._pre_frozen,
             # anneal: the interval that anneals now (blocks, steps); None without one.
-            "anneal": self._annealer.state_dict() if self._annealer is not None else None,
+            "anneal": self._anneal.state_dict() if self._anneal is not None else None,
             # What runs before and after the stack, once observed: a resumed run freezes the same modules.
-            "pre": [p for p, _ in self.stack.pre] if self.stack is not None and not self.stack.provisional else None,
-            "post": [p for p, _ in self.stack.post] if self.stack is not None and not self.stack.provisional else None,
+            "pre": [p for p, _ in self.stack.pre] if known and self.stack is not None else None,
+            "post": [p for p, _ in self.stack.post] if known and self.stack is not None else None,
+            # The rule's state between points, as flat keys ("norm_sum"/"norm_steps", "previous_l1"/"grad_sums").
+            **self.freeze_rule.state_dict(full),
         }
 
-    def _mean_sum_list(self) -> list[float] | None:
-        if self._norm_sum is not None:
-            return self._norm_sum.tolist()
-        return self._restored_norms
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         if self.stack is None and self._module is not None:
             # Restored after the module's setup() and configure_model(): a lazily built model exists now.
             self.find_stack(self._module)
@@ -853,23 +669,13 @@ class AutoFreeze(Callback):
         self.num_frozen = int(state_dict["num_frozen"])
         self.history = [(int(e), int(f)) for e, f in state_dict.get("history", [])]
         self._decided_epoch = int(state_dict.get("decided_epoch", 0))
-        self._norm_sum = None
-        self._restored_norms = state_dict.get("norm_sum")
-        self._norm_steps = int(state_dict.get("norm_steps", 0))
         self.step_history = [(int(a), int(b)) for a, b in state_dict.get("step_history", [])]
         self._next_point = state_dict.get("next_point")
         self._points = int(state_dict.get("points", 0))
-        self._previous_l1 = state_dict.get("previous_l1")
         self._pre_frozen = bool(state_dict.get("pre_frozen", self.freeze_embeddings and self.num_frozen > 0))
-        sums = state_dict.get("grad_sums")
-        if sums is not None and self.stack is not None:
-            self._grad_sums = [
-                [t.to(p.device) for t, p in zip(block, module.parameters())] for block, module in zip(sums, self.stack.blocks)
-            ]
-        else:
-            self._grad_sums = None
-        if self._annealer is not None:
-            self._annealer.load_state_dict(state_dict.get("anneal"))
+        self.freeze_rule.load_state_dict(state_dict, self.stack)
+        if self._anneal is not None:
+            self._anneal.load_state_dict(state_dict.get("anneal"))
         order = state_dict.get("pre"), state_dict.get("post")
         if self.stack is not None and self.stack.provisional and order[0] is not None and self._module is not None:
             root = self._module
@@ -879,6 +685,20 @@ class AutoFreeze(Callback):
             # Callbacks are restored before the strategy wraps the model: freeze now so DDP's
             # first wrapper already leaves the frozen prefix out.
             apply_freeze(self.stack, self.num_frozen, self._pre_applies())
+
+    def most_frozen(self, num_epochs: int | None) -> int:
+        """The most blocks this run will freeze, as far as known before it: ``max_frozen``, or an
+        explicit plan's largest value over ``num_epochs`` epochs (never below the blocks frozen now)."""
+        most = self.max_frozen
+        if self.schedule is not None and num_epochs is not None and num_epochs > 0:
+            most = min(most, max(self.schedule(e) for e in range(num_epochs)))
+        return max(most, self.num_frozen)
+
+
+def _follower(trainer: pl.Trainer) -> FreezeFollower | None:
+    """The strategy, if it follows the freeze points itself (the pipeline strategy)."""
+    strategy = trainer.strategy
+    return strategy if isinstance(strategy, FreezeFollower) else None
 
 
 def _steps_per_epoch(trainer: pl.Trainer) -> int:

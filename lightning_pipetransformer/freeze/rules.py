@@ -1,6 +1,9 @@
-"""Freeze rules: how many leading blocks are frozen after each freeze step.
+"""Freeze rules' arithmetic: how many leading blocks are frozen after each freeze step.
 
-Two rules from the PipeTransformer paper, and explicit plans for reproducible experiments.
+Two rules from the PipeTransformer paper, the original AutoFreeze system's rule
+(:func:`autofreeze_num_frozen`), and explicit plans for reproducible experiments. The policy
+objects that hold each rule's state between points and answer AutoFreeze are in
+:mod:`lightning_pipetransformer.freeze.policies`.
 ``L`` is the number of blocks, ``F(T)`` the number frozen after freeze step ``T`` (``F(0) = 0``):
 
 * ``"schedule"`` (what the official code ran): the geometric term alone,
@@ -12,7 +15,7 @@ Two rules from the PipeTransformer paper, and explicit plans for reproducible ex
   blocks up to and including it freeze. The geometric step is rounded up, so each step of the
   paper rule freezes at least one block while any stay active.
 
-Both are pure functions so every process computes the same answer from the same inputs.
+They are pure functions, so every process computes the same answer from the same inputs.
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ def test_paper_rule_uses_gradient_norms():
 
     class Spy(Callback):
         def on_train_epoch_start(self, trainer, pl_module):
-            seen.append(freeze._mean_norms())
+            seen.append(freeze.freeze_rule.statistics.mean())
 
     make_trainer([Spy(), freeze], max_epochs=2).fit(module, loader(text_dataset(16)))
     norms = seen[1]

@@ -171,7 +171,7 @@ def test_resume_from_a_checkpoint_inside_an_annealing_interval_is_exact(tmp_path
 
     full, full_freeze = run(tmp_path / "a")
     _, stopped = run(tmp_path / "b", max_steps=at)
-    plan = stopped._annealer.plan
+    plan = stopped._anneal.plan
     assert plan is not None and plan.start < at < plan.end  # the checkpoint is inside an annealing interval
     resumed, resumed_freeze = run(tmp_path / "c", ckpt_path=tmp_path / "b" / f"step={at}.ckpt")
     assert resumed_freeze.step_history == full_freeze.step_history and full_freeze.num_frozen > 0
@@ -230,13 +230,13 @@ def test_an_interval_of_one_step_cannot_anneal_and_says_so():
 def test_several_processes_under_the_pipeline_strategy_turn_it_off_with_the_reason():
     freeze = AutoFreeze(rule="schedule", freeze_interval=4, anneal="cosine")
     freeze.stack = block_stack_of(TextClassifier(num_layers=4))
-    trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(on_freeze_point=lambda *a: None), world_size=2)
+    trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(on_freeze_point=lambda *a: None, autofreeze_decides_here=True), world_size=2)
     with pytest.warns(UserWarning, match="AutoDP applies freezes at epoch starts"):
         freeze._setup_anneal(trainer)  # type: ignore[arg-type]
-    assert freeze._annealer is None
-    single = types.SimpleNamespace(strategy=types.SimpleNamespace(on_freeze_point=lambda *a: None), world_size=1)
+    assert freeze._anneal.annealer is None
+    single = types.SimpleNamespace(strategy=types.SimpleNamespace(on_freeze_point=lambda *a: None, autofreeze_decides_here=True), world_size=1)
     freeze._setup_anneal(single)  # type: ignore[arg-type]
-    assert freeze._annealer is not None
+    assert freeze._anneal.annealer is not None
 
 
 @pytest.mark.parametrize("bad", ["exp", 1, lambda t: -1.0])
@@ -250,4 +250,4 @@ def test_a_run_with_room_for_one_decision_warns_that_its_lagged_freeze_will_not_
     freeze = AutoFreeze(rule="paper", alpha=0.5, freeze_interval=10, anneal="cosine")
     with pytest.warns(UserWarning, match="with anneal .each freeze one point after its decision. needs two"):
         fit(freeze)
-    assert freeze.num_frozen == 0 and freeze._annealer.plan is not None
+    assert freeze.num_frozen == 0 and freeze._anneal.plan is not None

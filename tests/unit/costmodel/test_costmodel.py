@@ -178,7 +178,9 @@ def _autofreeze_schedule(num_blocks: int, alpha: float, min_active: int, epochs:
     cb.stack = BlockStack("blocks", nn.ModuleList(nn.Identity() for _ in range(num_blocks)))
     out = []
     for epoch in range(epochs):
-        cb.num_frozen = cb._decide(epoch)
+        index = cb._epoch_index(epoch)
+        if index is not None:
+            cb.num_frozen = cb._decide(index, epoch)
         out.append(cb.num_frozen)
     return out
 

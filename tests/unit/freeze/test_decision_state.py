@@ -34,7 +34,7 @@ def test_decision_state_leaves_the_gradient_sums_out_and_loads():
     assert {k: v for k, v in full.items() if k != "grad_sums"} == decisions
     other, _ = callback_on("autofreeze")
     other.load_state_dict(decisions)
-    assert other.num_frozen == freeze.num_frozen and other._grad_sums is None
+    assert other.num_frozen == freeze.num_frozen and other.freeze_rule.statistics.sums is None
 
 
 def test_the_agree_message_ships_no_gradient_sums(monkeypatch):

@@ -52,7 +52,7 @@ def test_the_paper_rule_leaves_a_skipped_step_out_of_its_means(overflow_block):
     one_step(reference, ref_blocks, 1.0)
     one_step(reference, ref_blocks, 3.0)
     # Before: the overflowed block's norm counted as 0 over 3 steps, the others' over 3 steps too.
-    assert freeze._mean_norms() == pytest.approx(reference._mean_norms())
+    assert freeze.freeze_rule.statistics.mean() == pytest.approx(reference.freeze_rule.statistics.mean())
     assert freeze.state_dict()["norm_steps"] == 2
 
 
@@ -62,7 +62,7 @@ def test_the_autofreeze_rule_leaves_a_skipped_step_out_of_its_sums():
     one_step(freeze, blocks, 5.0, overflow_block=2)
     reference, ref_blocks = callback_on("autofreeze")
     one_step(reference, ref_blocks, 1.0)
-    for sums, ref_sums in zip(freeze._grad_sums, reference._grad_sums):
+    for sums, ref_sums in zip(freeze.freeze_rule.statistics.sums, reference.freeze_rule.statistics.sums):
         for s, r in zip(sums, ref_sums):
             assert torch.isfinite(s).all()
             torch.testing.assert_close(s, r)
@@ -81,7 +81,7 @@ def test_restored_gradient_sums_follow_their_gradients_device():
     reference, ref_blocks = callback_on("autofreeze")
     one_step(reference, ref_blocks, 1.0)
     one_step(reference, ref_blocks, 1.0)
-    for sums, ref_sums in zip(restored._grad_sums, reference._grad_sums):
+    for sums, ref_sums in zip(restored.freeze_rule.statistics.sums, reference.freeze_rule.statistics.sums):
         for s, r in zip(sums, ref_sums):
             assert s.device.type == "cuda"
             torch.testing.assert_close(s.cpu(), r)
