@@ -7,7 +7,6 @@ the cache really served batches (hits > 0).
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -16,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.stack.observers import sees_block_runs
 from tests.helpers.lightning_models import Classifier, data_for, indexed_text
+from tests.helpers.trainers import cpu_trainer
 
 SCHEDULE = {1: 1, 2: 3}  # 4 blocks: boundary 1 at epoch 1, advanced to 3 at epoch 2
 RTOL, ATOL = 1e-4, 1e-5
@@ -39,22 +39,12 @@ class Stats(Callback):
         self.seen.append(getattr(trainer.strategy, "cache_stats", None))
 
 
-def trainer_for(strategy, callbacks=(), max_epochs=4, **kwargs) -> pl.Trainer:
-    kwargs.setdefault("logger", False)
-    kwargs.setdefault("enable_checkpointing", False)
-    kwargs.setdefault("num_sanity_val_steps", 0)
-    return pl.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_epochs=max_epochs, callbacks=list(callbacks),
-        enable_progress_bar=False, enable_model_summary=False, **kwargs,
-    )
-
-
 def fit(kind, strategy, *, train=None, val=None, freeze=None, max_epochs=4, module=None, callbacks=(), ckpt_path=None, **kwargs):
     """``(module, trainer, val losses per epoch)`` of one fit with AutoFreeze (``SCHEDULE`` by default)."""
     module = module or Classifier(kind)
     losses = ValLosses()
     freeze = freeze or AutoFreeze(schedule=SCHEDULE)
-    trainer = trainer_for(strategy, [freeze, losses, *callbacks], max_epochs=max_epochs, **kwargs)
+    trainer = cpu_trainer(strategy, [freeze, losses, *callbacks], max_epochs=max_epochs, **kwargs)
     trainer.fit(module, train or data_for(kind), val or data_for(kind, n=16, seed=7), ckpt_path=ckpt_path)
     return module, trainer, losses.losses
 
@@ -142,7 +132,7 @@ def test_budget_below_one_batch_fails_at_the_first_step(tmp_path):
     # Before: only at the first store, after all of epoch 0 (the first freeze can be epochs away).
     module = Classifier("bert")
     before = {k: v.clone() for k, v in module.state_dict().items()}
-    trainer = trainer_for(cached(tmp_path, cache_memory=1000), [AutoFreeze(schedule=SCHEDULE)])
+    trainer = cpu_trainer(cached(tmp_path, cache_memory=1000), [AutoFreeze(schedule=SCHEDULE)], max_epochs=4)
     with pytest.raises(ValueError, match="cache_memory=.*smaller than one batch"):
         trainer.fit(module, data_for("bert"))
     assert trainer.global_step == 0
