@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import socket
 import time
-import traceback
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_pipetransformer.dp import state_transfer
+from tests.helpers.spawn import spawn_gloo
 
 
 def test_transfer_tree_is_a_binomial_tree_over_src_and_receivers():
@@ -250,40 +247,6 @@ def test_staging_is_bounded_by_the_ring_when_wait_does_not_block_the_host(monkey
 
 # ---------------------------------------------------------------------------------- multi-process
 
-TIMEOUT = timedelta(seconds=20)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(fn, nprocs: int, deadline: float = 180.0) -> None:
-    """Run ``fn(rank, world, port)`` in ``nprocs`` processes; fail (and kill them) past ``deadline`` s."""
-    port = _free_port()
-    context = mp.spawn(_entry, args=(fn, nprocs, port), nprocs=nprocs, join=False)
-    end = time.monotonic() + deadline
-    while not context.join(timeout=1):
-        if time.monotonic() > end:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            pytest.fail(f"{fn.__name__} did not finish within {deadline} s")
-
-
-def _entry(rank: int, fn, world: int, port: int) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
-    try:
-        fn(rank, world)
-    except BaseException:
-        traceback.print_exc()
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def _tensors(seed: int) -> list[torch.Tensor]:
@@ -418,7 +381,7 @@ def test_state_transfer_on_four_processes():
     bit-exact over chunks, staging buffers and dtypes; module state: parameters to the receivers,
     buffers to all; an optimizer state without the frozen parameters' entries loads and the next
     step is identical everywhere; a receive whose sender never comes fails within the timeout."""
-    _spawn(_all, 4)
+    spawn_gloo(_all, 4)
 
 
 def _step(net: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
