@@ -23,9 +23,8 @@ from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.stack.declared import block_stack_of
 from tests.helpers.compare import assert_state_close
 from tests.helpers.lightning_models import Classifier, data_for
-from tests.helpers.models import TextClassifier, loader, text_dataset
+from tests.helpers.models import ResumableLoader, TextClassifier, loader, text_dataset
 from tests.helpers.trainers import cpu_trainer
-from tests.integration.test_autofreeze_interval import ResumableLoader
 
 LR = 0.05  # TextClassifier's SGD (momentum 0.9, weight decay 0.01)
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.freeze.rules import autofreeze_num_frozen, geometric_num_frozen
 from tests.helpers.compare import assert_state_close
 from tests.helpers.lightning_models import Classifier, data_for
-from tests.helpers.models import TextClassifier, loader, text_dataset
+from tests.helpers.models import ResumableLoader, TextClassifier, loader, text_dataset
 from tests.helpers.train_reference import freeze_by_hand
 from tests.helpers.trainers import cpu_trainer
 
@@ -93,30 +92,6 @@ def test_a_freeze_inside_an_epoch_under_the_pipeline_and_the_cache_equals_plain_
     stats = trainer.strategy.cache_stats
     if stats is not None:  # served: the samples seen after the last freeze hit in the last epoch
         assert stats["autocache/hits"] > 0 and stats["autocache/boundary"] == 3
-
-
-class ResumableLoader(DataLoader):
-    """A DataLoader that resumes where its checkpoint left it (Lightning saves the state of loaders
-    that have ``state_dict``). Without one, Lightning's mid-epoch resume restarts the epoch's data
-    from its first batch, under any strategy: not the uninterrupted run."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._yielded, self._skip = 0, 0
-
-    def __iter__(self):
-        skip, self._skip = self._skip, 0
-        self._yielded = skip
-        for index, batch in enumerate(super().__iter__()):
-            if index >= skip:
-                self._yielded = index + 1
-                yield batch
-
-    def state_dict(self) -> dict:
-        return {"yielded": self._yielded}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._skip = state["yielded"]
 
 
 @pytest.mark.parametrize(

@@ -24,10 +24,10 @@ from lightning_pipetransformer.cache.store import ActivationStore
 from lightning_pipetransformer.freeze.apply import apply_freeze
 from lightning_pipetransformer.pipe.pipeline import install_pipeline, remove_pipeline
 from lightning_pipetransformer.stack.discovery import find_block_stack
+from tests.helpers.cached_fits import assert_same_run, cached, fit, stats_of
 from tests.helpers.lightning_models import Classifier, IndexedSamples, _ids, _images, indexed_text
 from tests.helpers.models import SEQ, VOCAB, tiny_bert
 from tests.helpers.trainers import cpu_trainer
-from tests.integration.test_autocache_paths import assert_same_run, cached, fit, stats_of
 
 FP = "0123456789abcdef0123456789abcdef"
 
