@@ -203,14 +203,14 @@ class ModuleScope:
     def __init__(self, package: Package, module: str, tree: ast.Module) -> None:
         self.package, self.module_name = package, module
         self.module = importlib.import_module(module)
-        self.type_checking_names: dict[str, str] = {}  # name -> absolute dotted name, for imports the module does not run
+        self.imported_names: dict[str, str] = {}  # every import in the file, those under TYPE_CHECKING (not run) too
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 for alias in node.names:
-                    self.type_checking_names.setdefault(alias.asname or alias.name, f"{node.module}.{alias.name}")
+                    self.imported_names.setdefault(alias.asname or alias.name, f"{node.module}.{alias.name}")
             elif isinstance(node, ast.Import):
                 for alias in node.names:
-                    self.type_checking_names.setdefault(alias.asname or alias.name.split(".")[0], alias.name if alias.asname else alias.name.split(".")[0])
+                    self.imported_names.setdefault(alias.asname or alias.name.split(".")[0], alias.name if alias.asname else alias.name.split(".")[0])
 
     def packages_up(self) -> Iterator[str]:
         """The module, then each package above it, up to the top one."""
@@ -235,8 +235,8 @@ class ModuleScope:
                 return resolve_absolute(f"{self.module_name}.{qualname}.{target}")
         if hasattr(self.module, head):  # defined or imported here: followed from the object itself
             return walk(getattr(self.module, head), head, rest.split(".") if rest else [])
-        if head in self.type_checking_names:
-            return resolve_absolute(f"{self.type_checking_names[head]}{'.' + rest if rest else ''}")
+        if head in self.imported_names:
+            return resolve_absolute(f"{self.imported_names[head]}{'.' + rest if rest else ''}")
         if hasattr(builtins, head):
             return None if not rest or hasattr(getattr(builtins, head), rest.split(".")[0]) else f"builtin {head} has no {rest!r}"
         problem = resolve_absolute(target)
