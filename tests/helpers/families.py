@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 VOCAB, SEQ, BATCH, LABELS = 40, 10, 6, 3
+STEPS = 3  # batches per epoch of family_data's default size
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64,
               max_position_embeddings=64)
 DROPOUTS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "attention_dropout", "hidden_dropout", "resid_pdrop",
@@ -147,7 +148,7 @@ class FamilyModule(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
-def family_data(family: str, n: int = 3 * BATCH, seed: int = 0) -> DataLoader:
+def family_data(family: str, n: int = STEPS * BATCH, seed: int = 0) -> DataLoader:
     """``(inputs, attention_mask, labels)`` batches; text padded at the end of every other sample."""
     g = torch.Generator().manual_seed(seed)
     inputs = FAMILIES[family].inputs

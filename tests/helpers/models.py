@@ -130,3 +130,27 @@ class TextClassifier(pl.LightningModule):
 
 def loader(dataset: TensorDataset, batch_size: int = 8) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, shuffle=False)
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader that resumes where its checkpoint left it (Lightning saves the state of loaders
+    that have ``state_dict``). Without one, Lightning's mid-epoch resume restarts the epoch's data
+    from its first batch, under any strategy: not the uninterrupted run."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._yielded, self._skip = 0, 0
+
+    def __iter__(self):
+        skip, self._skip = self._skip, 0
+        self._yielded = skip
+        for index, batch in enumerate(super().__iter__()):
+            if index >= skip:
+                self._yielded = index + 1
+                yield batch
+
+    def state_dict(self) -> dict:
+        return {"yielded": self._yielded}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._skip = state["yielded"]

@@ -7,7 +7,6 @@ the cache really served batches (hits > 0).
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -15,18 +14,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.stack.observers import sees_block_runs
+from tests.helpers.cached_fits import ATOL, RTOL, SCHEDULE, assert_same_run, cached, fit, stats_of
+from tests.helpers.compare import assert_state_close
 from tests.helpers.lightning_models import Classifier, data_for, indexed_text
-
-SCHEDULE = {1: 1, 2: 3}  # 4 blocks: boundary 1 at epoch 1, advanced to 3 at epoch 2
-RTOL, ATOL = 1e-4, 1e-5
-
-
-class ValLosses(Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_validation_end(self, trainer, pl_module):
-        self.losses.append(float(trainer.callback_metrics["val_loss"]))
+from tests.helpers.trainers import cpu_trainer
 
 
 class Stats(Callback):
@@ -37,48 +28,6 @@ class Stats(Callback):
 
     def on_train_epoch_end(self, trainer, pl_module):
         self.seen.append(getattr(trainer.strategy, "cache_stats", None))
-
-
-def trainer_for(strategy, callbacks=(), max_epochs=4, **kwargs) -> pl.Trainer:
-    kwargs.setdefault("logger", False)
-    kwargs.setdefault("enable_checkpointing", False)
-    kwargs.setdefault("num_sanity_val_steps", 0)
-    return pl.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_epochs=max_epochs, callbacks=list(callbacks),
-        enable_progress_bar=False, enable_model_summary=False, **kwargs,
-    )
-
-
-def fit(kind, strategy, *, train=None, val=None, freeze=None, max_epochs=4, module=None, callbacks=(), ckpt_path=None, **kwargs):
-    """``(module, trainer, val losses per epoch)`` of one fit with AutoFreeze (``SCHEDULE`` by default)."""
-    module = module or Classifier(kind)
-    losses = ValLosses()
-    freeze = freeze or AutoFreeze(schedule=SCHEDULE)
-    trainer = trainer_for(strategy, [freeze, losses, *callbacks], max_epochs=max_epochs, **kwargs)
-    trainer.fit(module, train or data_for(kind), val or data_for(kind, n=16, seed=7), ckpt_path=ckpt_path)
-    return module, trainer, losses.losses
-
-
-def cached(tmp_path, name="cache", **kwargs) -> PipeTransformerStrategy:
-    kwargs.setdefault("cache", True)
-    return PipeTransformerStrategy(cache_dir=str(tmp_path / name), **kwargs)
-
-
-def assert_same_run(a, b, rtol=RTOL, atol=ATOL, losses_rel=1e-5):
-    """Same weights (allclose) and the same validation losses, epoch by epoch."""
-    (module_a, _, losses_a), (module_b, _, losses_b) = a, b
-    state_a, state_b = module_a.state_dict(), module_b.state_dict()
-    assert state_a.keys() == state_b.keys()
-    for key in state_a:
-        torch.testing.assert_close(state_a[key], state_b[key], rtol=rtol, atol=atol, msg=key)
-    assert len(losses_a) == len(losses_b) > 0
-    assert losses_a == pytest.approx(losses_b, rel=losses_rel, abs=losses_rel / 10)
-
-
-def stats_of(trainer) -> dict[str, float]:
-    stats = trainer.strategy.cache_stats
-    assert stats is not None
-    return stats
 
 
 def assert_served(trainer, at_least=1, boundary=3):
@@ -142,7 +91,7 @@ def test_budget_below_one_batch_fails_at_the_first_step(tmp_path):
     # Before: only at the first store, after all of epoch 0 (the first freeze can be epochs away).
     module = Classifier("bert")
     before = {k: v.clone() for k, v in module.state_dict().items()}
-    trainer = trainer_for(cached(tmp_path, cache_memory=1000), [AutoFreeze(schedule=SCHEDULE)])
+    trainer = cpu_trainer(cached(tmp_path, cache_memory=1000), [AutoFreeze(schedule=SCHEDULE)], max_epochs=4)
     with pytest.raises(ValueError, match="cache_memory=.*smaller than one batch"):
         trainer.fit(module, data_for("bert"))
     assert trainer.global_step == 0
@@ -261,9 +210,7 @@ def test_resume_with_cache_equals_uninterrupted(tmp_path):
     assert_served(resumed[1], at_least=24 + 16)  # epoch 3 at boundary 3
     assert resumed[1].callbacks[0].num_frozen == 3
     plain = run("plain", 4, strategy="auto")
-    state_full, state_resumed = full[0].state_dict(), resumed[0].state_dict()
-    for key in state_full:
-        torch.testing.assert_close(state_resumed[key], state_full[key], rtol=RTOL, atol=ATOL, msg=key)
+    assert_state_close(resumed[0].state_dict(), full[0].state_dict(), rtol=RTOL, atol=ATOL)
     assert full[2] == pytest.approx(plain[2], rel=1e-5)
     assert resumed[2] == pytest.approx(plain[2][2:], rel=1e-5)  # epochs 2-3
     assert_same_run(full, plain)

@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_pipetransformer import AutoFreeze
 from lightning_pipetransformer.stack.discovery import BlockStackError
+from tests.helpers.compare import assert_state_close
 from tests.helpers.models import TextClassifier, loader, text_dataset
 from tests.helpers.train_reference import train_reference
-
-
-def make_trainer(callbacks, max_epochs=3, **kwargs) -> pl.Trainer:
-    kwargs.setdefault("logger", False)
-    kwargs.setdefault("enable_checkpointing", False)
-    return pl.Trainer(
-        accelerator="cpu", devices=1, max_epochs=max_epochs, callbacks=callbacks,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs,
-    )
+from tests.helpers.trainers import cpu_trainer
 
 
 class Snapshots(Callback):
@@ -35,12 +27,6 @@ class Snapshots(Callback):
         self.at_epoch_start.append({k: v.detach().clone() for k, v in pl_module.named_parameters()})
 
 
-def assert_state_close(actual: dict, expected: dict) -> None:
-    assert actual.keys() == expected.keys()
-    for key in expected:
-        torch.testing.assert_close(actual[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
-
-
 SCHEDULE = {1: 1, 2: 3}
 
 
@@ -50,7 +36,7 @@ def test_matches_plain_loop_and_frozen_blocks_stop_changing():
     snapshots = Snapshots()
     freeze = AutoFreeze(schedule=SCHEDULE)
     # Snapshots runs after AutoFreeze at epoch start: it sees the freeze of that epoch.
-    make_trainer([freeze, snapshots]).fit(module, loader(data))
+    cpu_trainer(callbacks=[freeze, snapshots], max_epochs=3).fit(module, loader(data))
     assert freeze.num_frozen == 3 and freeze.history == [(1, 1), (2, 3)]
 
     expected = train_reference(data, lambda e: max([v for k, v in SCHEDULE.items() if k <= e], default=0), 3, 8)
@@ -71,7 +57,7 @@ def test_freeze_changes_the_result():
     """The equivalence test above can fail: a different schedule gives different weights."""
     data = text_dataset(32)
     module = TextClassifier(num_layers=4)
-    make_trainer([AutoFreeze(schedule={1: 2})]).fit(module, loader(data))
+    cpu_trainer(callbacks=[AutoFreeze(schedule={1: 2})], max_epochs=3).fit(module, loader(data))
     other = train_reference(data, lambda e: 1 if e >= 1 else 0, 3, 8)
     with pytest.raises(AssertionError):
         assert_state_close(module.state_dict(), other)
@@ -82,7 +68,7 @@ def test_geometric_rule_by_epoch_and_logging(tmp_path):
     freeze = AutoFreeze(alpha=0.5, rule="schedule", min_active=1)
     from lightning.pytorch.loggers import CSVLogger
 
-    trainer = make_trainer([freeze], max_epochs=4, logger=CSVLogger(tmp_path))
+    trainer = cpu_trainer(callbacks=[freeze], max_epochs=4, logger=CSVLogger(tmp_path))
     trainer.fit(module, loader(text_dataset(16)))
     # L=4, alpha=1/2: 4(1-0.5^T) = 0, 2, 3, 3.5 -> 0, 2, 3, 4 capped at 3 by min_active=1.
     assert freeze.history == [(1, 2), (2, 3)]
@@ -100,7 +86,7 @@ def test_paper_rule_uses_gradient_norms():
         def on_train_epoch_start(self, trainer, pl_module):
             seen.append(freeze.freeze_rule.statistics.mean())
 
-    make_trainer([Spy(), freeze], max_epochs=2).fit(module, loader(text_dataset(16)))
+    cpu_trainer(callbacks=[Spy(), freeze], max_epochs=2).fit(module, loader(text_dataset(16)))
     norms = seen[1]
     assert norms is not None and len(norms) == 4 and all(n > 0 for n in norms)
     expected = min(3, min(range(4), key=lambda i: norms[i]) + 1)
@@ -114,7 +100,7 @@ def test_resume_equals_uninterrupted(tmp_path):
         module = TextClassifier(num_layers=4)
         freeze = AutoFreeze(alpha=0.5)  # the paper rule: its gradient sums must survive the checkpoint
         ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
-        trainer = make_trainer([freeze, ckpt], max_epochs=max_epochs, enable_checkpointing=True)
+        trainer = cpu_trainer(callbacks=[freeze, ckpt], max_epochs=max_epochs, enable_checkpointing=True)
         trainer.fit(module, loader(data), loader(val), ckpt_path=ckpt_path)
         return module, freeze
 
@@ -159,7 +145,7 @@ class Spy(Callback):
 def test_bad_setup_fails_before_training(kwargs, match):
     Spy.steps = 0
     with pytest.raises((ValueError, BlockStackError), match=match):
-        make_trainer([AutoFreeze(**kwargs), Spy()]).fit(TextClassifier(num_layers=4), loader(text_dataset(16)))
+        cpu_trainer(callbacks=[AutoFreeze(**kwargs), Spy()], max_epochs=3).fit(TextClassifier(num_layers=4), loader(text_dataset(16)))
     assert Spy.steps == 0
 
 
@@ -170,7 +156,7 @@ def test_min_active_zero_needs_something_outside_the_stack():
     for p in module.model.bert.pooler.parameters():
         p.requires_grad_(False)
     with pytest.raises(ValueError, match="nothing to train"):
-        make_trainer([AutoFreeze(min_active=0)]).fit(module, loader(text_dataset(16)))
+        cpu_trainer(callbacks=[AutoFreeze(min_active=0)], max_epochs=3).fit(module, loader(text_dataset(16)))
 
 
 def test_manual_optimization_is_refused():
@@ -187,7 +173,7 @@ def test_manual_optimization_is_refused():
             opt.step()
 
     with pytest.raises(ValueError, match="automatic optimization"):
-        make_trainer([AutoFreeze()]).fit(Manual(), loader(text_dataset(16)))
+        cpu_trainer(callbacks=[AutoFreeze()], max_epochs=3).fit(Manual(), loader(text_dataset(16)))
 
 
 def test_user_train_call_does_not_unfreeze_dropout_mode():
@@ -202,7 +188,7 @@ def test_user_train_call_does_not_unfreeze_dropout_mode():
         def on_train_batch_end(self, trainer, pl_module, *args):
             modes.append(pl_module.model.bert.encoder.layer[0].training)
 
-    make_trainer([AutoFreeze(schedule={1: 1}), Mode()], max_epochs=2, limit_train_batches=2).fit(
+    cpu_trainer(callbacks=[AutoFreeze(schedule={1: 1}), Mode()], max_epochs=2, limit_train_batches=2).fit(
         module, loader(text_dataset(16)), loader(text_dataset(8))
     )
     assert modes == [True, True, False, False]

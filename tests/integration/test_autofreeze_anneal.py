@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import types
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -22,26 +21,12 @@ from torch import nn
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.stack.declared import block_stack_of
+from tests.helpers.compare import assert_state_close
 from tests.helpers.lightning_models import Classifier, data_for
-from tests.helpers.models import TextClassifier, loader, text_dataset
-from tests.integration.test_autofreeze_interval import ResumableLoader
+from tests.helpers.models import ResumableLoader, TextClassifier, loader, text_dataset
+from tests.helpers.trainers import cpu_trainer
 
 LR = 0.05  # TextClassifier's SGD (momentum 0.9, weight decay 0.01)
-
-
-def make_trainer(callbacks, max_epochs=2, strategy="auto", **kwargs) -> pl.Trainer:
-    kwargs.setdefault("logger", False)
-    kwargs.setdefault("enable_checkpointing", False)
-    return pl.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_epochs=max_epochs, callbacks=callbacks,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs,
-    )  # fmt: skip
-
-
-def assert_state_close(actual: dict, expected: dict, rtol=1e-5, atol=1e-6) -> None:
-    assert actual.keys() == expected.keys()
-    for key in expected:
-        torch.testing.assert_close(actual[key], expected[key], rtol=rtol, atol=atol, msg=key)
 
 
 def curve_of(name: str):
@@ -86,7 +71,7 @@ def reference(plans, curve: str, epochs: int, batch_size=4, n=32) -> dict:
 
 def fit(freeze: AutoFreeze, epochs=2, batch_size=4, **trainer_kwargs) -> TextClassifier:
     module = TextClassifier(num_layers=4)
-    make_trainer([freeze], max_epochs=epochs, **trainer_kwargs).fit(module, loader(text_dataset(32), batch_size))
+    cpu_trainer(callbacks=[freeze], max_epochs=epochs, **trainer_kwargs).fit(module, loader(text_dataset(32), batch_size))
     return module
 
 
@@ -163,8 +148,8 @@ def test_resume_from_a_checkpoint_inside_an_annealing_interval_is_exact(tmp_path
         extra = {"freeze_interval": interval} if interval is not None else {}
         freeze = AutoFreeze(rule=rule, alpha=0.5, anneal="cosine", **extra)
         ckpt = ModelCheckpoint(dirpath=directory, every_n_train_steps=at, save_top_k=-1, filename="{step}")
-        trainer = make_trainer(
-            [freeze, ckpt], max_epochs=2, max_steps=max_steps, enable_checkpointing=True, strategy=strategy(directory / "cache"),
+        trainer = cpu_trainer(
+            strategy(directory / "cache"), [freeze, ckpt], max_epochs=2, max_steps=max_steps, enable_checkpointing=True,
         )  # fmt: skip
         trainer.fit(module, ResumableLoader(text_dataset(32), batch_size=4), ckpt_path=ckpt_path)
         return module, freeze
@@ -199,7 +184,7 @@ def test_under_the_pipeline_and_the_cache_it_equals_plain_training(strategy):
     def run(each):
         module = Classifier("bert")
         freeze = AutoFreeze(rule="schedule", alpha=0.5, freeze_interval=2, anneal="cosine")
-        make_trainer([freeze], strategy=each, max_epochs=3).fit(module, data_for("bert"))
+        cpu_trainer(each, [freeze], max_epochs=3).fit(module, data_for("bert"))
         return module, freeze
 
     expected, ref_freeze = run("auto")
@@ -213,7 +198,7 @@ def test_under_the_pipeline_and_the_cache_it_equals_plain_training(strategy):
 def run_plain():
     module = Classifier("bert")
     freeze = AutoFreeze(rule="schedule", alpha=0.5, freeze_interval=2)
-    make_trainer([freeze], max_epochs=3).fit(module, data_for("bert"))
+    cpu_trainer(callbacks=[freeze], max_epochs=3).fit(module, data_for("bert"))
     return module, freeze
 
 

@@ -3,33 +3,17 @@ a mid-epoch freeze under the pipeline strategy with the cache, and exact resume 
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import pytest
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.freeze.rules import autofreeze_num_frozen, geometric_num_frozen
+from tests.helpers.compare import assert_state_close
 from tests.helpers.lightning_models import Classifier, data_for
-from tests.helpers.models import TextClassifier, loader, text_dataset
+from tests.helpers.models import ResumableLoader, TextClassifier, loader, text_dataset
 from tests.helpers.train_reference import freeze_by_hand
-
-
-def make_trainer(callbacks, max_epochs=2, strategy="auto", **kwargs) -> pl.Trainer:
-    kwargs.setdefault("logger", False)
-    kwargs.setdefault("enable_checkpointing", False)
-    return pl.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_epochs=max_epochs, callbacks=callbacks,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs,
-    )
-
-
-def assert_state_close(actual: dict, expected: dict, rtol=1e-5, atol=1e-6) -> None:
-    assert actual.keys() == expected.keys()
-    for key in expected:
-        torch.testing.assert_close(actual[key], expected[key], rtol=rtol, atol=atol, msg=key)
+from tests.helpers.trainers import cpu_trainer
 
 
 def reference_by_steps(frozen_at_step, steps_epochs: int, data, batch_size=4) -> dict:
@@ -53,7 +37,7 @@ def test_freeze_points_inside_epochs_equal_a_plain_loop(interval, every):
     data = text_dataset(32)
     module = TextClassifier(num_layers=4)
     freeze = AutoFreeze(rule="schedule", alpha=1 / 3, freeze_interval=interval)
-    make_trainer([freeze]).fit(module, loader(data, 4))
+    cpu_trainer(callbacks=[freeze], max_epochs=2).fit(module, loader(data, 4))
 
     def frozen_at(step):  # the geometric plan of the official code, one step per point
         return min(3, geometric_num_frozen(4, 1 / 3, step // every))
@@ -80,7 +64,7 @@ def test_the_original_autofreeze_rule_in_training_freezes_from_its_second_interv
     data = text_dataset(32)
     module = TextClassifier(num_layers=4)
     freeze = AutoFreeze(rule="autofreeze", freeze_interval=2)
-    make_trainer([freeze]).fit(module, loader(data, 4))
+    cpu_trainer(callbacks=[freeze], max_epochs=2).fit(module, loader(data, 4))
     # The first point only records the norms; every freeze comes at a later point, inside epochs.
     assert freeze.step_history and all(step >= 4 for step, _ in freeze.step_history)
     assert [f for _, f in freeze.step_history] == sorted({f for _, f in freeze.step_history})
@@ -96,7 +80,7 @@ def test_a_freeze_inside_an_epoch_under_the_pipeline_and_the_cache_equals_plain_
     def run(each):
         module = Classifier("bert")
         freeze = AutoFreeze(rule="schedule", alpha=0.5, freeze_interval=2)
-        trainer = make_trainer([freeze], strategy=each, max_epochs=3)
+        trainer = cpu_trainer(each, [freeze], max_epochs=3)
         trainer.fit(module, data_for("bert"))
         return module, freeze, trainer
 
@@ -108,30 +92,6 @@ def test_a_freeze_inside_an_epoch_under_the_pipeline_and_the_cache_equals_plain_
     stats = trainer.strategy.cache_stats
     if stats is not None:  # served: the samples seen after the last freeze hit in the last epoch
         assert stats["autocache/hits"] > 0 and stats["autocache/boundary"] == 3
-
-
-class ResumableLoader(DataLoader):
-    """A DataLoader that resumes where its checkpoint left it (Lightning saves the state of loaders
-    that have ``state_dict``). Without one, Lightning's mid-epoch resume restarts the epoch's data
-    from its first batch, under any strategy: not the uninterrupted run."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._yielded, self._skip = 0, 0
-
-    def __iter__(self):
-        skip, self._skip = self._skip, 0
-        self._yielded = skip
-        for index, batch in enumerate(super().__iter__()):
-            if index >= skip:
-                self._yielded = index + 1
-                yield batch
-
-    def state_dict(self) -> dict:
-        return {"yielded": self._yielded}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._skip = state["yielded"]
 
 
 @pytest.mark.parametrize(
@@ -150,8 +110,8 @@ def test_resume_from_a_checkpoint_between_two_freeze_points_is_exact(tmp_path, r
         module = TextClassifier(num_layers=4)
         freeze = AutoFreeze(rule=rule, alpha=0.5, freeze_interval=3)
         ckpt = ModelCheckpoint(dirpath=directory, every_n_train_steps=5, save_top_k=-1, filename="{step}")
-        trainer = make_trainer(
-            [freeze, ckpt], max_epochs=2, max_steps=max_steps, enable_checkpointing=True, strategy=strategy(directory / "cache"),
+        trainer = cpu_trainer(
+            strategy(directory / "cache"), [freeze, ckpt], max_epochs=2, max_steps=max_steps, enable_checkpointing=True,
         )
         trainer.fit(module, ResumableLoader(text_dataset(32), batch_size=4), ckpt_path=ckpt_path)
         return module, freeze

@@ -24,9 +24,10 @@ from lightning_pipetransformer.cache.store import ActivationStore
 from lightning_pipetransformer.freeze.apply import apply_freeze
 from lightning_pipetransformer.pipe.pipeline import install_pipeline, remove_pipeline
 from lightning_pipetransformer.stack.discovery import find_block_stack
+from tests.helpers.cached_fits import assert_same_run, cached, fit, stats_of
 from tests.helpers.lightning_models import Classifier, IndexedSamples, _ids, _images, indexed_text
 from tests.helpers.models import SEQ, VOCAB, tiny_bert
-from tests.integration.test_autocache_paths import assert_same_run, cached, fit, stats_of, trainer_for
+from tests.helpers.trainers import cpu_trainer
 
 FP = "0123456789abcdef0123456789abcdef"
 
@@ -116,7 +117,7 @@ class ModuloIndex(IndexedSamples):
 )
 def test_repeated_index_keys_are_refused_at_the_first_steps(tmp_path, modulo, words):
     # Before: 64 hits served from 8 entries, one sample's activations for another's.
-    trainer = trainer_for(cached(tmp_path, cache_key="index"))
+    trainer = cpu_trainer(cached(tmp_path, cache_key="index"), max_epochs=4)
     with pytest.raises(ValueError, match=words) as err:
         trainer.fit(Classifier("bert"), DataLoader(ModuloIndex(modulo), batch_size=8))
     assert "cache_key='content'" in str(err.value)

@@ -14,8 +14,10 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
-from tests.helpers.families import FamilyModule, family_data
-from tests.integration.test_model_families import STEPS, BlockRuns, assert_same_weights, trainer
+from tests.helpers.block_runs import ForwardRunsPerEpoch
+from tests.helpers.compare import assert_same_weights
+from tests.helpers.families import STEPS, FamilyModule, family_data
+from tests.helpers.trainers import cpu_trainer
 
 
 class HandFreeze(Callback):
@@ -50,12 +52,12 @@ GPT2_EMBEDDINGS = ["model.transformer.wte", "model.transformer.wpe", "model.tran
 
 def test_tied_embeddings_keep_training_by_default_and_the_cache_stands_aside_saying_how_to_untie():
     reference = FamilyModule("gpt2")
-    trainer("auto", [HandFreeze(GPT2_BLOCKS)]).fit(reference, family_data("gpt2"))
+    cpu_trainer("auto", [HandFreeze(GPT2_BLOCKS)], max_epochs=3).fit(reference, family_data("gpt2"))
 
     alone = FamilyModule("gpt2")
     head = Snapshot("model.lm_head.weight")
     autofreeze = AutoFreeze(schedule={1: 3})
-    trainer("auto", [autofreeze, head]).fit(alone, family_data("gpt2"))
+    cpu_trainer("auto", [autofreeze, head], max_epochs=3).fit(alone, family_data("gpt2"))
     assert_same_weights(alone, reference)
     # Engaged: three blocks froze; the tied head (and the embeddings) kept training after the freeze point.
     assert autofreeze.num_frozen == 3 and "tie_word_embeddings=False" in autofreeze.embeddings_kept_training
@@ -63,10 +65,10 @@ def test_tied_embeddings_keep_training_by_default_and_the_cache_stands_aside_say
     assert alone.model.transformer.wte.weight.requires_grad
 
     cached = FamilyModule("gpt2")
-    runs = BlockRuns(cached)
+    runs = ForwardRunsPerEpoch(cached)
     strategy = PipeTransformerStrategy(pipe_len=2, chunks=2, cache=True, cache_memory=10**8)
     with pytest.warns(UserWarning, match=r"tied to the output head.*tie_word_embeddings=False"):
-        trainer(strategy, [AutoFreeze(schedule={1: 3}), runs]).fit(cached, family_data("gpt2"))
+        cpu_trainer(strategy, [AutoFreeze(schedule={1: 3}), runs], max_epochs=3).fit(cached, family_data("gpt2"))
     assert_same_weights(cached, reference)
     stats = strategy.cache_stats
     # The cache stood aside for every batch once blocks froze (nothing served): the frozen blocks still ran every
@@ -79,7 +81,7 @@ def test_naming_tied_embeddings_in_pre_freezes_the_head_with_them_and_says_so():
     module = FamilyModule("gpt2")
     head = Snapshot("model.lm_head.weight")
     with pytest.warns(UserWarning, match="tied to a module after the stack.*stops training too, as asked"):
-        trainer("auto", [AutoFreeze(schedule={1: 3}, pre=GPT2_EMBEDDINGS), head]).fit(module, family_data("gpt2"))
+        cpu_trainer("auto", [AutoFreeze(schedule={1: 3}, pre=GPT2_EMBEDDINGS), head], max_epochs=3).fit(module, family_data("gpt2"))
     assert torch.equal(module.model.lm_head.weight, head.value)  # the head did not move after the freeze point
     assert not module.model.lm_head.weight.requires_grad
 
@@ -94,12 +96,12 @@ def test_a_head_registered_before_the_backbone_keeps_training(runner):
 
     assert list(FAMILIES["xlm-roberta"].build()._modules) == ["classifier", "roberta"]  # what makes this test meaningful
     reference = FamilyModule("xlm-roberta")
-    trainer("auto", [HandFreeze(XLMR_FROZEN)]).fit(reference, family_data("xlm-roberta"))
+    cpu_trainer("auto", [HandFreeze(XLMR_FROZEN)], max_epochs=3).fit(reference, family_data("xlm-roberta"))
     module = FamilyModule("xlm-roberta")
     head = Snapshot("model.classifier.out_proj.weight")
     autofreeze = AutoFreeze(schedule={1: 3})
     strategy = "auto" if runner == "plain" else PipeTransformerStrategy(pipe_len=2, chunks=2)
-    trainer(strategy, [autofreeze, head]).fit(module, family_data("xlm-roberta"))
+    cpu_trainer(strategy, [autofreeze, head], max_epochs=3).fit(module, family_data("xlm-roberta"))
     assert_same_weights(module, reference)
     # Engaged: the embeddings froze, the head moved after the freeze point.
     assert [p for p, _ in autofreeze.stack.pre] == ["model.roberta.embeddings"]
@@ -122,7 +124,7 @@ def test_a_freeze_before_the_first_forward_freezes_what_runs_before_the_stack_on
     module = FamilyModule("xlm-roberta")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer("auto", [AutoFreeze(schedule={0: 2})], epochs=1).fit(module, family_data("xlm-roberta"))
+        cpu_trainer("auto", [AutoFreeze(schedule={0: 2})], max_epochs=1).fit(module, family_data("xlm-roberta"))
     assert not module.model.roberta.embeddings.word_embeddings.weight.requires_grad
     assert module.model.classifier.out_proj.weight.requires_grad
     # The embeddings never took a step: equal to their initial values.
@@ -138,14 +140,14 @@ def test_a_cache_that_nothing_can_ever_engage_is_said_before_training_and_logged
     module, start = FamilyModule("bert"), AtTrainStart()
     strategy = PipeTransformerStrategy(cache=True, cache_memory=10**8)
     with pytest.warns(UserWarning, match="nothing in this run can freeze a block: there is no AutoFreeze") as caught:
-        trainer(strategy, [start], epochs=1).fit(module, family_data("bert"))
+        cpu_trainer(strategy, [start], max_epochs=1).fit(module, family_data("bert"))
     assert start.said == 1  # before training, once
     assert sum("nothing in this run can freeze" in str(w.message) for w in caught) == 1
     assert strategy.cache_stats["autocache/can_engage"] == 0.0
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         served = PipeTransformerStrategy(cache=True, cache_memory=10**8)
-        trainer(served, [AutoFreeze(schedule={1: 3})], epochs=1).fit(FamilyModule("bert"), family_data("bert"))
+        cpu_trainer(served, [AutoFreeze(schedule={1: 3})], max_epochs=1).fit(FamilyModule("bert"), family_data("bert"))
     assert not [w for w in seen if "nothing in this run can freeze" in str(w.message)]
     assert served.cache_stats["autocache/can_engage"] == 1.0
 
@@ -176,13 +178,13 @@ def test_blocks_the_model_never_calls_are_refused_before_training(asked):
 
     with pytest.raises(BlockStackError, match=r"blocks of 'model.funnel.encoder.blocks' are ModuleList containers.*"
                                               r"layers='model.funnel.encoder.blocks.0'"):
-        trainer(PipeTransformerStrategy(**asked), [AutoFreeze(schedule={1: 1}), NoStep()]).fit(Funnel(), family_data("bert"))
+        cpu_trainer(PipeTransformerStrategy(**asked), [AutoFreeze(schedule={1: 1}), NoStep()], max_epochs=3).fit(Funnel(), family_data("bert"))
 
 
 def test_autofreeze_alone_observes_blocks_that_are_containers_through_their_layers():
     module = Funnel()
     autofreeze = AutoFreeze(schedule={1: 1})
-    trainer("auto", [autofreeze], epochs=2).fit(module, family_data("bert"))
+    cpu_trainer("auto", [autofreeze], max_epochs=2).fit(module, family_data("bert"))
     assert not autofreeze.stack.provisional
     assert [p for p, _ in autofreeze.stack.pre][0] == "model.funnel.embeddings"
     assert not module.model.funnel.embeddings.word_embeddings.weight.requires_grad
@@ -206,7 +208,7 @@ def test_spec_augment_is_named_as_the_reason_the_cache_misses_before_training_an
     strategy = PipeTransformerStrategy(cache=True, cache_memory=10**8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer(strategy, [AutoFreeze(schedule={1: 3})], epochs=4).fit(module, family_data("wav2vec2"))
+        cpu_trainer(strategy, [AutoFreeze(schedule={1: 3})], max_epochs=4).fit(module, family_data("wav2vec2"))
     said = [str(w.message) for w in caught if "SpecAugment: mask_time_prob=0.5" in str(w.message)]
     assert len(said) == 2 and said[0].startswith("AutoCache will miss") and "only 0% of" in said[1]
     assert not [w for w in caught if "padded" in str(w.message)]  # not blamed on padding
@@ -221,7 +223,7 @@ def test_a_trainable_parameter_the_frozen_blocks_read_is_named_with_the_override
     with pytest.raises(CacheConfigError, match=r"computed from model.mpnet.encoder.relative_attention_bias.weight.*"
                                                r"AutoFreeze\(pre=\[<the modules before the stack>, "
                                                r"'model.mpnet.encoder.relative_attention_bias'\]\)"):
-        trainer(strategy, [AutoFreeze(schedule={1: 3}, pre=["model.mpnet.embeddings"])]).fit(FamilyModule("mpnet"), family_data("mpnet"))
+        cpu_trainer(strategy, [AutoFreeze(schedule={1: 3}, pre=["model.mpnet.embeddings"])], max_epochs=3).fit(FamilyModule("mpnet"), family_data("mpnet"))
 
 
 def test_without_autofreeze_the_strategy_reads_the_call_order_itself():
@@ -234,11 +236,11 @@ def test_without_autofreeze_the_strategy_reads_the_call_order_itself():
         return module
 
     reference = frozen_before_fit()
-    trainer("auto").fit(reference, family_data("xlm-roberta"))
+    cpu_trainer("auto", max_epochs=3).fit(reference, family_data("xlm-roberta"))
     module = frozen_before_fit()
-    runs = BlockRuns(module)
+    runs = ForwardRunsPerEpoch(module)
     strategy = PipeTransformerStrategy(cache=True, cache_memory=10**8)
-    fit = trainer(strategy, [runs])
+    fit = cpu_trainer(strategy, [runs], max_epochs=3)
     fit.fit(module, family_data("xlm-roberta"))
     assert_same_weights(module, reference)
     assert [p for p, _ in strategy.stack.pre] == ["model.roberta.embeddings"]

@@ -216,15 +216,6 @@ def test_the_cache_must_serve_its_frozen_blocks():
 # ---------------------------------------------------------------------------------- the timing part's code, on a tiny stack
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny kernels on a small shared machine: OpenMP's spin-waiting would make them many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_the_timing_part_runs_its_code_and_reports_ratios_as_measurements(monkeypatch, one_thread):
     monkeypatch.setenv("GPU_CHECK_PART_TIMEOUT", "20")
     rows: list[gpu_check.Row] = []

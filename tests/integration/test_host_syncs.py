@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_pipetransformer import PipeTransformerStrategy, runners
 from tests.helpers.lightning_models import Classifier, data_for
-from tests.integration.test_lightning_native import trainer_for
+from tests.helpers.trainers import cpu_trainer
 
 SYNCING = {
     torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.nonzero, torch.nonzero,
@@ -66,7 +66,7 @@ def test_a_steady_state_pipelined_step_makes_the_host_wait_for_nothing(monkeypat
         return counted(batch_start)(batch, batch_idx)
 
     strategy.on_train_batch_start = on_train_batch_start
-    trainer = trainer_for(strategy, max_epochs=1)
+    trainer = cpu_trainer(strategy, max_epochs=1)
     trainer.fit(Classifier("bert"), data_for("bert", n=48))
     assert trainer.global_step == 6 and sum(counted_passes) == 4  # the pipeline ran the steps counted
     assert seen == [], seen

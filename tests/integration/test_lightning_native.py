@@ -19,15 +19,7 @@ from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.stack.discovery import BlockStackError
 from tests.helpers.lightning_models import Classifier, data_for
 from tests.helpers.loggers import Recorder
-
-
-def trainer_for(strategy, **kwargs) -> pl.Trainer:
-    kwargs.setdefault("logger", False)
-    kwargs.setdefault("max_epochs", 1)
-    return pl.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, **kwargs,
-    )
+from tests.helpers.trainers import cpu_trainer
 
 
 class Linear(pl.LightningModule):
@@ -58,7 +50,7 @@ class Linear(pl.LightningModule):
 
 
 def test_one_device_has_no_launcher_no_process_group_and_is_not_distributed():
-    trainer = trainer_for(PipeTransformerStrategy())
+    trainer = cpu_trainer(PipeTransformerStrategy(), max_epochs=1)
     assert trainer.strategy.launcher is None and not trainer._accelerator_connector.is_distributed
     module = Classifier("bert")
     trainer.fit(module, data_for("bert"), data_for("bert", n=8))
@@ -67,16 +59,16 @@ def test_one_device_has_no_launcher_no_process_group_and_is_not_distributed():
 
 def test_usable_in_a_notebook(monkeypatch):
     monkeypatch.setattr(accelerator_connector, "_IS_INTERACTIVE", True)
-    trainer_for("pipetransformer")  # no subprocess launcher for one device: accepted
+    cpu_trainer("pipetransformer", max_epochs=1)  # no subprocess launcher for one device: accepted
     with pytest.raises(Exception, match="interactive"):
-        trainer_for("ddp")  # what a DDP-family strategy gets (the check this one used to fail)
+        cpu_trainer("ddp", max_epochs=1)  # what a DDP-family strategy gets (the check this one used to fail)
 
 
 def test_validation_honours_inference_mode():
     modes = {}
     for strategy in ("auto", PipeTransformerStrategy()):
         module = Linear()
-        trainer = trainer_for(strategy)
+        trainer = cpu_trainer(strategy, max_epochs=1)
         trainer.fit(module)  # validation inside fit: Lightning uses no_grad there
         trainer.validate(module, verbose=False)  # trainer.validate: inference_mode=True, the default
         modes[str(strategy)] = module.inference_modes
@@ -88,7 +80,7 @@ def test_batch_size_finder_works_and_finds_what_auto_finds():
     found = {}
     for strategy in ("auto", PipeTransformerStrategy()):
         module = Linear(batch_size=2)
-        trainer = trainer_for(strategy)
+        trainer = cpu_trainer(strategy, max_epochs=1)
         found[str(strategy)] = Tuner(trainer).scale_batch_size(module, mode="power", max_trials=3, steps_per_trial=1)
     assert list(found.values()) == [8, 8]  # 2 -> 4 -> 8 in three trials, under both
 
@@ -108,7 +100,7 @@ def test_the_same_seed_gives_the_run_auto_gives(strategy):
     for each in ("auto", strategy()):
         pl.seed_everything(7)
         module = dropout_classifier()
-        trainer_for(each, max_epochs=2).fit(module, data_for("bert"))
+        cpu_trainer(each, max_epochs=2).fit(module, data_for("bert"))
         states.append(module.state_dict())
     for key in states[0]:
         torch.testing.assert_close(states[1][key], states[0][key], rtol=0, atol=0, msg=key)
@@ -119,7 +111,7 @@ def test_a_model_without_a_block_stack_trains_as_under_auto():
     for strategy in ("auto", PipeTransformerStrategy()):
         module = Linear()
         with pytest.warns(UserWarning, match="no stack of repeated blocks") if strategy != "auto" else _nothing():
-            trainer_for(strategy).fit(module)
+            cpu_trainer(strategy, max_epochs=1).fit(module)
         trained.append(module.layer.weight.detach().clone())
     torch.testing.assert_close(trained[1], trained[0], rtol=0, atol=0)
 
@@ -142,13 +134,13 @@ class _nothing:
 )
 def test_asking_for_a_pipeline_or_a_cache_without_a_block_stack_is_refused(strategy, words):
     with pytest.raises(BlockStackError, match=words) as error:
-        trainer_for(strategy()).fit(Linear())
+        cpu_trainer(strategy(), max_epochs=1).fit(Linear())
     assert "layers=" in str(error.value) or "configure_block_stack" in str(error.value)
 
 
 def test_autofreeze_without_a_block_stack_is_refused_before_training():
     with pytest.raises(BlockStackError, match="configure_block_stack"):
-        trainer_for(PipeTransformerStrategy(), callbacks=[AutoFreeze()]).fit(Linear())
+        cpu_trainer(PipeTransformerStrategy(), max_epochs=1, callbacks=[AutoFreeze()]).fit(Linear())
 
 
 class WithTest(Classifier):
@@ -161,7 +153,7 @@ def test_validate_test_predict_log_what_auto_logs():
     for strategy in ("auto", PipeTransformerStrategy(pipe_len=2, chunks=2)):
         recorder = Recorder()
         module = WithTest("bert")
-        trainer = trainer_for(strategy, logger=recorder)
+        trainer = cpu_trainer(strategy, max_epochs=1, logger=recorder)
         trainer.validate(module, data_for("bert", n=8), verbose=False)
         trainer.test(module, data_for("bert", n=8), verbose=False)
         trainer.predict(module, data_for("bert", n=8))
@@ -171,8 +163,9 @@ def test_validate_test_predict_log_what_auto_logs():
 
 def test_fit_logs_the_plan_and_shows_it_in_the_progress_bar():
     recorder = Recorder()
-    trainer = trainer_for(PipeTransformerStrategy(pipe_len=2, chunks=2), logger=recorder, max_epochs=2, log_every_n_steps=1,
-                          callbacks=[AutoFreeze(schedule={1: 2})])
+    trainer = cpu_trainer(
+        PipeTransformerStrategy(pipe_len=2, chunks=2), max_epochs=2, logger=recorder, log_every_n_steps=1, callbacks=[AutoFreeze(schedule={1: 2})],
+    )
     module = Classifier("bert")
     shown = []
     log = module.log
@@ -218,7 +211,7 @@ def test_one_process_in_a_cluster_environment_asks_it_nothing(monkeypatch):
     monkeypatch.setattr(SLURMEnvironment, "detect", staticmethod(lambda: True))
     for name in ("SLURM_NODEID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"):
         monkeypatch.delenv(name, raising=False)
-    trainer = trainer_for(PipeTransformerStrategy())
+    trainer = cpu_trainer(PipeTransformerStrategy(), max_epochs=1)
     assert (trainer.global_rank, trainer.local_rank, trainer.node_rank, trainer.world_size) == (0, 0, 0, 1)
     module = Linear()
     trainer.fit(module)
@@ -238,5 +231,5 @@ def test_the_trainer_lets_the_strategy_see_an_exception():
             super().on_exception(exception)
 
     with pytest.raises(RuntimeError, match="boom"):
-        trainer_for(Watching()).fit(Failing())
+        cpu_trainer(Watching(), max_epochs=1).fit(Failing())
     assert len(seen) == 1

@@ -10,45 +10,16 @@ from __future__ import annotations
 
 import contextlib
 
-import lightning.pytorch as pl
 import pytest
-import torch
-from lightning.pytorch.callbacks import Callback
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.cache.store import CacheConfigError
-from lightning_pipetransformer.stack.discovery import find_block_stack
-from lightning_pipetransformer.stack.observers import sees_block_runs
-from tests.helpers.families import BATCH, FAMILIES, FamilyModule, family_data
+from tests.helpers.block_runs import ForwardRunsPerEpoch
+from tests.helpers.compare import assert_same_weights
+from tests.helpers.families import BATCH, FAMILIES, STEPS, FamilyModule, family_data
+from tests.helpers.trainers import cpu_trainer
 
-EPOCHS, STEPS = 3, 3  # 3 batches of 6 samples per epoch
-
-def trainer(strategy, callbacks=(), epochs=EPOCHS):
-    return pl.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_epochs=epochs, callbacks=list(callbacks), logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-    )
-
-
-class BlockRuns(Callback):
-    """Real runs of each block (forward pre-hooks fire only when a block computes), per training epoch."""
-
-    def __init__(self, module):
-        self.blocks = find_block_stack(module).blocks
-        self.epochs: list[list[int]] = []
-        for index, block in enumerate(self.blocks):
-            block.register_forward_pre_hook(sees_block_runs(lambda *_, i=index: self.epochs[-1].__setitem__(i, self.epochs[-1][i] + 1) if self.epochs else None))
-
-    def on_train_epoch_start(self, trainer, pl_module):
-        self.epochs.append([0] * len(self.blocks))
-
-
-def assert_same_weights(a, b, rtol=1e-4, atol=1e-5):
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        torch.testing.assert_close(sa[key], sb[key], rtol=rtol, atol=atol, msg=key)
-
+EPOCHS = 3
 
 _plain: dict[str, FamilyModule] = {}
 
@@ -56,7 +27,7 @@ _plain: dict[str, FamilyModule] = {}
 def plain(family):
     if family not in _plain:
         module = FamilyModule(family)
-        trainer("auto").fit(module, family_data(family))
+        cpu_trainer("auto", max_epochs=EPOCHS).fit(module, family_data(family))
         _plain[family] = module
     return _plain[family]
 
@@ -64,8 +35,8 @@ def plain(family):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_pipeline_equals_plain_training_and_runs_every_block_per_micro_batch(family):
     module = FamilyModule(family)
-    runs = BlockRuns(module)
-    fit = trainer(PipeTransformerStrategy(pipe_len=2, chunks=2), [runs])
+    runs = ForwardRunsPerEpoch(module)
+    fit = cpu_trainer(PipeTransformerStrategy(pipe_len=2, chunks=2), [runs], max_epochs=EPOCHS)
     observed = FAMILIES[family].observed
     with pytest.warns(UserWarning, match="observes the blocks") if observed else contextlib.nullcontext():
         fit.fit(module, family_data(family))
@@ -85,9 +56,9 @@ def test_pipeline_equals_plain_training_and_runs_every_block_per_micro_batch(fam
 
 def fit_cached(family, cache, untie=False):
     module = FamilyModule(family, untie=untie)
-    runs = BlockRuns(module)
+    runs = ForwardRunsPerEpoch(module)
     strategy = PipeTransformerStrategy(cache=cache, cache_memory=10**8)
-    fit = trainer(strategy, [AutoFreeze(schedule={1: 3}), runs])
+    fit = cpu_trainer(strategy, [AutoFreeze(schedule={1: 3}), runs], max_epochs=EPOCHS)
     fit.fit(module, family_data(family))
     return module, runs, strategy
 

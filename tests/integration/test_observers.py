@@ -31,8 +31,10 @@ from lightning_pipetransformer.pipe.pipeline import Pipeline
 from lightning_pipetransformer.stack.interception import InterceptionError, interception_stats
 from lightning_pipetransformer.stack.model_flags import check_model_flags
 from lightning_pipetransformer.stack.self_check import SelfCheckError
+from tests.helpers.block_runs import ForwardBackwardRunsPerEpoch
+from tests.helpers.compare import assert_same_weights
 from tests.helpers.families import BATCH, FamilyModule, family_data
-from tests.integration.test_recipes import BlockRuns, assert_same_weights, trainer
+from tests.helpers.trainers import cpu_trainer
 
 EPOCHS, STEPS = 2, 3  # 3 batches of 6 samples per epoch; 2 blocks of 4 frozen at epoch 1
 SCHEDULE = {1: 2}
@@ -97,7 +99,7 @@ class Interception(Callback):
 
 
 def fit(module, strategy, callbacks=()):
-    trainer(strategy, [AutoFreeze(schedule=SCHEDULE), *callbacks], epochs=EPOCHS).fit(module, family_data(module.family.name))
+    cpu_trainer(strategy, [AutoFreeze(schedule=SCHEDULE), *callbacks], max_epochs=EPOCHS).fit(module, family_data(module.family.name))
     return module
 
 
@@ -135,7 +137,7 @@ def test_observers_see_the_plain_loop_through_the_pipeline(family, how, plain_ru
     # 4 blocks: the input and 4 outputs; 4 attention maps
     assert all(len(t) == {"hidden_states": 5, "attentions": 4}.get(k, 1) for k, t in plain.seen), [(k, len(t)) for k, t in plain.seen]
     module = Observed(family, how)
-    runs, seen = BlockRuns(), Interception()
+    runs, seen = ForwardBackwardRunsPerEpoch(), Interception()
     strategy = PipeTransformerStrategy(pipe_len=2, chunks=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -156,7 +158,7 @@ def test_observers_see_the_plain_loop_through_the_cache(family, how, plain_runs)
     # Untied (GPT-2): tied input embeddings keep training by default and the cache would stand aside for that.
     plain = plain_runs(family, how, untie=True)
     module = Observed(family, how, untie=True)
-    runs = BlockRuns()
+    runs = ForwardBackwardRunsPerEpoch()
     strategy = PipeTransformerStrategy(cache=True, cache_memory=10**8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -198,7 +200,7 @@ def test_recorders_that_do_not_record_keep_the_micro_batches():
     them: in a forward that does not ask, they are not observers, and the pipeline keeps its M."""
     module = FamilyModule("gpt2")
     module.model(input_ids=torch.randint(3, 40, (2, 5)), output_hidden_states=True)  # a look before training
-    runs, seen = BlockRuns(), Interception()
+    runs, seen = ForwardBackwardRunsPerEpoch(), Interception()
     fit(module, PipeTransformerStrategy(pipe_len=2, chunks=2), [runs, seen])
     assert seen.stats.observed == 0 and seen.stats.last_block_runs == 2 * seen.stats.deferred == 2 * EPOCHS * STEPS, seen.stats
     assert runs.forward[1] == [2 * STEPS] * 4, runs.forward
@@ -235,11 +237,11 @@ class Router(FamilyModule):
 def test_router_logits_enter_the_loss_as_in_the_plain_loop(strategy):
     """Was: the cache left the frozen layers' logits out, the probe added its own, and an attention mask crashed."""
     plain = Router()
-    trainer("auto", [AutoFreeze(schedule=SCHEDULE)], epochs=EPOCHS).fit(plain, family_data("llama"))
+    cpu_trainer("auto", [AutoFreeze(schedule=SCHEDULE)], max_epochs=EPOCHS).fit(plain, family_data("llama"))
     module = Router()
     made = PipeTransformerStrategy(pipe_len=2, chunks=2) if strategy == "pipeline" else PipeTransformerStrategy(cache=True, cache_memory=10**8)
     seen = Interception()
-    trainer(made, [AutoFreeze(schedule=SCHEDULE), seen], epochs=EPOCHS).fit(module, family_data("llama"))
+    cpu_trainer(made, [AutoFreeze(schedule=SCHEDULE), seen], max_epochs=EPOCHS).fit(module, family_data("llama"))
     assert len(module.aux) == len(plain.aux) == EPOCHS * STEPS
     torch.testing.assert_close(torch.stack(module.aux), torch.stack(plain.aux), rtol=1e-4, atol=1e-5)
     assert_same_weights(module, plain)
@@ -272,7 +274,7 @@ def test_per_layer_outputs_a_model_collects_in_its_own_loop_are_refused_in_the_f
     before the first optimizer step (was: the first step trained with the probe's outputs, without their gradient)."""
     steps = OptimizerSteps()
     with pytest.raises(InterceptionError, match=r"output of block 0 \(mean\).*output_hidden_states=True"):
-        trainer(PipeTransformerStrategy(pipe_len=2, chunks=2), [steps], epochs=1).fit(KeepsLayers("bloom"), family_data("bloom"))
+        cpu_trainer(PipeTransformerStrategy(pipe_len=2, chunks=2), [steps], max_epochs=1).fit(KeepsLayers("bloom"), family_data("bloom"))
     assert steps.count == 0
 
 
@@ -281,7 +283,7 @@ def test_layer_drop_is_refused_before_training_with_the_fix():
     module.model.config.layerdrop = 0.1
     steps = Steps()
     with pytest.raises(ValueError, match=r"layerdrop=0.1.*skip blocks at random.*config.layerdrop=0"):
-        trainer(PipeTransformerStrategy(pipe_len=2, chunks=2), [steps]).fit(module, family_data("opt"))
+        cpu_trainer(PipeTransformerStrategy(pipe_len=2, chunks=2), [steps], max_epochs=3).fit(module, family_data("opt"))
     assert steps.count == 0
 
 
@@ -297,7 +299,7 @@ def test_altup_streams_are_refused_before_training():
     module.model = T.Gemma3nForCausalLM(config)
     steps = Steps()
     with pytest.raises(ValueError, match=r"altup_num_inputs=4.*first dimension is not the batch"):
-        trainer(PipeTransformerStrategy(pipe_len=2, chunks=2), [steps]).fit(module, family_data("llama"))
+        cpu_trainer(PipeTransformerStrategy(pipe_len=2, chunks=2), [steps], max_epochs=3).fit(module, family_data("llama"))
     assert steps.count == 0
 
 
@@ -338,7 +340,7 @@ def _fit_diverging(monkeypatch, runner_cls, wrong, strategy, module=None):
     monkeypatch.setattr(runner_cls, "run", run)
     steps = OptimizerSteps()
     module = module or FamilyModule("bert")
-    trainer(strategy, [AutoFreeze(schedule={0: 2}), steps], epochs=1).fit(module, family_data("bert"))
+    cpu_trainer(strategy, [AutoFreeze(schedule={0: 2}), steps], max_epochs=1).fit(module, family_data("bert"))
     return steps
 
 
@@ -353,10 +355,10 @@ def test_the_self_check_stops_before_the_first_optimizer_step(monkeypatch):
     steps = OptimizerSteps()
     monkeypatch.setattr(Pipeline, "run", _shifted(Pipeline.run))
     with pytest.raises(SelfCheckError):
-        trainer(PipeTransformerStrategy(pipe_len=2, chunks=2), [steps], epochs=1).fit(FamilyModule("bert"), family_data("bert"))
+        cpu_trainer(PipeTransformerStrategy(pipe_len=2, chunks=2), [steps], max_epochs=1).fit(FamilyModule("bert"), family_data("bert"))
     assert steps.count == 0
     module = FamilyModule("bert")
-    trainer(PipeTransformerStrategy(pipe_len=2, chunks=2, self_check=False), [steps], epochs=1).fit(module, family_data("bert"))
+    cpu_trainer(PipeTransformerStrategy(pipe_len=2, chunks=2, self_check=False), [steps], max_epochs=1).fit(module, family_data("bert"))
     assert steps.count == STEPS  # without the check the wrong runner trains: the check is what refused it
 
 
@@ -383,17 +385,17 @@ def test_the_self_check_names_a_hook_that_fires_per_micro_batch(monkeypatch):
     original = Pipeline.run
     monkeypatch.setattr(Pipeline, "run", lambda self, call: original(self, dataclasses.replace(call, observed=())))
     with pytest.raises(SelfCheckError, match=r"forward hook .*<lambda> on block 2 fired 2 time\(s\) where the plain loop fires it 1"):
-        trainer(PipeTransformerStrategy(pipe_len=2, chunks=2), epochs=1).fit(module, family_data("bert"))
+        cpu_trainer(PipeTransformerStrategy(pipe_len=2, chunks=2), max_epochs=1).fit(module, family_data("bert"))
 
 
 def test_the_self_check_passes_through_the_cache_and_costs_one_plain_pass():
     """Engaged on the real runners: one extra (plain, gradient-free) run of each block at the check, then none."""
     module = FamilyModule("bert")
-    runs = BlockRuns()
+    runs = ForwardBackwardRunsPerEpoch()
     strategy = PipeTransformerStrategy(cache=True, cache_memory=10**8)
-    trainer(strategy, [AutoFreeze(schedule={0: 2}), runs], epochs=1).fit(module, family_data("bert"))
+    cpu_trainer(strategy, [AutoFreeze(schedule={0: 2}), runs], max_epochs=1).fit(module, family_data("bert"))
     plain = FamilyModule("bert")
-    trainer("auto", [AutoFreeze(schedule={0: 2})], epochs=1).fit(plain, family_data("bert"))
+    cpu_trainer("auto", [AutoFreeze(schedule={0: 2})], max_epochs=1).fit(plain, family_data("bert"))
     assert_same_weights(module, plain)
     # The probe (1) and the check's plain run (hooks silenced: not counted) on step 0, then one run per step.
     assert runs.forward == [[1 + STEPS] * 4], runs.forward

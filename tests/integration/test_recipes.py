@@ -22,58 +22,16 @@ from torch import nn
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.pipe import pipeline as pipeline_module
-from lightning_pipetransformer.stack.discovery import BlockStackError, find_block_stack
-from lightning_pipetransformer.stack.observers import sees_block_runs
-from tests.helpers.families import BATCH, FAMILIES, FamilyModule, family_data
+from lightning_pipetransformer.stack.discovery import BlockStackError
+from tests.helpers.block_runs import ForwardBackwardRunsPerEpoch
+from tests.helpers.compare import assert_same_weights
+from tests.helpers.families import BATCH, FAMILIES, STEPS, FamilyModule, family_data
+from tests.helpers.trainers import cpu_trainer
 
 peft = pytest.importorskip("peft")  # a dev dependency: present wherever the suite runs
 
-EPOCHS, STEPS = 3, 3  # 3 batches of 6 samples per epoch
+EPOCHS = 3
 LORA_TARGETS = {"llama": ["q_proj", "v_proj"], "bert": ["query", "value"], "gpt2": ["c_attn"]}
-
-
-def trainer(strategy, callbacks=(), epochs=EPOCHS, **kwargs):
-    kwargs.setdefault("enable_checkpointing", False)
-    return pl.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_epochs=epochs, callbacks=list(callbacks), logger=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs,
-    )
-
-
-class BlockRuns(Callback):
-    """Per training epoch and block: real forward runs (pre-hooks fire only when a block computes) and backward runs.
-
-    The hooks go on at ``on_fit_start``, once a model built in ``configure_model()`` exists.
-    """
-
-    def __init__(self):
-        self.blocks: list[nn.Module] = []
-        self.forward: list[list[int]] = []
-        self.backward: list[list[int]] = []
-
-    def on_fit_start(self, trainer, pl_module):
-        stack = getattr(trainer.strategy, "stack", None) or find_block_stack(pl_module)  # the strategy's, once set up
-        self.blocks = list(stack.blocks)
-        for index, block in enumerate(self.blocks):
-            block.register_forward_pre_hook(sees_block_runs(lambda *_, i=index: self._count(self.forward, i)))
-            block.register_full_backward_pre_hook(sees_block_runs(lambda *_, i=index: self._count(self.backward, i)))
-
-    def _count(self, table, index):
-        if table:
-            table[-1][index] += 1
-
-    def on_train_epoch_start(self, trainer, pl_module):
-        self.forward.append([0] * len(self.blocks))
-        self.backward.append([0] * len(self.blocks))
-
-
-def assert_same_weights(a, b, rtol=1e-4, atol=1e-5):
-    sa = {k.replace("_orig_mod.", ""): v for k, v in a.state_dict().items()}
-    sb = {k.replace("_orig_mod.", ""): v for k, v in b.state_dict().items()}
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        assert torch.isfinite(sa[key]).all(), key
-        torch.testing.assert_close(sa[key], sb[key], rtol=rtol, atol=atol, msg=key)
 
 
 def build(family, *, checkpointing=None, input_grads=True, lora=None, seed=0):
@@ -96,21 +54,21 @@ def build(family, *, checkpointing=None, input_grads=True, lora=None, seed=0):
 
 
 def fit_plain(module, schedule):
-    trainer("auto", [AutoFreeze(schedule=schedule)]).fit(module, family_data(module.family.name))
+    cpu_trainer("auto", [AutoFreeze(schedule=schedule)], max_epochs=EPOCHS).fit(module, family_data(module.family.name))
     return module
 
 
 def fit_pipeline(module, schedule):
-    runs = BlockRuns()
+    runs = ForwardBackwardRunsPerEpoch()
     strategy = PipeTransformerStrategy(pipe_len=2, chunks=2)
-    trainer(strategy, [AutoFreeze(schedule=schedule), runs]).fit(module, family_data(module.family.name))
+    cpu_trainer(strategy, [AutoFreeze(schedule=schedule), runs], max_epochs=EPOCHS).fit(module, family_data(module.family.name))
     return runs, strategy
 
 
 def fit_cached(module, schedule, **kwargs):
-    runs = BlockRuns()
+    runs = ForwardBackwardRunsPerEpoch()
     strategy = PipeTransformerStrategy(cache=True, cache_memory=10**8, **kwargs)
-    trainer(strategy, [AutoFreeze(schedule=schedule), runs]).fit(module, family_data(module.family.name))
+    cpu_trainer(strategy, [AutoFreeze(schedule=schedule), runs], max_epochs=EPOCHS).fit(module, family_data(module.family.name))
     return runs, strategy
 
 
@@ -168,10 +126,10 @@ def test_gradient_checkpointing_through_the_pipeline(family, lora, checkpointing
 def test_the_frozen_blocks_keep_their_graph_when_a_real_gradient_needs_it():
     """The no-graph rule is about hooks: trainable embeddings still get their gradient through the frozen blocks."""
     plain = build("bert", checkpointing="non-reentrant")
-    trainer("auto", [AutoFreeze(schedule={1: 2}, freeze_embeddings=False)]).fit(plain, family_data("bert"))
+    cpu_trainer("auto", [AutoFreeze(schedule={1: 2}, freeze_embeddings=False)], max_epochs=EPOCHS).fit(plain, family_data("bert"))
     module = build("bert", checkpointing="non-reentrant")
-    runs = BlockRuns()
-    trainer(PipeTransformerStrategy(pipe_len=2, chunks=2), [AutoFreeze(schedule={1: 2}, freeze_embeddings=False), runs]).fit(
+    runs = ForwardBackwardRunsPerEpoch()
+    cpu_trainer(PipeTransformerStrategy(pipe_len=2, chunks=2), [AutoFreeze(schedule={1: 2}, freeze_embeddings=False), runs], max_epochs=EPOCHS).fit(
         module, family_data("bert")
     )
     assert_same_weights(module, plain)
@@ -192,9 +150,9 @@ def test_lora_on_the_upper_layers_counts_the_lower_blocks_as_frozen_and_caches_t
     plain = fit_plain(build("llama", lora="upper"), {0: 0})
     module = build("llama", lora="upper")
     start = PlanAtStart()
-    runs = BlockRuns()
+    runs = ForwardBackwardRunsPerEpoch()
     strategy = PipeTransformerStrategy(pipe_len=2, chunks=2, cache=True, cache_memory=10**8)
-    trainer(strategy, [AutoFreeze(schedule={0: 0}), runs, start]).fit(module, family_data("llama"))
+    cpu_trainer(strategy, [AutoFreeze(schedule={0: 0}), runs, start], max_epochs=EPOCHS).fit(module, family_data("llama"))
     assert_same_weights(module, plain)
     # Blocks 0-1 have no trainable parameter: frozen for the plan from the start (was: 0 frozen, no cache).
     assert start.plan.num_frozen == 2
@@ -215,10 +173,10 @@ def test_a_freeze_that_changes_no_parameter_still_moves_the_plan():
         return module
 
     plain = lora_on([0, 1, 3])
-    trainer("auto", [AutoFreeze(schedule={1: 2, 2: 3})]).fit(plain, family_data("llama"))
+    cpu_trainer("auto", [AutoFreeze(schedule={1: 2, 2: 3})], max_epochs=EPOCHS).fit(plain, family_data("llama"))
     module = lora_on([0, 1, 3])
     strategy = PipeTransformerStrategy(pipe_len=2, chunks=2)
-    trainer(strategy, [AutoFreeze(schedule={1: 2, 2: 3})]).fit(module, family_data("llama"))
+    cpu_trainer(strategy, [AutoFreeze(schedule={1: 2, 2: 3})], max_epochs=EPOCHS).fit(module, family_data("llama"))
     assert_same_weights(module, plain)
     assert strategy.plan.num_frozen == 3
 
@@ -258,9 +216,9 @@ def test_a_model_built_in_configure_model_or_setup(where, naming):
     plain = fit_plain(FamilyModule("llama"), {1: 3})
     module = LazyModule("llama", where, hook=naming == "hook")
     layers = "model.model.layers" if naming == "layers" else None
-    runs = BlockRuns()
+    runs = ForwardBackwardRunsPerEpoch()
     strategy = PipeTransformerStrategy(pipe_len=2, chunks=2, cache=True, cache_memory=10**8, layers=layers)
-    trainer(strategy, [AutoFreeze(schedule={1: 3}, layers=layers), runs]).fit(module, family_data("llama"))
+    cpu_trainer(strategy, [AutoFreeze(schedule={1: 3}, layers=layers), runs], max_epochs=EPOCHS).fit(module, family_data("llama"))
     assert_same_weights(module, plain)
     assert_served(runs, strategy, frozen=3, chunks=2)
 
@@ -269,7 +227,7 @@ def test_a_lazily_built_model_under_a_plain_trainer():
     plain = fit_plain(FamilyModule("llama"), {1: 3})
     module = LazyModule("llama")
     freeze = AutoFreeze(schedule={1: 3})
-    trainer("auto", [freeze]).fit(module, family_data("llama"))
+    cpu_trainer("auto", [freeze], max_epochs=EPOCHS).fit(module, family_data("llama"))
     assert freeze.stack.path == "model.model.layers"
     assert_same_weights(module, plain)
 
@@ -284,14 +242,14 @@ def test_a_compiled_model_through_the_pipeline(how, backend):
     """Was InternalTorchDynamoError at the second step: Dynamo traced the interception."""
     torch._dynamo.reset()
     plain = FamilyModule("llama")
-    trainer("auto").fit(plain, family_data("llama"))
+    cpu_trainer("auto", max_epochs=EPOCHS).fit(plain, family_data("llama"))
     module = FamilyModule("llama")
-    runs = BlockRuns()
+    runs = ForwardBackwardRunsPerEpoch()
     if how == "method":
         module.model.compile(backend=backend)
     else:
         module.model = torch.compile(module.model, backend=backend)
-    trainer(PipeTransformerStrategy(pipe_len=2, chunks=2), [runs]).fit(module, family_data("llama"))
+    cpu_trainer(PipeTransformerStrategy(pipe_len=2, chunks=2), [runs], max_epochs=EPOCHS).fit(module, family_data("llama"))
     assert_same_weights(module, plain)
     assert runs.forward == [[1 + 2 * STEPS] * 4] + [[2 * STEPS] * 4] * (EPOCHS - 1), runs.forward
 
@@ -340,11 +298,11 @@ class Distillation(pl.LightningModule):
 
 def test_distillation_freezes_and_pipelines_the_student_not_the_frozen_teacher():
     plain = Distillation()
-    trainer("auto", [AutoFreeze(schedule={1: 2})]).fit(plain, family_data("bert"))
+    cpu_trainer("auto", [AutoFreeze(schedule={1: 2})], max_epochs=EPOCHS).fit(plain, family_data("bert"))
     module = Distillation()
     freeze = AutoFreeze(schedule={1: 2})
     strategy = PipeTransformerStrategy(pipe_len=2, chunks=2, cache=True, cache_memory=10**8)
-    trainer(strategy, [freeze]).fit(module, family_data("bert"))
+    cpu_trainer(strategy, [freeze], max_epochs=EPOCHS).fit(module, family_data("bert"))
     assert freeze.stack.path == "student.bert.encoder.layer"
     assert_same_weights(module, plain)
     assert not any(p.requires_grad for block in module.student.bert.encoder.layer[:2] for p in block.parameters())
@@ -353,7 +311,7 @@ def test_distillation_freezes_and_pipelines_the_student_not_the_frozen_teacher()
 
 def test_two_trainable_transformers_of_similar_size_are_refused_with_both_names():
     with pytest.raises(BlockStackError, match="student.bert.encoder.layer.*teacher.bert.encoder.layer|teacher.*student"):
-        trainer(PipeTransformerStrategy(pipe_len=2), [AutoFreeze()]).fit(
+        cpu_trainer(PipeTransformerStrategy(pipe_len=2), [AutoFreeze()], max_epochs=EPOCHS).fit(
             Distillation(teacher_trains=True, teacher_layers=4, teacher_width=32), family_data("bert")
         )
 
@@ -377,7 +335,7 @@ def test_a_pipe_len_that_does_not_divide_the_devices_is_refused_when_the_trainer
 def test_a_run_with_no_freeze_point_warns_before_training(freeze, words):
     module = FamilyModule("bert")
     with pytest.warns(UserWarning, match=words):
-        trainer(PipeTransformerStrategy(), [AutoFreeze(**freeze)]).fit(module, family_data("bert"))
+        cpu_trainer(PipeTransformerStrategy(), [AutoFreeze(**freeze)], max_epochs=EPOCHS).fit(module, family_data("bert"))
 
 
 def test_chunks_larger_than_the_batch_warn_once():
@@ -385,7 +343,7 @@ def test_chunks_larger_than_the_batch_warn_once():
     module = FamilyModule("bert")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer(PipeTransformerStrategy(pipe_len=2, chunks=8)).fit(module, family_data("bert"))
+        cpu_trainer(PipeTransformerStrategy(pipe_len=2, chunks=8), max_epochs=EPOCHS).fit(module, family_data("bert"))
     capped = [w for w in caught if "chunks=8 but the batches have 6 samples" in str(w.message)]
     assert len(capped) == 1
 
@@ -395,7 +353,7 @@ def test_tied_embeddings_named_in_pre_warn_that_the_head_stops_training():
     module = FamilyModule("gpt2")
     assert module.model.lm_head.weight is module.model.transformer.wte.weight
     with pytest.warns(UserWarning, match=r"tied to a module after the stack \(model.transformer.wte.weight is model.lm_head.weight\)"):
-        trainer("auto", [AutoFreeze(schedule={1: 2}, pre=["model.transformer.wte"])], epochs=2).fit(module, family_data("gpt2"))
+        cpu_trainer("auto", [AutoFreeze(schedule={1: 2}, pre=["model.transformer.wte"])], max_epochs=2).fit(module, family_data("gpt2"))
     assert not module.model.lm_head.weight.requires_grad
 
 
@@ -427,7 +385,7 @@ def test_content_keys_that_keep_missing_warn_once_naming_padding():
     module = FamilyModule("bert")
     strategy = PipeTransformerStrategy(cache=True, cache_memory=10**8)
     with pytest.warns(UserWarning, match="padded to their own longest sequence.*bucket_tokens"):
-        trainer(strategy, [AutoFreeze(schedule={1: 3})], epochs=4).fit(module, data)
+        cpu_trainer(strategy, [AutoFreeze(schedule={1: 3})], max_epochs=4).fit(module, data)
     assert strategy.cache_stats["autocache/hit_rate"] < 0.8
 
 
@@ -436,7 +394,7 @@ def test_content_keys_that_hit_do_not_warn():
     strategy = PipeTransformerStrategy(cache=True, cache_memory=10**8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer(strategy, [AutoFreeze(schedule={1: 3})], epochs=4).fit(module, family_data("bert"))
+        cpu_trainer(strategy, [AutoFreeze(schedule={1: 3})], max_epochs=4).fit(module, family_data("bert"))
     assert not [w for w in caught if "lookups hit" in str(w.message)]
     assert strategy.cache_stats["autocache/hit_rate"] == 2 / 3  # epoch 1 stores, epochs 2-3 hit
 
@@ -477,7 +435,7 @@ class Seq2Seq(pl.LightningModule):
 
 def test_an_encoder_decoder_model_has_two_stacks_and_asks_which():
     with pytest.raises(BlockStackError, match="model.model.decoder.layers.*model.model.encoder.layers"):
-        trainer(PipeTransformerStrategy(pipe_len=2), [AutoFreeze()]).fit(Seq2Seq("bart"), family_data("bert"))
+        cpu_trainer(PipeTransformerStrategy(pipe_len=2), [AutoFreeze()], max_epochs=EPOCHS).fit(Seq2Seq("bart"), family_data("bert"))
 
 
 def test_bart_encoder_pipelined_and_cached():
@@ -486,12 +444,12 @@ def test_bart_encoder_pipelined_and_cached():
         return AutoFreeze(schedule={1: 3}, layers="model.model.encoder.layers", pre=BART_PRE)
 
     plain = Seq2Seq("bart")
-    trainer("auto", [freeze()]).fit(plain, family_data("bert"))
+    cpu_trainer("auto", [freeze()], max_epochs=EPOCHS).fit(plain, family_data("bert"))
     module = Seq2Seq("bart")
-    runs = BlockRuns()
+    runs = ForwardBackwardRunsPerEpoch()
     strategy = PipeTransformerStrategy(pipe_len=2, chunks=2, cache=True, cache_memory=10**8)
     with pytest.warns(UserWarning, match="tied to a module after the stack"):  # shared embeddings: the head freezes too
-        trainer(strategy, [freeze(), runs]).fit(module, family_data("bert"))
+        cpu_trainer(strategy, [freeze(), runs], max_epochs=EPOCHS).fit(module, family_data("bert"))
     assert_same_weights(module, plain)
     assert strategy.stack.path == "model.model.encoder.layers"
     assert_served(runs, strategy, frozen=3, chunks=2)
@@ -499,10 +457,10 @@ def test_bart_encoder_pipelined_and_cached():
 
 def test_bart_decoder_pipelined():
     plain = Seq2Seq("bart")
-    trainer("auto").fit(plain, family_data("bert"))
+    cpu_trainer("auto", max_epochs=EPOCHS).fit(plain, family_data("bert"))
     module = Seq2Seq("bart")
     strategy = PipeTransformerStrategy(pipe_len=2, chunks=2, layers="model.model.decoder.layers")
-    trainer(strategy).fit(module, family_data("bert"))
+    cpu_trainer(strategy, max_epochs=EPOCHS).fit(module, family_data("bert"))
     assert_same_weights(module, plain)
     assert strategy.plan.pipe_len == 2
 
@@ -512,7 +470,7 @@ def test_t5_blocks_pass_the_position_bias_on_and_are_refused():
     from lightning_pipetransformer.stack.interception import InterceptionError
 
     with pytest.raises(InterceptionError, match="got an earlier block's output as an extra argument"):
-        trainer(PipeTransformerStrategy(pipe_len=2, layers="model.encoder.block")).fit(Seq2Seq("t5"), family_data("bert"))
+        cpu_trainer(PipeTransformerStrategy(pipe_len=2, layers="model.encoder.block"), max_epochs=EPOCHS).fit(Seq2Seq("t5"), family_data("bert"))
 
 
 # ---------------------------------------------------------------------------------- combined with the loop's recipes
@@ -522,11 +480,11 @@ def test_lora_with_checkpointing_cached_under_bf16_and_accumulation():
     recipe = dict(checkpointing="reentrant", lora="all")
     loop = dict(precision="bf16-mixed", accumulate_grad_batches=2)
     plain = build("llama", **recipe)
-    trainer("auto", [AutoFreeze(schedule={1: 3})], **loop).fit(plain, family_data("llama"))
+    cpu_trainer("auto", [AutoFreeze(schedule={1: 3})], max_epochs=EPOCHS, **loop).fit(plain, family_data("llama"))
     module = build("llama", **recipe)
-    runs = BlockRuns()
+    runs = ForwardBackwardRunsPerEpoch()
     strategy = PipeTransformerStrategy(cache=True, cache_memory=10**8)
-    trainer(strategy, [AutoFreeze(schedule={1: 3}), runs], **loop).fit(module, family_data("llama"))
+    cpu_trainer(strategy, [AutoFreeze(schedule={1: 3}), runs], max_epochs=EPOCHS, **loop).fit(module, family_data("llama"))
     assert_same_weights(module, plain, rtol=1e-3, atol=1e-4)
     assert_served(runs, strategy, frozen=3)
 
@@ -540,7 +498,7 @@ def test_lora_on_the_upper_layers_resumes_exactly(tmp_path):
         if checkpoint:
             callbacks.append(ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0))
         strategy = PipeTransformerStrategy(pipe_len=2, chunks=2, cache=True, cache_memory=10**8, cache_dir=str(tmp_path / "cache"))
-        fit = trainer(strategy, callbacks, epochs=epochs, enable_checkpointing=checkpoint)
+        fit = cpu_trainer(strategy, callbacks, max_epochs=epochs, enable_checkpointing=checkpoint)
         fit.fit(module, family_data("llama"), ckpt_path=ckpt)
         return module, strategy
 

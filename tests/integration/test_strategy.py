@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -11,31 +10,18 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.stack.discovery import BlockStackError
 from lightning_pipetransformer.stack.observers import sees_block_runs
+from tests.helpers.compare import assert_state_close
 from tests.helpers.lightning_models import Classifier, data_for, indexed_text
+from tests.helpers.trainers import cpu_trainer
 
 SCHEDULE = {1: 1, 2: 3}
 
 
-def trainer_for(strategy, callbacks=(), max_epochs=3, **kwargs) -> pl.Trainer:
-    kwargs.setdefault("logger", False)
-    kwargs.setdefault("enable_checkpointing", False)
-    return pl.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_epochs=max_epochs, callbacks=list(callbacks),
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs,
-    )
-
-
 def fit(kind, strategy, schedule=SCHEDULE, max_epochs=3, **kwargs):
     module = Classifier(kind)
-    trainer = trainer_for(strategy, [AutoFreeze(schedule=schedule)], max_epochs=max_epochs, **kwargs)
+    trainer = cpu_trainer(strategy, [AutoFreeze(schedule=schedule)], max_epochs=max_epochs, **kwargs)
     trainer.fit(module, data_for(kind))
     return module, trainer
-
-
-def assert_close_state(a, b, rtol=1e-5, atol=1e-6):
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=rtol, atol=atol, msg=key)
 
 
 _reference: dict[str, dict] = {}
@@ -54,7 +40,7 @@ def reference(kind):
 )
 def test_matches_plain_trainer(kind, pipe_len, chunks):
     module, trainer = fit(kind, PipeTransformerStrategy(pipe_len=pipe_len, chunks=chunks))
-    assert_close_state(module.state_dict(), reference(kind))
+    assert_state_close(module.state_dict(), reference(kind))
     # After fit the module is the user's plain module again.
     assert type(trainer.strategy.stack.container).__name__ in ("ModuleList", "Sequential")
 
@@ -65,7 +51,7 @@ def test_pipeline_really_runs_during_fit(tmp_path):
     runs = []
     for block in blocks:
         block.register_forward_pre_hook(sees_block_runs(lambda m, args: runs.append(args[0].shape[0])))
-    trainer = trainer_for(PipeTransformerStrategy(pipe_len=2, chunks=2), max_epochs=1, logger=CSVLogger(tmp_path))
+    trainer = cpu_trainer(PipeTransformerStrategy(pipe_len=2, chunks=2), max_epochs=1, logger=CSVLogger(tmp_path))
     trainer.fit(module, data_for("bert"))
     # 3 steps of 8 samples: each block runs on the first batch once without a graph (learning what the
     # blocks return), then on 2 micro-batches of 4 per step. A bypassed pipeline would run each on 8, once.
@@ -84,9 +70,8 @@ def test_plan_shrinks_as_blocks_freeze_and_is_logged(tmp_path):
             plans.append(trainer.strategy.plan)
 
     module = Classifier("bert", num_layers=4)
-    trainer = trainer_for(
-        PipeTransformerStrategy(pipe_len=4, chunks=2), [AutoFreeze(schedule={1: 2, 2: 3}), Record()],
-        logger=CSVLogger(tmp_path),
+    trainer = cpu_trainer(
+        PipeTransformerStrategy(pipe_len=4, chunks=2), [AutoFreeze(schedule={1: 2, 2: 3}), Record()], max_epochs=3, logger=CSVLogger(tmp_path),
     )
     trainer.fit(module, data_for("bert"))
     # 4 equal blocks, budget 1 block: F=2 -> [1/6, 1/6, 1, 1] cannot fit 2 stages of <= 1;
@@ -103,8 +88,8 @@ def test_resume_equals_uninterrupted(tmp_path):
         module = Classifier("bert")
         freeze = AutoFreeze(alpha=0.5, rule="schedule")
         ckpt = ModelCheckpoint(dirpath=directory, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
-        trainer = trainer_for(
-            PipeTransformerStrategy(pipe_len=4, chunks=2), [freeze, ckpt], max_epochs=max_epochs, enable_checkpointing=True
+        trainer = cpu_trainer(
+            PipeTransformerStrategy(pipe_len=4, chunks=2), [freeze, ckpt], max_epochs=max_epochs, enable_checkpointing=True,
         )
         trainer.fit(module, data_for("bert"), data_for("bert", n=8, seed=1), ckpt_path=ckpt_path)
         return module, trainer
@@ -114,38 +99,38 @@ def test_resume_equals_uninterrupted(tmp_path):
     resumed, resumed_trainer = run(tmp_path / "c", 4, ckpt_path=tmp_path / "b" / "epoch=1.ckpt")
     assert resumed_trainer.strategy.plan == full_trainer.strategy.plan
     assert full_trainer.strategy.plan.pipe_len < 4
-    assert_close_state(resumed.state_dict(), full.state_dict())
+    assert_state_close(resumed.state_dict(), full.state_dict())
 
 
 def test_checkpoints_cross_load_with_a_plain_trainer(tmp_path):
     module, trainer = fit("bert", PipeTransformerStrategy(pipe_len=2, chunks=2), max_epochs=1)
     trainer.save_checkpoint(tmp_path / "pipe.ckpt")
     plain = Classifier("bert", seed=1)
-    trainer_for("auto", max_epochs=1).validate(plain, data_for("bert"), ckpt_path=tmp_path / "pipe.ckpt")
-    assert_close_state(plain.state_dict(), module.state_dict(), rtol=0, atol=0)
+    cpu_trainer("auto", max_epochs=1).validate(plain, data_for("bert"), ckpt_path=tmp_path / "pipe.ckpt")
+    assert_state_close(plain.state_dict(), module.state_dict(), rtol=0, atol=0)
 
     # And the other way round: a plain checkpoint resumes under the pipeline strategy.
     module, trainer = fit("bert", "auto", max_epochs=1)
     trainer.save_checkpoint(tmp_path / "plain.ckpt")
     piped = Classifier("bert", seed=1)
-    trainer_for(PipeTransformerStrategy(pipe_len=4, chunks=2), max_epochs=2).fit(
+    cpu_trainer(PipeTransformerStrategy(pipe_len=4, chunks=2), max_epochs=2).fit(
         piped, data_for("bert"), ckpt_path=tmp_path / "plain.ckpt"
     )
     uninterrupted, _ = fit("bert", "auto", schedule={}, max_epochs=2)
-    assert_close_state(piped.state_dict(), uninterrupted.state_dict())
+    assert_state_close(piped.state_dict(), uninterrupted.state_dict())
 
 
 def test_validate_test_predict_run_through_the_pipeline():
     module, trainer = fit("bert", "auto", max_epochs=1)
     plain = trainer.predict(module, data_for("bert"))
     strategy = PipeTransformerStrategy(pipe_len=4, chunks=3)
-    t = trainer_for(strategy)
+    t = cpu_trainer(strategy, max_epochs=3)
     piped = t.predict(module, data_for("bert"))
     for a, b in zip(plain, piped):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert t.strategy.plan.pipe_len == 4
     assert t.validate(module, data_for("bert"))[0]["val_loss"] == pytest.approx(
-        trainer_for("auto").validate(module, data_for("bert"))[0]["val_loss"], rel=1e-5
+        cpu_trainer("auto", max_epochs=3).validate(module, data_for("bert"))[0]["val_loss"], rel=1e-5
     )
 
 
@@ -153,11 +138,11 @@ def test_gradient_accumulation_and_bf16():
     for kwargs, tol in [(dict(accumulate_grad_batches=2), 1e-6), (dict(precision="bf16-mixed"), 1e-2)]:
         piped, _ = fit("bert", PipeTransformerStrategy(pipe_len=2, chunks=1), max_epochs=2, **kwargs)
         plain, _ = fit("bert", "auto", max_epochs=2, **kwargs)
-        assert_close_state(piped.state_dict(), plain.state_dict(), rtol=tol, atol=tol)
+        assert_state_close(piped.state_dict(), plain.state_dict(), rtol=tol, atol=tol)
 
 
 def test_registered_name():
-    trainer = trainer_for("pipetransformer")
+    trainer = cpu_trainer("pipetransformer", max_epochs=3)
     assert isinstance(trainer.strategy, PipeTransformerStrategy) and trainer.strategy.config.pipe_len == 1
 
 
@@ -180,7 +165,7 @@ class Steps(Callback):
 def test_more_stages_than_blocks_fails_before_training():
     Steps.count = 0
     with pytest.raises(ValueError, match="pipe_len <= 4"):
-        trainer_for(PipeTransformerStrategy(pipe_len=5), [Steps()]).fit(Classifier("bert"), data_for("bert"))
+        cpu_trainer(PipeTransformerStrategy(pipe_len=5), [Steps()], max_epochs=3).fit(Classifier("bert"), data_for("bert"))
     assert Steps.count == 0
 
 
@@ -195,7 +180,7 @@ def test_no_block_stack_fails_before_training():
 
     Steps.count = 0
     with pytest.raises(BlockStackError, match="layers="):
-        trainer_for(PipeTransformerStrategy(pipe_len=2), [Steps()]).fit(Flat(), data_for("bert"))
+        cpu_trainer(PipeTransformerStrategy(pipe_len=2), [Steps()], max_epochs=3).fit(Flat(), data_for("bert"))
     assert Steps.count == 0
 
 
@@ -206,7 +191,7 @@ def test_auto_chunks_measures_once_per_pipe_len_and_keeps_results_exact():
     assert sorted(strategy.engine.auto_chunks) == [2, 4]
     assert 4 <= strategy.engine.auto_chunks[4] <= 8 and 2 <= strategy.engine.auto_chunks[2] <= 8
     assert strategy.plan.chunks == strategy.engine.auto_chunks[2]
-    assert_close_state(module.state_dict(), reference_with({1: 3}))
+    assert_state_close(module.state_dict(), reference_with({1: 3}))
 
 
 _reference_with: dict = {}
@@ -233,7 +218,7 @@ def test_cache_on_equals_cache_off(tmp_path, pipe_len):
     # the embeddings' output reaching the blocks): at least epochs 2-3, 3 batches each.
     assert stats["autocache/embeddings_skipped"] >= 6
     plain, _ = fit("bert", "auto", schedule=schedule, max_epochs=4)
-    assert_close_state(cached.state_dict(), plain.state_dict(), rtol=1e-4, atol=1e-5)
+    assert_state_close(cached.state_dict(), plain.state_dict(), rtol=1e-4, atol=1e-5)
 
 
 def test_cache_dir_not_writable_fails_before_training(tmp_path):
@@ -241,7 +226,7 @@ def test_cache_dir_not_writable_fails_before_training(tmp_path):
     blocker.write_text("x")
     Steps.count = 0
     with pytest.raises(ValueError, match="cache_dir"):
-        trainer_for(PipeTransformerStrategy(cache=True, cache_dir=str(blocker / "c")), [AutoFreeze(), Steps()]).fit(
+        cpu_trainer(PipeTransformerStrategy(cache=True, cache_dir=str(blocker / "c")), [AutoFreeze(), Steps()], max_epochs=3).fit(
             Classifier("bert"), data_for("bert")
         )
     assert Steps.count == 0
@@ -250,8 +235,9 @@ def test_cache_dir_not_writable_fails_before_training(tmp_path):
 def test_index_cache_key_needs_dict_batches_from_the_first_step(tmp_path):
     Steps.count = 0
     with pytest.raises(ValueError, match="index"):
-        trainer_for(PipeTransformerStrategy(cache=True, cache_key="index", cache_dir=str(tmp_path)),
-                    [AutoFreeze(schedule={1: 1}), Steps()]).fit(Classifier("bert"), data_for("bert"))
+        cpu_trainer(
+            PipeTransformerStrategy(cache=True, cache_key="index", cache_dir=str(tmp_path)), [AutoFreeze(schedule={1: 1}), Steps()], max_epochs=3,
+        ).fit(Classifier("bert"), data_for("bert"))
     assert Steps.count == 1  # the first step, long before the first freeze
 
 
@@ -265,7 +251,7 @@ class ValLosses(Callback):
 
 def fit_indexed(strategy, train, val=None, schedule=SCHEDULE, max_epochs=4):
     module, losses = Classifier("bert"), ValLosses()
-    trainer = trainer_for(strategy, [AutoFreeze(schedule=schedule), losses], max_epochs=max_epochs)
+    trainer = cpu_trainer(strategy, [AutoFreeze(schedule=schedule), losses], max_epochs=max_epochs)
     trainer.fit(module, train, val)
     return module, trainer, losses.losses
 
@@ -288,7 +274,7 @@ def test_index_cache_key_equals_cache_off(tmp_path):
     assert stats["autocache/boundary"] == 3 and stats["autocache/hits"] >= 24 + 24  # epochs 2-3, train + val
     assert (stats["autocache/hits"], stats["autocache/misses"]) == (content_stats["autocache/hits"], content_stats["autocache/misses"])
     plain, _, plain_losses = fit_indexed("auto", *loaders())
-    assert_close_state(by_index.state_dict(), plain.state_dict(), rtol=1e-4, atol=1e-5)
+    assert_state_close(by_index.state_dict(), plain.state_dict(), rtol=1e-4, atol=1e-5)
     assert index_losses == pytest.approx(plain_losses, rel=1e-5, abs=1e-6)
 
 
@@ -300,7 +286,7 @@ def test_random_augmentation_misses_under_content_keys_and_reuses_a_view_under_i
         PipeTransformerStrategy(cache=True, cache_dir=str(tmp_path / "content")), indexed_text(augment=True)
     )
     assert trainer.strategy.cache_stats["autocache/misses"] > 0
-    assert_close_state(by_content.state_dict(), plain.state_dict(), rtol=1e-4, atol=1e-5)
+    assert_state_close(by_content.state_dict(), plain.state_dict(), rtol=1e-4, atol=1e-5)
     by_index, trainer, _ = fit_indexed(
         PipeTransformerStrategy(cache=True, cache_key="index", cache_dir=str(tmp_path / "index")),
         indexed_text(augment=True),
@@ -313,18 +299,20 @@ def test_random_augmentation_misses_under_content_keys_and_reuses_a_view_under_i
 def test_cache_with_trainable_embeddings_and_with_everything_frozen(tmp_path):
     # freeze_embeddings=False: gradients must still reach the embeddings through frozen blocks.
     module = Classifier("bert")
-    trainer_for(PipeTransformerStrategy(cache=True, cache_dir=str(tmp_path / "a")),
-                [AutoFreeze(schedule={1: 2}, freeze_embeddings=False)]).fit(module, data_for("bert"))
+    cpu_trainer(
+        PipeTransformerStrategy(cache=True, cache_dir=str(tmp_path / "a")), [AutoFreeze(schedule={1: 2}, freeze_embeddings=False)], max_epochs=3,
+    ).fit(module, data_for("bert"))
     plain = Classifier("bert")
-    trainer_for("auto", [AutoFreeze(schedule={1: 2}, freeze_embeddings=False)]).fit(plain, data_for("bert"))
-    assert_close_state(module.state_dict(), plain.state_dict())
+    cpu_trainer("auto", [AutoFreeze(schedule={1: 2}, freeze_embeddings=False)], max_epochs=3).fit(plain, data_for("bert"))
+    assert_state_close(module.state_dict(), plain.state_dict())
     # min_active=0 with every block frozen: only the head trains, on cached boundaries.
     module = Classifier("bert")
-    trainer_for(PipeTransformerStrategy(cache=True, cache_dir=str(tmp_path / "b")),
-                [AutoFreeze(schedule={1: 4}, min_active=0)]).fit(module, data_for("bert"))
+    cpu_trainer(
+        PipeTransformerStrategy(cache=True, cache_dir=str(tmp_path / "b")), [AutoFreeze(schedule={1: 4}, min_active=0)], max_epochs=3,
+    ).fit(module, data_for("bert"))
     plain = Classifier("bert")
-    trainer_for("auto", [AutoFreeze(schedule={1: 4}, min_active=0)]).fit(plain, data_for("bert"))
-    assert_close_state(module.state_dict(), plain.state_dict(), rtol=1e-4, atol=1e-5)
+    cpu_trainer("auto", [AutoFreeze(schedule={1: 4}, min_active=0)], max_epochs=3).fit(plain, data_for("bert"))
+    assert_state_close(module.state_dict(), plain.state_dict(), rtol=1e-4, atol=1e-5)
 
 
 class _RecordsApply(torch.nn.Module):
@@ -364,7 +352,7 @@ def test_modules_outside_the_stack_move_through_their_own_apply():
 
     type(module.metric)._apply = spy
     try:
-        trainer_for(PipeTransformerStrategy(pipe_len=2), [AtStart()], max_epochs=1).fit(module, data_for("bert"))
+        cpu_trainer(PipeTransformerStrategy(pipe_len=2), [AtStart()], max_epochs=1).fit(module, data_for("bert"))
     finally:
         type(module.metric)._apply = original
     assert at_start["recorder"] > 0 and at_start["metric"] > 0, at_start
@@ -381,6 +369,6 @@ def test_the_input_recorder_holds_nothing_while_the_cache_does_not_serve(tmp_pat
             seen.append((trainer.current_epoch, trainer.strategy.autocache._recorder.pending is None))
 
     strategy = PipeTransformerStrategy(cache=True, cache_dir=str(tmp_path))
-    trainer_for(strategy, [AutoFreeze(schedule={1: 2}), Check()], max_epochs=2).fit(Classifier("bert"), data_for("bert"))
+    cpu_trainer(strategy, [AutoFreeze(schedule={1: 2}), Check()], max_epochs=2).fit(Classifier("bert"), data_for("bert"))
     assert seen and all(empty for _, empty in seen), seen
     assert strategy.cache_stats["autocache/stored"] > 0  # the cache did serve in epoch 1 (and took each record)

@@ -18,7 +18,7 @@ from lightning_pipetransformer import devices as dev
 from lightning_pipetransformer.devices import VirtualDevices
 from lightning_pipetransformer.dp import state_transfer
 from lightning_pipetransformer.dp.ddp import GradientSync
-from tests.unit.dp.test_state_transfer import _spawn
+from tests.helpers.spawn import spawn_gloo
 
 CPU0, CPU1 = torch.device("cpu", 0), torch.device("cpu", 1)
 STEPS = 3
@@ -101,7 +101,7 @@ def _replicas(rank: int, world: int) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_k2_replicas_average_like_ddp_and_equal_one_process_with_adamw():
-    _spawn(_replicas, 2)
+    spawn_gloo(_replicas, 2)
 
 
 def test_average_op_is_the_backends_average_where_it_has_one(monkeypatch):

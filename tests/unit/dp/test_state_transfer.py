@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import socket
 import time
-import traceback
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_pipetransformer.dp import state_transfer
+from tests.helpers.spawn import spawn_gloo
 
 
 def test_transfer_tree_is_a_binomial_tree_over_src_and_receivers():
@@ -86,41 +83,52 @@ class _FakeWork:
         self.fake._sample()
 
 
-def test_staging_on_the_process_device_stays_within_a_window_of_pieces(monkeypatch):
+CHUNK = 64 << 10
+
+
+def _send_and_relay(monkeypatch, fake_dist, streams: bool = False):
+    """Rank 0 (children 1, 2) and rank 1 (parent 0, child 3) of a tree over 0..3 send a stage's tensors
+    (on cpu:1) in ``CHUNK`` pieces, each through its own ``fake_dist(rank, virtual, cpu0, inbox=)``,
+    with ``fake_dist`` as the streams when ``streams``; returns ``(sender, receiver, root, relay, total bytes)``."""
     from lightning_pipetransformer import devices as dev
     from lightning_pipetransformer.devices import VirtualDevices
 
     cpu0, cpu1 = torch.device("cpu", 0), torch.device("cpu", 1)
-    chunk = 64 << 10
-    # Rank 0 (children 1, 2) and rank 1 (parent 0, child 3) of a tree over 0..3, tensors of a stage on cpu:1.
+
+    def send(fake, tensors):
+        monkeypatch.setattr(state_transfer, "dist", fake)
+        with dev.stand_in_streams(fake) if streams else contextlib.nullcontext():
+            state_transfer.send_tensors(tensors, src=0, receivers=[1, 2, 3], group=None, chunk_bytes=CHUNK, via=cpu0)
+
     with VirtualDevices() as virtual:
         dev.bind_process_device(cpu0)
         sender = _tensors(seed=0)
         for t in sender:
             dev.tag_as(t, cpu1)
         total = sum(t.numel() * t.element_size() for t in sender)
-        root = _FakeDist(0, virtual, cpu0)
-        monkeypatch.setattr(state_transfer, "dist", root)
-        state_transfer.send_tensors(sender, src=0, receivers=[1, 2, 3], group=None, chunk_bytes=chunk, via=cpu0)
-
+        root = fake_dist(0, virtual, cpu0)
+        send(root, sender)
         # Contiguous where the sender's (600, 700).t() is not, as broadcast_state's torch.empty: the
         # pieces must still match (they once depended on the strides).
         receiver = [torch.zeros(t.shape, dtype=t.dtype) for t in _tensors(seed=0)]
         for t in receiver:
             dev.tag_as(t, cpu1)
-        relay = _FakeDist(1, virtual, cpu0, inbox=root.sent[1])
-        monkeypatch.setattr(state_transfer, "dist", relay)
-        state_transfer.send_tensors(receiver, src=0, receivers=[1, 2, 3], group=None, chunk_bytes=chunk, via=cpu0)
+        relay = fake_dist(1, virtual, cpu0, inbox=root.sent[1])
+        send(relay, receiver)
+    return sender, receiver, root, relay, total
 
+
+def test_staging_on_the_process_device_stays_within_a_window_of_pieces(monkeypatch):
+    sender, receiver, root, relay, total = _send_and_relay(monkeypatch, _FakeDist)
     pieces = len(root.sent[1])
-    assert pieces > 4 * state_transfer.IN_FLIGHT and total > 20 * state_transfer.IN_FLIGHT * chunk
+    assert pieces > 4 * state_transfer.IN_FLIGHT and total > 20 * state_transfer.IN_FLIGHT * CHUNK
     assert [len(root.sent[2]), len(relay.sent[3])] == [pieces, pieces]
     for got, want in zip(receiver, sender):
         assert torch.equal(got, want)  # still bit-exact
     for sent, forwarded in zip(root.sent[1], relay.sent[3]):
         assert torch.equal(sent, forwarded)
     # Everything was staged at once before (about 'total' on each side); now the ring's buffers.
-    bound = state_transfer.IN_FLIGHT * chunk
+    bound = state_transfer.IN_FLIGHT * CHUNK
     assert 0 < root.peak <= bound and 0 < relay.peak <= bound, (root.peak, relay.peak, bound, total)
 
 
@@ -214,35 +222,13 @@ def test_staging_is_bounded_by_the_ring_when_wait_does_not_block_the_host(monkey
     NCCL stream is past it: dropping a piece after ``wait`` frees nothing, so a loop that
     allocates a buffer per piece stages everything at once. The ring reuses its buffers, each
     only after the host has synchronised with the transfers that used it."""
-    from lightning_pipetransformer import devices as dev
-    from lightning_pipetransformer.devices import VirtualDevices
-
-    cpu0, cpu1 = torch.device("cpu", 0), torch.device("cpu", 1)
-    chunk = 64 << 10
-    with VirtualDevices() as virtual:
-        dev.bind_process_device(cpu0)
-        sender = _tensors(seed=0)
-        for t in sender:
-            dev.tag_as(t, cpu1)
-        total = sum(t.numel() * t.element_size() for t in sender)
-        root = _NcclLike(0, virtual, cpu0)
-        monkeypatch.setattr(state_transfer, "dist", root)
-        with dev.stand_in_streams(root):
-            state_transfer.send_tensors(sender, src=0, receivers=[1, 2, 3], group=None, chunk_bytes=chunk, via=cpu0)
-        receiver = [torch.zeros(t.shape, dtype=t.dtype) for t in _tensors(seed=0)]
-        for t in receiver:
-            dev.tag_as(t, cpu1)
-        relay = _NcclLike(1, virtual, cpu0, inbox=root.sent[1])
-        monkeypatch.setattr(state_transfer, "dist", relay)
-        with dev.stand_in_streams(relay):
-            state_transfer.send_tensors(receiver, src=0, receivers=[1, 2, 3], group=None, chunk_bytes=chunk, via=cpu0)
-
+    sender, receiver, root, relay, total = _send_and_relay(monkeypatch, _NcclLike, streams=True)
     for got, want in zip(receiver, sender):
         assert torch.equal(got, want)
     for sent, forwarded in zip(root.sent[1], relay.sent[3]):
         assert torch.equal(sent, forwarded)
-    assert len(root.sent[1]) > 4 * state_transfer.IN_FLIGHT and total > 20 * state_transfer.IN_FLIGHT * chunk
-    bound = state_transfer.IN_FLIGHT * chunk
+    assert len(root.sent[1]) > 4 * state_transfer.IN_FLIGHT and total > 20 * state_transfer.IN_FLIGHT * CHUNK
+    bound = state_transfer.IN_FLIGHT * CHUNK
     assert 0 < root.peak <= bound and 0 < relay.peak <= bound, (root.peak, relay.peak, bound, total)
     # Nothing is left in use when the transfer returns: the next one starts from an empty ring.
     assert not root.unfinished and not relay.unfinished
@@ -250,40 +236,6 @@ def test_staging_is_bounded_by_the_ring_when_wait_does_not_block_the_host(monkey
 
 # ---------------------------------------------------------------------------------- multi-process
 
-TIMEOUT = timedelta(seconds=20)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(fn, nprocs: int, deadline: float = 180.0) -> None:
-    """Run ``fn(rank, world, port)`` in ``nprocs`` processes; fail (and kill them) past ``deadline`` s."""
-    port = _free_port()
-    context = mp.spawn(_entry, args=(fn, nprocs, port), nprocs=nprocs, join=False)
-    end = time.monotonic() + deadline
-    while not context.join(timeout=1):
-        if time.monotonic() > end:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            pytest.fail(f"{fn.__name__} did not finish within {deadline} s")
-
-
-def _entry(rank: int, fn, world: int, port: int) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
-    try:
-        fn(rank, world)
-    except BaseException:
-        traceback.print_exc()
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def _tensors(seed: int) -> list[torch.Tensor]:
@@ -418,7 +370,7 @@ def test_state_transfer_on_four_processes():
     bit-exact over chunks, staging buffers and dtypes; module state: parameters to the receivers,
     buffers to all; an optimizer state without the frozen parameters' entries loads and the next
     step is identical everywhere; a receive whose sender never comes fails within the timeout."""
-    _spawn(_all, 4)
+    spawn_gloo(_all, 4)
 
 
 def _step(net: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:

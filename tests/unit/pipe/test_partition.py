@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator, Sequence
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,26 +13,7 @@ from lightning_pipetransformer.pipe.partition import (
     paper_greedy_partition,
     stage_costs,
 )
-
-
-def all_balances(n: int, k: int) -> Iterator[tuple[int, ...]]:
-    """Every split of n blocks into k non-empty contiguous stages."""
-    for cuts in itertools.combinations(range(1, n), k - 1):
-        edges = (0, *cuts, n)
-        yield tuple(b - a for a, b in zip(edges[:-1], edges[1:]))
-
-
-def sums(costs: Sequence[float], balance: Sequence[int]) -> list[float]:
-    out, i = [], 0
-    for b in balance:
-        out.append(float(sum(costs[i : i + b])))
-        i += b
-    return out
-
-
-def brute_min_max(costs: Sequence[float], k: int) -> float:
-    return min(max(sums(costs, b)) for b in all_balances(len(costs), k))
-
+from tests.helpers.partitions import all_balances, brute_min_max, sums
 
 cost_lists = st.lists(st.integers(min_value=0, max_value=30), min_size=1, max_size=9)
 

@@ -16,18 +16,10 @@ from lightning_pipetransformer.pipe.pipeline import (
     pipelined,
     remove_pipeline,
 )
-from lightning_pipetransformer.stack.observers import sees_block_runs
+from tests.helpers.block_runs import ForwardRuns
 from tests.unit.pipe.stand_in_streams import Timeline
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes gain nothing from intra-op threads, and on a busy 2-core machine OpenMP's
-    spin-waiting makes them many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 BATCH, SEQ, WIDTH, DEPTH = 10, 4, 8, 8
@@ -454,13 +446,6 @@ def param_grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def count_runs(blocks):
-    """Real runs per block (forward pre-hooks fire only when a block computes); returns (counts, hooks)."""
-    runs = {}
-    hooks = [b.register_forward_pre_hook(sees_block_runs(lambda *_, i=i: runs.__setitem__(i, runs.get(i, 0) + 1))) for i, b in enumerate(blocks)]
-    return runs, hooks
-
-
 def check_installed(model, container, pipe, call, out_of=lambda o: o):
     """Same outputs, same gradients, unchanged container API, every block run once per micro-batch;
     then removal restores the blocks' own classes."""
@@ -471,20 +456,19 @@ def check_installed(model, container, pipe, call, out_of=lambda o: o):
     ref = out_of(call())
     loss_of(ref).backward()
     ref_grads = param_grads(model)
-    runs, hooks = count_runs(children)
+    runs = ForwardRuns(children)
     with pipelined(container, pipe):
         assert len(container) == n and container[0] is first and list(container.children()) == children
         assert list(model.state_dict()) == keys
         assert all(isinstance(b, c) for b, c in zip(children, classes))
         call()  # the first pass also runs each block once, without a graph, to learn what it returns
-        assert runs == {i: 1 + pipe.chunks for i in range(n)}
-        runs.clear()
+        assert runs == [1 + pipe.chunks] * n
+        runs.reset()
         model.zero_grad(set_to_none=True)
         out = out_of(call())
         # Engaged: every block ran once per micro-batch (a bypassed pipeline would run each once).
-        assert runs == {i: pipe.chunks for i in range(n)}
-    for hook in hooks:
-        hook.remove()
+        assert runs == [pipe.chunks] * n
+    runs.remove()
     loss_of(out).backward()
     assert_same(ref, out)
     assert param_grads(model).keys() == ref_grads.keys()

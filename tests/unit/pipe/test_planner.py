@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import itertools
 import json
-from collections.abc import Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -13,18 +11,11 @@ from hypothesis import strategies as st
 from lightning_pipetransformer.pipe.chunks import chunk_candidates, fastest_chunks
 from lightning_pipetransformer.pipe.costs import weighted_costs
 from lightning_pipetransformer.pipe.planner import AutoPipe, Plan
+from tests.helpers.partitions import brute_min_max
 
 # BERT-base (transformers BertConfig() defaults): every encoder layer has 7,087,872 parameters,
 # the embeddings 23,837,184 and the pooler 590,592.
 BERT_LAYER, BERT_EMB, BERT_POOLER = 7_087_872.0, 23_837_184.0, 590_592.0
-
-
-def brute_min_max(costs: Sequence[float], k: int) -> float:
-    n, best = len(costs), float("inf")
-    for cuts in itertools.combinations(range(1, n), k - 1):
-        edges = (0, *cuts, n)
-        best = min(best, max(sum(costs[a:b]) for a, b in zip(edges[:-1], edges[1:])))
-    return best
 
 
 def expected_sequence(costs: list[float], pre: float, post: float, fc: float, k0: int, g: int) -> list[int]:

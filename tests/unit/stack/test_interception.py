@@ -15,7 +15,7 @@ from torch import nn
 from lightning_pipetransformer.pipe import pipeline as pipeline_module
 from lightning_pipetransformer.pipe.pipeline import Pipeline, pipelined
 from lightning_pipetransformer.stack.interception import Deferred, InterceptionError, interception_stats
-from lightning_pipetransformer.stack.observers import sees_block_runs
+from tests.helpers.block_runs import ForwardRuns
 
 WIDTH, BATCH, SEQ = 8, 6, 5
 
@@ -104,13 +104,6 @@ def assert_same(a, b):
         torch.testing.assert_close(a[1][name], b[1][name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def count_runs(blocks):
-    runs = [0] * len(blocks)
-    for i, block in enumerate(blocks):
-        block.register_forward_pre_hook(sees_block_runs(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1)))
-    return runs
-
-
 def pipeline(model, stages=2, chunks=3, num_frozen=0):
     blocks = list(model.layers)
     balance = {1: (len(blocks),), 2: (len(blocks) // 2, len(blocks) - len(blocks) // 2)}[stages]
@@ -122,7 +115,7 @@ def test_model_loops_engage_with_each_block_own_arguments(loop, out):
     model = Model(loop, out)
     x, masks, rotary = inputs()
     expected = step(model, x, masks, rotary)
-    runs = count_runs(model.layers)
+    runs = ForwardRuns(model.layers)
     with pipelined(model.layers, pipeline(model)):
         step(model, x, masks, rotary)  # the first pass also learns what each block returns
         runs[:] = [0] * 4
@@ -244,7 +237,7 @@ def test_a_batch_smaller_than_chunks_runs_with_fewer_micro_batches(batch):
     rotary = (rotary[0], rotary[1][:batch])
     with torch.no_grad():
         expected = model(x, masks, rotary)
-    runs = count_runs(model.layers)
+    runs = ForwardRuns(model.layers)
     with pipelined(model.layers, pipeline(model, chunks=4)), torch.no_grad():
         model(x, masks, rotary)
         runs[:] = [0] * 4
