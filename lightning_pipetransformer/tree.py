@@ -1,0 +1,256 @@
+"""Nested arguments and outputs of block calls: one way to walk them, built on ``torch.utils._pytree``.
+
+A block gets and returns tensors nested in tuples, lists, dicts, named tuples and transformers'
+``ModelOutput`` (Llama's ``position_embeddings=(cos, sin)``, BLOOM's ``(hidden, attention)``, a
+dict of masks). Every part that looks inside them (the interception, the micro-batch split and
+join, moving an output to the first stage's device, the cache's keys and row selections) must see
+the same tensors at the same paths and rebuild the same types, or one part splits a tensor that
+another passes whole. So there is one rule, here:
+
+- a tensor is a leaf; so is a mutable per-call object the blocks update (:func:`is_stateful`: a
+  key-value ``Cache``), even where it is registered with pytree: it is passed on, never rebuilt;
+  so is a ``torch.Size`` (pytree would rebuild it as a plain tuple, which a block may not take);
+- the containers pytree knows are walked and rebuilt by pytree's own functions: ``tuple``,
+  ``list``, ``dict``, ``OrderedDict``, ``defaultdict``, ``deque``, every **named tuple** (rebuilt
+  as its own type from its fields: the one rule for named tuples; its path keys are the field
+  names) and every transformers ``ModelOutput`` (transformers registers each subclass: rebuilt
+  from its fields that are not ``None``);
+- any other ``Mapping``, ``tuple`` or ``list`` subclass (a user's dict subclass) is walked too, and rebuilt as ``type(x)(**items)`` (a mapping built
+  from keywords), else ``type(x)(items)``. pytree alone would make it a leaf, and its tensors
+  would then be passed whole to every micro-batch, left unjoined or left on the last stage;
+- anything else (``None``, numbers, strings, other objects) is a leaf.
+
+A path is the tuple of pytree key entries that lead to a leaf (``SequenceKey(i)``,
+``MappingKey(k)``, ``GetAttrKey(field)``), as ``tree_flatten_with_path`` gives them; :func:`path_str`
+writes one as ``[0]['mask']``.
+
+What replaces each hand-written walker:
+
+==========================================  ===================================================
+walker                                      here
+==========================================  ===================================================
+``stack.interception._map``                 :func:`map_tensors` (``memo=`` for the probe's copies)
+``stack.interception._leaves``              :func:`leaves`
+``pipe.microbatch.map_tensors``             :func:`map_tensors`
+``pipe.microbatch.tensors_in``              :func:`tensors`
+``pipe.microbatch.tensor_paths``            :func:`tensor_paths`
+``pipe.microbatch.gather``                  :func:`flatten` each output, :func:`unflatten` the joined leaves
+``pipe.microbatch.scatter`` (its ``split``) :func:`flatten` each argument, :func:`unflatten` per micro-batch
+``runners.to_device``                       :func:`map_tensors`
+``cache.keys._leaves``                      :func:`leaves_with_paths` (+ :func:`path_str`; the row hashes
+                                            are summed, so the order of dict keys does not matter)
+``cache.advance.select_rows``               :func:`map_tensors_with_paths` with ``memo=`` (a tensor shared
+                                            by every block cut once; the path names a folded argument)
+``cache.prefix.shared_once``                :func:`leaves_with_paths` (a repeat is a leaf already seen)
+``cache.advance.pack_block_inputs``         keeps its own walk: an entry on disk is rebuilt from names,
+                                            without Python types, so it accepts only plain tuples, lists
+                                            and dicts; :func:`containers` tells a caller which types a
+                                            tree holds
+==========================================  ===================================================
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+__all__ = [
+    "Path",
+    "Spec",
+    "containers",
+    "flatten",
+    "is_stateful",
+    "leaves",
+    "leaves_with_paths",
+    "map_leaves",
+    "map_tensors",
+    "map_tensors_with_paths",
+    "path_str",
+    "tensor_paths",
+    "tensors",
+    "unflatten",
+]
+
+#: The pytree key entries that lead from the root to a leaf.
+Path = tuple[Any, ...]
+
+_PYTREE, _MAPPING, _SEQUENCE = "pytree", "mapping", "sequence"
+
+
+def is_stateful(value: Any) -> bool:
+    """A mutable per-call object the blocks update (a Hugging Face ``Cache``: ``update`` + ``get_seq_length``)."""
+    return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
+
+
+@dataclass(frozen=True)
+class Spec:
+    """The structure of a tree without its leaves: what :func:`unflatten` rebuilds.
+
+    Two trees with equal specs have the same containers, keys and number of leaves (leaf values,
+    ``None`` or not, are not part of it).
+    """
+
+    #: The container's type (``None``: a leaf).
+    type: type | None
+    #: How it is rebuilt: by pytree's registered function, or as a mapping / sequence of its type.
+    kind: str = ""
+    #: What pytree's flatten returned beside the children (keys, a named tuple's type ...).
+    context: Any = None
+    children: tuple[Spec, ...] = ()
+    num_leaves: int = 1
+
+
+_LEAF = Spec(None)
+
+
+def _node(value: Any) -> tuple[str, Any, list[Any], list[Any]] | None:
+    """``(kind, context, children, their key entries)`` of a container; ``None`` for a leaf."""
+    if isinstance(value, (Tensor, torch.Size)) or is_stateful(value):
+        return None
+    node_type = namedtuple if pytree.is_namedtuple_instance(value) else type(value)  # one pytree key for them all
+    handler = pytree.SUPPORTED_NODES.get(node_type)
+    if handler is not None:
+        if handler.flatten_with_keys_fn is not None:
+            keyed, context = handler.flatten_with_keys_fn(value)
+            return _PYTREE, context, [v for _, v in keyed], [k for k, _ in keyed]
+        children, context = handler.flatten_fn(value)
+        return _PYTREE, context, list(children), [pytree.SequenceKey(i) for i in range(len(children))]
+    if isinstance(value, Mapping):
+        keys = list(value.keys())
+        return _MAPPING, keys, [value[k] for k in keys], [pytree.MappingKey(k) for k in keys]
+    if isinstance(value, (tuple, list)):
+        return _SEQUENCE, None, list(value), [pytree.SequenceKey(i) for i in range(len(value))]
+    return None
+
+
+def _flatten(value: Any, path: Path, out: list[Any], paths: list[Path] | None) -> Spec:
+    node = _node(value)
+    if node is None:
+        out.append(value)
+        if paths is not None:
+            paths.append(path)
+        return _LEAF
+    kind, context, children, keys = node
+    specs = tuple(_flatten(child, (*path, key), out, paths) for child, key in zip(children, keys))
+    return Spec(type(value), kind, context, specs, sum(s.num_leaves for s in specs))
+
+
+def flatten(tree: Any) -> tuple[list[Any], Spec]:
+    """The leaves of ``tree`` in order, and its structure."""
+    out: list[Any] = []
+    return out, _flatten(tree, (), out, None)
+
+
+def _flatten_with_paths(tree: Any) -> tuple[list[Any], list[Path], Spec]:
+    out: list[Any] = []
+    paths: list[Path] = []
+    return out, paths, _flatten(tree, (), out, paths)
+
+
+def _rebuild(spec: Spec, children: list[Any]) -> Any:
+    assert spec.type is not None
+    if spec.kind == _PYTREE:
+        node_type = namedtuple if pytree.is_namedtuple_class(spec.type) else spec.type  # one key for them all
+        return pytree.SUPPORTED_NODES[node_type].unflatten_fn(children, spec.context)
+    if spec.kind == _MAPPING:
+        items = dict(zip(spec.context, children))
+        try:
+            return spec.type(**items)  # a mapping built from keywords (a ModelOutput-like class)
+        except TypeError:
+            return spec.type(items)
+    return spec.type(children)
+
+
+def unflatten(leaves: list[Any], spec: Spec) -> Any:
+    """The tree of ``spec``'s structure holding ``leaves`` (as many as ``spec.num_leaves``)."""
+    if len(leaves) != spec.num_leaves:
+        raise ValueError(f"This structure holds {spec.num_leaves} leaves; got {len(leaves)}.")
+    it = iter(leaves)
+
+    def build(s: Spec) -> Any:
+        return next(it) if s.type is None else _rebuild(s, [build(c) for c in s.children])
+
+    return build(spec)
+
+
+def leaves(tree: Any) -> list[Any]:
+    """Every leaf of ``tree`` in order (tensors, ``None``, plain values, stateful objects)."""
+    return flatten(tree)[0]
+
+
+def tensors(tree: Any) -> list[Tensor]:
+    """Every tensor in ``tree``, in order (a tensor reached twice is listed twice)."""
+    return [v for v in leaves(tree) if isinstance(v, Tensor)]
+
+
+def leaves_with_paths(tree: Any) -> list[tuple[Path, Any]]:
+    """Every leaf of ``tree`` with its path, in order."""
+    out, paths, _ = _flatten_with_paths(tree)
+    return list(zip(paths, out))
+
+
+def tensor_paths(tree: Any) -> dict[Path, Tensor]:
+    """Every tensor in ``tree`` by its path."""
+    return {p: v for p, v in leaves_with_paths(tree) if isinstance(v, Tensor)}
+
+
+def containers(tree: Any) -> set[type]:
+    """The container types ``tree`` holds (empty for a leaf)."""
+    found: set[type] = set()
+
+    def visit(s: Spec) -> None:
+        if s.type is not None:
+            found.add(s.type)
+            for c in s.children:
+                visit(c)
+
+    visit(flatten(tree)[1])
+    return found
+
+
+def map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``tree`` with every leaf replaced by ``fn(leaf)``, containers rebuilt as their own types."""
+    values, spec = flatten(tree)
+    return unflatten([fn(v) for v in values], spec)
+
+
+def map_tensors(fn: Callable[[Tensor], Any], tree: Any, *, memo: dict[int, Any] | None = None) -> Any:
+    """``tree`` with every tensor replaced by ``fn(tensor)``; other leaves as they are.
+
+    ``memo`` (by ``id`` of the original tensor): a tensor reached several times (one mask object
+    for every block) is mapped once and all its places get the same result, also across calls
+    that pass the same ``memo``. The originals must stay alive while it is in use.
+    """
+    values, spec = flatten(tree)
+    return unflatten(_mapped(values, [()] * len(values), lambda _, t: fn(t), memo), spec)
+
+
+def map_tensors_with_paths(fn: Callable[[Path, Tensor], Any], tree: Any, *, memo: dict[int, Any] | None = None) -> Any:
+    """:func:`map_tensors` with ``fn(path, tensor)``; with ``memo``, a shared tensor's first path decides."""
+    values, paths, spec = _flatten_with_paths(tree)
+    return unflatten(_mapped(values, paths, fn, memo), spec)
+
+
+def _mapped(values: list[Any], paths: list[Path], fn: Callable[[Path, Tensor], Any], memo: dict[int, Any] | None) -> list[Any]:
+    out = []
+    for path, value in zip(paths, values):
+        if not isinstance(value, Tensor):
+            out.append(value)
+        elif memo is None:
+            out.append(fn(path, value))
+        else:
+            if id(value) not in memo:
+                memo[id(value)] = fn(path, value)
+            out.append(memo[id(value)])
+    return out
+
+
+def path_str(path: Path) -> str:
+    """``path`` as text, e.g. ``[1]['mask']`` or ``.hidden``."""
+    return pytree.keystr(path)
