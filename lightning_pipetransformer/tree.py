@@ -65,6 +65,7 @@ __all__ = [
     "Spec",
     "containers",
     "flatten",
+    "flatten_with_paths",
     "is_stateful",
     "leaves",
     "leaves_with_paths",
@@ -147,7 +148,8 @@ def flatten(tree: Any) -> tuple[list[Any], Spec]:
     return out, _flatten(tree, (), out, None)
 
 
-def _flatten_with_paths(tree: Any) -> tuple[list[Any], list[Path], Spec]:
+def flatten_with_paths(tree: Any) -> tuple[list[Any], list[Path], Spec]:
+    """:func:`flatten`, with each leaf's path."""
     out: list[Any] = []
     paths: list[Path] = []
     return out, paths, _flatten(tree, (), out, paths)
@@ -191,7 +193,7 @@ def tensors(tree: Any) -> list[Tensor]:
 
 def leaves_with_paths(tree: Any) -> list[tuple[Path, Any]]:
     """Every leaf of ``tree`` with its path, in order."""
-    out, paths, _ = _flatten_with_paths(tree)
+    out, paths, _ = flatten_with_paths(tree)
     return list(zip(paths, out))
 
 
@@ -233,7 +235,7 @@ def map_tensors(fn: Callable[[Tensor], Any], tree: Any, *, memo: dict[int, Any] 
 
 def map_tensors_with_paths(fn: Callable[[Path, Tensor], Any], tree: Any, *, memo: dict[int, Any] | None = None) -> Any:
     """:func:`map_tensors` with ``fn(path, tensor)``; with ``memo``, a shared tensor's first path decides."""
-    values, paths, spec = _flatten_with_paths(tree)
+    values, paths, spec = flatten_with_paths(tree)
     return unflatten(_mapped(values, paths, fn, memo), spec)
 
 

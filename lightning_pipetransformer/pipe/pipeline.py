@@ -38,18 +38,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pipetransformer import devices as dev
+from lightning_pipetransformer import tree
 from lightning_pipetransformer.devices import Device, Stream
-from lightning_pipetransformer.pipe.microbatch import (
-    BatchArgs,
-    Path,
-    Scatter,
-    batch_size,
-    gather,
-    map_tensors,
-    scatter,
-    tensor_paths,
-    tensors_in,
-)
+from lightning_pipetransformer.pipe.microbatch import BatchArgs, Scatter, batch_size, gather, scatter
 from lightning_pipetransformer.plan import boundaries
 from lightning_pipetransformer.stack.input_grad import as_marked_input, needs_no_gradient
 from lightning_pipetransformer.stack.interception import (
@@ -193,8 +184,8 @@ class Pipeline:
         self._streams: list[Stream] | None = None  # taken from the pool on the first pipelined call
         # Paths of the last block's output tensors, and of those broadcast over the batch, as seen
         # on the last micro-batch of two or more samples (see _join); None until then.
-        self._leaves: frozenset[Path] | None = None
-        self._broadcast: frozenset[Path] = frozenset()
+        self._leaves: frozenset[tree.Path] | None = None
+        self._broadcast: frozenset[tree.Path] = frozenset()
         self._largest_batch = 0  # the largest batch seen: a smaller one is an epoch's last
 
     def __repr__(self) -> str:
@@ -268,9 +259,9 @@ class Pipeline:
     def _run_plain(self, call: StackCall, mark: bool) -> Any:
         device = self.devices[0]
         hidden, calls = call.hidden, call.calls
-        if any(t.device != device for t in (hidden, *tensors_in(calls))):
+        if any(t.device != device for t in (hidden, *tree.tensors(calls))):
             move = lambda v: v.to(device)  # noqa: E731
-            hidden, calls = move(hidden), map_tensors(move, calls)
+            hidden, calls = move(hidden), tree.map_tensors(move, calls)
         return self._run_stage(0, hidden, calls, call.observe, mark)
 
     # -- the general case ----------------------------------------------------------------------
@@ -283,13 +274,7 @@ class Pipeline:
             # the optimizer's parameter updates, the inputs.
             dev.wait(stream, dev.current_stream(device))
         # A tensor passed whole (the same object in every micro-batch) goes to each stage once.
-        hopped: dict[tuple[int, int], Tensor] = {}
-
-        def to_stage(value: Tensor, j: int) -> Tensor:
-            key = (id(value), j)
-            if key not in hopped:
-                hopped[key] = _hop_in(value, streams[j], devices[j])
-            return hopped[key]
+        hopped: list[dict[int, Tensor]] = [{} for _ in range(stages)]
 
         versions = [(name, t, t._version) for name, t in split.whole if chunks > 1 and not t.is_inference()]
         leaves = _leaf_versions(split) if torch.is_grad_enabled() else []
@@ -303,7 +288,9 @@ class Pipeline:
                 hiddens[i] = None
                 x = dev.hop(x, src, streams[j], devices[j])
                 first, stop = self._edges[j], self._edges[j + 1]
-                stage_calls = map_tensors(lambda t: to_stage(t, j), split.calls[i][first:stop])
+                stage_calls = tree.map_tensors(
+                    lambda t: _hop_in(t, streams[j], devices[j]), split.calls[i][first:stop], memo=hopped[j]  # noqa: B023
+                )
                 with dev.use_stream(streams[j]):
                     try:
                         out = self._run_stage(j, x, stage_calls, call.observe if i == 0 else None, mark)
@@ -336,7 +323,7 @@ class Pipeline:
         caller_stream = dev.current_stream(last)
         if last_stream is not None or caller_stream is not None:
             # Back to the caller's stream before joining: it is where the result is used.
-            outputs = [map_tensors(lambda t: dev.hop(t, last_stream, caller_stream, last), o) for o in outputs]
+            outputs = [tree.map_tensors(lambda t: dev.hop(t, last_stream, caller_stream, last), o) for o in outputs]
         return self._join(outputs, split.sizes)
 
     def _join(self, outputs: list[Any], sizes: tuple[int, ...]) -> Any:
@@ -349,15 +336,15 @@ class Pipeline:
         """
         largest = max(range(len(sizes)), key=sizes.__getitem__)
         if sizes[largest] >= 2:
-            seen = tensor_paths(outputs[largest])
+            seen = tree.tensor_paths(outputs[largest])
             self._leaves = frozenset(seen)
             self._broadcast = frozenset(p for p, t in seen.items() if t.dim() > 0 and t.shape[0] == 1)
         elif len(sizes) > 1:
-            seen = tensor_paths(outputs[0])
+            seen = tree.tensor_paths(outputs[0])
             unknown = [p for p, t in seen.items() if t.dim() > 0 and t.shape[0] == 1 and p not in (self._leaves or ())]
             if unknown:
                 _warn_once(
-                    f"On micro-batches of one sample the last block returned a tensor at output path {unknown[0]} that it "
+                    f"On micro-batches of one sample the last block returned a tensor at output path {tree.path_str(unknown[0])} that it "
                     "did not return on larger ones: it is joined as per-sample. If it is broadcast over the batch "
                     "(first dimension 1), the plain loop returns it unjoined."
                 )
@@ -437,4 +424,4 @@ def _hop_in(value: Tensor, stream: Stream, device: torch.device) -> Tensor:
 
 
 def _needs_grad(hidden: Tensor, calls: Any) -> bool:
-    return hidden.requires_grad or any(t.requires_grad for t in tensors_in(calls))
+    return hidden.requires_grad or any(t.requires_grad for t in tree.tensors(calls))

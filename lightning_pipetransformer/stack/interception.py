@@ -55,6 +55,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from lightning_pipetransformer import tree
 from lightning_pipetransformer.stack.observers import BlockHooks, Observer, block_modules, silenced
 from lightning_pipetransformer.stack.placeholders import is_placeholder, refuse_placeholder
 
@@ -71,7 +72,6 @@ __all__ = [
     "install_pipeline",
     "installed_pipeline",
     "interception_stats",
-    "is_stateful",
     "pipelined",
     "remove_pipeline",
 ]
@@ -80,11 +80,6 @@ Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
 #: One block call's arguments after the hidden state.
 BlockArgs = tuple[Args, Kwargs]
-
-
-def is_stateful(value: Any) -> bool:
-    """A mutable per-call object the blocks update (a Hugging Face ``Cache``: ``update`` + ``get_seq_length``)."""
-    return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
 
 
 class InterceptionError(RuntimeError):
@@ -167,7 +162,7 @@ class Deferred(Tensor):
         if func in _HARMLESS:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        what = next((a._what for a in _leaves((args, kwargs)) if isinstance(a, Deferred)), "a block output")
+        what = next((a._what for a in tree.leaves((args, kwargs)) if isinstance(a, Deferred)), "a block output")
         owner = getattr(func, "__self__", None)  # a property getter: name the property ('shape')
         name = getattr(owner, "__name__", None) if getattr(func, "__name__", "") == "__get__" else getattr(func, "__name__", None)
         name = name or repr(func)
@@ -181,19 +176,8 @@ class Deferred(Tensor):
         )
 
 
-def _leaves(value: Any) -> Iterator[Any]:
-    if isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _leaves(v)
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            yield from _leaves(v)
-    else:
-        yield value
-
-
 def _contains_deferred(value: Any) -> bool:
-    return any(isinstance(v, Deferred) for v in _leaves(value))
+    return any(isinstance(v, Deferred) for v in tree.tensors(value))
 
 
 # -- what a block returns ------------------------------------------------------------------------
@@ -420,7 +404,7 @@ class _Interceptor:
                     "pass. Name one container with layers=, or use pipe_len=1, chunks=1, cache=False."
                 )
             learn = any(t is None for t in self.templates)
-            eager = learn and any(is_stateful(v) for v in _leaves((args, kwargs)))
+            eager = learn and any(tree.is_stateful(v) for v in tree.leaves((args, kwargs)))
             self._pass = _Pass(hidden, _Probe(self.blocks) if learn and not eager else None, eager, observed=self.observers())
         else:
             current = self._pass
@@ -498,10 +482,9 @@ class _Interceptor:
         home = self._pass.hidden.device if self._pass is not None else hidden.device
         where = _device_of(self.blocks[index], home)
         if where != home or hidden.device != where:
-            move = lambda v: v.to(where) if isinstance(v, Tensor) else v  # noqa: E731
-            hidden, args, kwargs = move(hidden), _map(move, args), _map(move, kwargs)
+            hidden, args, kwargs = tree.map_tensors(lambda v: v.to(where), (hidden, args, kwargs))
         if probe:
-            if any(is_stateful(v) for v in _leaves((args, kwargs))):
+            if any(tree.is_stateful(v) for v in tree.leaves((args, kwargs))):
                 self._pass = None
                 raise InterceptionError(
                     f"Block {index} got a key-value cache object but block 0 did not: the first pass cannot learn what "
@@ -510,16 +493,16 @@ class _Interceptor:
             # The runner reads the pass's input and every argument again: the probe works on copies,
             # so a block that changes its inputs in place changes them once, in the runner's pass.
             copies = self._pass.copies if self._pass is not None else {}
-            copy = lambda v: copies.setdefault(id(v), v.detach().clone()) if isinstance(v, Tensor) else v  # noqa: E731
-            args, kwargs = _map(copy, args), _map(copy, kwargs)
+            copy = lambda v: v.detach().clone()  # noqa: E731
+            args, kwargs = tree.map_tensors(copy, (args, kwargs), memo=copies)
             if index == 0:
-                hidden = copy(hidden)
+                hidden = tree.map_tensors(copy, hidden, memo=copies)
         observed = self._pass.observed if probe and self._pass is not None else ()
         quiet = silenced(o.module for o in observed if o.module is not None) if observed else contextlib.nullcontext()
         with bypass(), uncounted(), torch.no_grad() if probe else contextlib.nullcontext(), quiet:
             out = call_block(self.blocks[index], hidden, *args, **kwargs)
         if where != home:
-            out = _map(lambda v: v.to(home) if isinstance(v, Tensor) else v, out)
+            out = tree.map_tensors(lambda v: v.to(home), out)
         return out
 
     def _as_last_output(self, hidden: Tensor) -> Any:
@@ -605,17 +588,6 @@ def _device_of(block: nn.Module, default: torch.device) -> torch.device:
     for tensor in block.buffers():
         return tensor.device
     return default
-
-
-def _map(fn: Callable[[Any], Any], value: Any) -> Any:
-    if isinstance(value, tuple):
-        items = [_map(fn, v) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    if isinstance(value, list):
-        return [_map(fn, v) for v in value]
-    if isinstance(value, dict):
-        return {k: _map(fn, v) for k, v in value.items()}
-    return fn(value)
 
 
 # -- installing a runner -------------------------------------------------------------------------

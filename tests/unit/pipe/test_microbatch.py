@@ -7,7 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_pipetransformer.pipe.microbatch import batch_size, gather, map_tensors, scatter, tensor_paths
+import torch.utils._pytree as pytree
+
+from lightning_pipetransformer.pipe.microbatch import batch_size, gather, scatter
+from lightning_pipetransformer.tree import map_tensors, tensor_paths
 
 
 def one_block(*args, **kwargs):
@@ -165,6 +168,8 @@ def test_gather_keeps_structure():
     assert isinstance(mo, Output) and torch.equal(mo["pooled"], torch.cat([a, b])[:, 0])
     only = (a, None)
     assert gather([only], (2,)) is only  # one micro-batch: returned as is
+    with pytest.raises(ValueError, match="different structure"):
+        gather([{"x": a}, {"y": b}], sizes)  # nothing to join them into
 
 
 def test_gather_leaves_the_named_broadcast_tensors_unjoined():
@@ -174,8 +179,10 @@ def test_gather_leaves_the_named_broadcast_tensors_unjoined():
     outputs = [(r, {"bias": bias, "per_sample": r[:, :2]}) for r in rows]
     assert gather(outputs, sizes)[1]["bias"].shape == (3, 4)  # by shape alone
     paths = tensor_paths(outputs[0])
-    assert list(paths) == [(0,), (1, "bias"), (1, "per_sample")] and paths[(1, "bias")] is bias
-    out = gather(outputs, sizes, broadcast={(1, "bias")})
+    at = pytree.SequenceKey, pytree.MappingKey
+    bias_path = (at[0](1), at[1]("bias"))
+    assert list(paths) == [(at[0](0),), bias_path, (at[0](1), at[1]("per_sample"))] and paths[bias_path] is bias
+    out = gather(outputs, sizes, broadcast={bias_path})
     assert out[1]["bias"] is bias and out[1]["per_sample"].shape == (3, 2) and torch.equal(out[0], torch.cat(rows))
 
 

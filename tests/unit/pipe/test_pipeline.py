@@ -283,7 +283,7 @@ def test_an_output_never_seen_on_more_samples_is_joined_with_a_warning():
     for block in blocks:
         block.extra = True  # a fourth output, (1, 2), only on the next call
     pipeline_module._warned.clear()
-    with pytest.warns(UserWarning, match=r"output path \(3,\).*joined as per-sample"):
+    with pytest.warns(UserWarning, match=r"output path \[3\].*joined as per-sample"):
         out = pipe(torch.randn(4, SEQ, WIDTH))
     assert out[1].shape == (1, WIDTH) and out[3].shape == (4, 2)
 
