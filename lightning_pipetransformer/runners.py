@@ -1,7 +1,7 @@
 """What the strategy installs in place of the block stack for one plan.
 
 The model's own loop over its block stack calls one runner (see
-:func:`~lightning_pipetransformer.pipe.pipeline.install_pipeline`). For a plan that runner is
+:func:`~lightning_pipetransformer.stack.interception.install_pipeline`). For a plan that runner is
 
 - nothing at all: one stage and one micro-batch, the model's loop runs as written;
 - a :class:`~lightning_pipetransformer.pipe.pipeline.Pipeline` over the stages' devices;

@@ -7,8 +7,9 @@ too (Llama's ``position_embeddings=(cos, sin)``): a tensor whose first dimension
 hidden state's batch size is split; everything else (``None``, scalars, a ``(seq, seq)`` causal
 mask, a broadcastable ``(1, ...)`` tensor) is passed whole. The heuristic is wrong when a
 non-batch tensor happens to have ``batch`` rows (a ``(seq, seq)`` mask with ``seq == batch``):
-name the batch-shaped arguments explicitly with ``batch_args`` (positions, ``0`` being the
-hidden state, and keyword names) to rule that out.
+the blocks then get a cut tensor whose shape no longer fits and fail, or the first-batch
+self-check (:mod:`~lightning_pipetransformer.stack.self_check`) finds the difference; a batch
+size other than that dimension, or ``chunks=1``, avoids it.
 
 Some models fold the batch into another axis: BLOOM's ALiBi bias is ``[batch * heads, 1, seq]``,
 batch-major. Arguments known to be folded that way (:data:`BATCH_MAJOR_FOLDED`) are cut into the
@@ -41,8 +42,6 @@ from lightning_pipetransformer.stack.interception import BlockArgs
 
 __all__: list[str] = []
 
-#: Which arguments are batch-shaped: positions (0 is the hidden state) and keyword names.
-BatchArgs = Collection[int | str]
 
 #: Keyword arguments whose first dimension is ``batch * k``, batch-major (sample ``b`` owns rows
 #: ``b*k .. b*k+k-1``): BLOOM's (and Falcon's) ALiBi bias, built by ``alibi.reshape(B * heads, 1, S)``.
@@ -87,17 +86,11 @@ def _is_batch_tensor(value: Any, batch: int) -> bool:
     return isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == batch
 
 
-def scatter(
-    hidden: Tensor, calls: Sequence[BlockArgs], chunks: int, batch_args: BatchArgs | None = None,
-) -> Scatter:
+def scatter(hidden: Tensor, calls: Sequence[BlockArgs], chunks: int) -> Scatter:
     """Cut ``hidden`` and the batch-shaped block arguments into ``effective_chunks(chunks, batch)`` pieces.
 
     A tensor used by several blocks (one mask object for every layer) is cut once, and its
     pieces are shared by those blocks again.
-
-    Raises:
-        ValueError: an argument named in ``batch_args`` is a tensor whose first dimension is not
-            the batch size.
     """
     batch = batch_size(hidden)
     n = effective_chunks(chunks, batch)
@@ -108,17 +101,12 @@ def scatter(
     whole: dict[int, tuple[str, Tensor]] = {}
     stateful: list[str] = []
 
-    def split_tensor(value: Tensor, name: str, key: int | str, named: bool | None) -> tuple[Any, ...]:
+    def split_tensor(value: Tensor, name: str, key: int | str) -> tuple[Any, ...]:
         if id(value) not in cut:
-            if named is True and not _is_batch_tensor(value, batch):
-                raise ValueError(
-                    f"Batch argument {name} has shape {tuple(value.shape)}, but the batch size "
-                    f"(the hidden state's first dimension) is {batch}."
-                )
-            if (named is None and _is_batch_tensor(value, batch)) or named is True:
+            if _is_batch_tensor(value, batch):
                 cut[id(value)] = _pieces(value, n, copy=value.requires_grad)
                 cut_from.append((name, value, cut[id(value)]))  # type: ignore[arg-type]
-            elif named is None and _folded(key, value, batch):
+            elif _folded(key, value, batch):
                 k = value.shape[0] // batch
                 folded = torch.split(value, [s * k for s in sizes])
                 cut[id(value)] = (value,) if n == 1 else (_copies(folded, n) if value.requires_grad else _aliases(folded))
@@ -129,29 +117,24 @@ def scatter(
         pieces = cut[id(value)]
         return pieces if pieces is not None else (value,) * n
 
-    def split(value: Any, name: str, key: int | str, named: bool | None) -> tuple[Any, ...]:
+    def split(value: Any, name: str, key: int | str) -> tuple[Any, ...]:
         if isinstance(value, Tensor):
-            return split_tensor(value, name, key, named)
+            return split_tensor(value, name, key)
         leaves, paths, spec = tree.flatten_with_paths(value)
         parts = []
         for path, leaf in zip(paths, leaves):
             if isinstance(leaf, Tensor):
-                parts.append(split_tensor(leaf, name + tree.path_str(path), key, named))
+                parts.append(split_tensor(leaf, name + tree.path_str(path), key))
                 continue
             if tree.is_stateful(leaf):
                 stateful.append(name + tree.path_str(path))
             parts.append((leaf,) * n)
         return tuple(tree.unflatten([p[m] for p in parts], spec) for m in range(n))
 
-    def named(slot: int | str) -> bool | None:
-        if batch_args is None:
-            return None
-        return slot in batch_args
-
     per_block: list[list[BlockArgs]] = [[] for _ in range(n)]
     for index, (args, kwargs) in enumerate(calls):
-        arg_parts = [split(a, f"block {index} argument {p + 1}", p + 1, named(p + 1)) for p, a in enumerate(args)]
-        kw_parts = {k: split(v, f"block {index} argument {k!r}", k, named(k)) for k, v in kwargs.items()}
+        arg_parts = [split(a, f"block {index} argument {p + 1}", p + 1) for p, a in enumerate(args)]
+        kw_parts = {k: split(v, f"block {index} argument {k!r}", k) for k, v in kwargs.items()}
         for m in range(n):
             per_block[m].append((tuple(p[m] for p in arg_parts), {k: p[m] for k, p in kw_parts.items()}))
     return Scatter(

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -58,6 +57,7 @@ from torch import Tensor, nn
 from lightning_pipetransformer import tree
 from lightning_pipetransformer.stack.observers import BlockHooks, Observer, block_modules, silenced
 from lightning_pipetransformer.stack.placeholders import is_placeholder, refuse_placeholder
+from lightning_pipetransformer.warn_once import WarnOnce
 
 __all__ = [
     "Deferred",
@@ -188,8 +188,8 @@ _HIDDEN, _TENSOR = "hidden", "tensor"
 def output_template(output: Any) -> Any:
     """The structure of a block output: tensors are slots, the first one (the hidden state) marked.
 
-    Follows :func:`~.pipeline.hidden_of`: a tensor is the hidden state, else the first element of a
-    tuple / list / ``ModelOutput``.
+    Follows :func:`hidden_of`: a tensor is the hidden state, else the first element of a tuple /
+    list / ``ModelOutput``.
     """
     if isinstance(output, Tensor):
         return _HIDDEN
@@ -346,8 +346,6 @@ class InterceptionStats:
     probes: int = 0
     #: Passes run block by block as the model called them, without the runner (not engaged).
     eager: int = 0
-    #: Passes abandoned before the last block (their outputs raise if used).
-    abandoned: int = 0
     #: Real runs of the last block in deferred passes: ``last_block_runs / deferred`` is the
     #: micro-batches per pass (M when the pipeline engages).
     last_block_runs: int = 0
@@ -382,7 +380,7 @@ class _Interceptor:
         self.stats = InterceptionStats()
         self._pass: _Pass | None = None
         self._hooks: BlockHooks | None = None  # the hook dictionaries of every module inside the blocks
-        self._warned: set[str] = set()  # observers already warned about
+        self._say = WarnOnce()  # each observer named once per stack
         #: Runs the next training pass instead of the runner, comparing it with the plain loop (see :func:`arm_self_check`).
         self.self_check: Callable[[Runner, StackCall], Any] | None = None
 
@@ -396,8 +394,6 @@ class _Interceptor:
     def called(self, index: int, args: Args, kwargs: Kwargs) -> Any:
         hidden, args, kwargs = _split_hidden(self.blocks[index], args, kwargs)
         if index == 0:
-            if self._pass is not None:
-                self.stats.abandoned += 1  # the model stopped before the last block last time
             if isinstance(hidden, Deferred):
                 raise InterceptionError(
                     f"Block 0 of the stack got {hidden._what} as its input: the model runs the stack twice in one "
@@ -462,7 +458,7 @@ class _Interceptor:
         call = StackCall(current.hidden, tuple(current.calls), self._check_structure, self._as_last_output, current.observed)
         if current.observed:
             self.stats.observed += 1
-            _warn_observed(current.observed, self._warned)
+            _warn_observed(current.observed, self._say)
         check = self.self_check if torch.is_grad_enabled() and not is_placeholder(current.hidden) else None
         with bypass():
             if check is not None:
@@ -525,14 +521,12 @@ class _Interceptor:
             )
 
 
-def _warn_observed(observed: Sequence[Observer], warned: set[str]) -> None:
+def _warn_observed(observed: Sequence[Observer], say: WarnOnce) -> None:
     """Once per hook (and stack): it observes the blocks, so its passes run each block once on the whole batch."""
     named = observed[0].describe()
-    if named in warned:
-        return
-    warned.add(named)
     more = f" (and {len(observed) - 1} more)" if len(observed) > 1 else ""
-    warnings.warn(
+    say(
+        named,
         f"PipeTransformer: {named}{more} observes the blocks (a hook that fires inside the block stack; transformers "
         "installs such hooks for output_hidden_states, output_attentions and output_router_logits). So that it sees "
         "each block once per pass with the whole batch, as in the plain loop, these passes run the pipeline as one "
@@ -540,7 +534,6 @@ def _warn_observed(observed: Sequence[Observer], warned: set[str]) -> None:
         "(pipetransformer/observed logs their share). To keep both: remove the hook or the output_* flag while training, "
         "or mark a hook that should see every real block run (micro-batches, e.g. to count them) with "
         "lightning_pipetransformer.sees_block_runs(hook).",
-        stacklevel=2,
     )
 
 
@@ -577,8 +570,9 @@ def hidden_of(output: Any) -> Tensor:
     if hasattr(output, "to_tuple"):
         return output.to_tuple()[0]
     raise TypeError(
-        f"Cannot find the hidden state in a block output of type {type(output).__name__}: "
-        "pass Pipeline(..., hidden_of=fn) with a function that extracts it."
+        f"Cannot find the hidden state in a block output of type {type(output).__name__}: it is the output itself "
+        "(a tensor) or the first element of a tuple, list or ModelOutput. A pipeline or cache cannot run this model's "
+        "blocks: use pipe_len=1, chunks=1 and cache=False for it."
     )
 
 

@@ -21,7 +21,6 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
-from lightning_pipetransformer.pipe import pipeline as pipeline_module
 from lightning_pipetransformer.stack.discovery import BlockStackError, find_block_stack
 from lightning_pipetransformer.stack.observers import sees_block_runs
 from tests.helpers.families import BATCH, FAMILIES, FamilyModule, family_data
@@ -381,7 +380,6 @@ def test_a_run_with_no_freeze_point_warns_before_training(freeze, words):
 
 
 def test_chunks_larger_than_the_batch_warn_once():
-    pipeline_module._warned.discard("chunks-capped")
     module = FamilyModule("bert")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
