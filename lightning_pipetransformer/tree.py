@@ -15,38 +15,40 @@ another passes whole. So there is one rule, here:
   as its own type from its fields: the one rule for named tuples; its path keys are the field
   names) and every transformers ``ModelOutput`` (transformers registers each subclass: rebuilt
   from its fields that are not ``None``);
-- any other ``Mapping``, ``tuple`` or ``list`` subclass (a user's dict subclass) is walked too, and rebuilt as ``type(x)(**items)`` (a mapping built
-  from keywords), else ``type(x)(items)``. pytree alone would make it a leaf, and its tensors
-  would then be passed whole to every micro-batch, left unjoined or left on the last stage;
+- any other ``Mapping``, ``tuple`` or ``list`` subclass (a user's dict subclass) is walked too,
+  and rebuilt as ``type(x)(**items)`` (a mapping built from keywords), else ``type(x)(items)``.
+  pytree alone would make it a leaf, and its tensors would then be passed whole to every
+  micro-batch, left unjoined or left on the last stage;
 - anything else (``None``, numbers, strings, other objects) is a leaf.
 
 A path is the tuple of pytree key entries that lead to a leaf (``SequenceKey(i)``,
 ``MappingKey(k)``, ``GetAttrKey(field)``), as ``tree_flatten_with_path`` gives them; :func:`path_str`
 writes one as ``[0]['mask']``.
 
-What replaces each hand-written walker:
+Who walks with what: the interception (:func:`leaves` to find placeholders and key-value
+caches, :func:`map_tensors` with ``memo=`` for the probe's copies, each shared tensor copied
+once), the self-check and the call-order watch likewise, the micro-batch split and join
+(:func:`flatten_with_paths` per argument or output, :func:`unflatten` per micro-batch),
+the pipeline (:func:`map_tensors` with a ``memo=`` per stage: a tensor passed whole goes to each
+stage once; :func:`tensor_paths` for its broadcast outputs) and ``runners.to_device``.
 
-==========================================  ===================================================
-walker                                      here
-==========================================  ===================================================
-``stack.interception._map``                 :func:`map_tensors` (``memo=`` for the probe's copies)
-``stack.interception._leaves``              :func:`leaves`
-``pipe.microbatch.map_tensors``             :func:`map_tensors`
-``pipe.microbatch.tensors_in``              :func:`tensors`
-``pipe.microbatch.tensor_paths``            :func:`tensor_paths`
-``pipe.microbatch.gather``                  :func:`flatten` each output, :func:`unflatten` the joined leaves
-``pipe.microbatch.scatter`` (its ``split``) :func:`flatten` each argument, :func:`unflatten` per micro-batch
-``runners.to_device``                       :func:`map_tensors`
-``cache.keys._leaves``                      :func:`leaves_with_paths` (+ :func:`path_str`; the row hashes
-                                            are summed, so the order of dict keys does not matter)
-``cache.advance.select_rows``               :func:`map_tensors_with_paths` with ``memo=`` (a tensor shared
-                                            by every block cut once; the path names a folded argument)
-``cache.prefix.shared_once``                :func:`leaves_with_paths` (a repeat is a leaf already seen)
-``cache.advance.pack_block_inputs``         keeps its own walk: an entry on disk is rebuilt from names,
-                                            without Python types, so it accepts only plain tuples, lists
-                                            and dicts; :func:`containers` tells a caller which types a
-                                            tree holds
-==========================================  ===================================================
+The cache's own walkers map onto it as follows:
+
+=====================================  ==============================================================
+``cache.keys._leaves``                 :func:`leaves_with_paths`; the row hashes are summed, so leaf
+                                       order does not matter, but the path text enters each salt:
+                                       :func:`path_str` writes ``['k']``, ``[0]`` and ``.field`` (a
+                                       named tuple by field) where it writes ``.k`` and ``[0]``, so
+                                       keys change once on the switch
+``cache.advance.select_rows``          :func:`map_tensors_with_paths` with ``memo=`` (a tensor shared
+                                       by every block cut once; the path's keys name a folded argument)
+``cache.prefix.shared_once``           :func:`leaves_with_paths` (a repeat is a leaf already seen)
+``pipe.microbatch.tensors_in``         :func:`tensors` (``cache.cached_stack`` still imports the former)
+``cache.advance.pack_block_inputs``    keeps its own walk: an entry on disk is rebuilt from names,
+                                       without Python types, so it accepts only plain tuples, lists
+                                       and dicts on purpose; :func:`containers` tells which types a
+                                       tree holds
+=====================================  ==============================================================
 """
 
 from __future__ import annotations
