@@ -266,9 +266,7 @@ class Pipeline:
                 hiddens[i] = None
                 x = dev.hop(x, src, streams[j], devices[j])
                 first, stop = self._edges[j], self._edges[j + 1]
-                stage_calls = tree.map_tensors(
-                    lambda t: _hop_in(t, streams[j], devices[j]), split.calls[i][first:stop], memo=hopped[j]  # noqa: B023
-                )
+                stage_calls = tree.map_tensors(lambda t: _hop_in(t, streams[j], devices[j]), split.calls[i][first:stop], memo=hopped[j])
                 with dev.use_stream(streams[j]):
                     try:
                         out = self._run_stage(j, x, stage_calls, call.observe if i == 0 else None, mark)
