@@ -55,8 +55,7 @@ from __future__ import annotations
 
 from collections import namedtuple
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -83,65 +82,114 @@ __all__ = [
 #: The pytree key entries that lead from the root to a leaf.
 Path = tuple[Any, ...]
 
-_PYTREE, _MAPPING, _SEQUENCE = "pytree", "mapping", "sequence"
-
 
 def is_stateful(value: Any) -> bool:
     """A mutable per-call object the blocks update (a Hugging Face ``Cache``: ``update`` + ``get_seq_length``)."""
     return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
 
 
-@dataclass(frozen=True)
-class Spec:
+class Spec(NamedTuple):
     """The structure of a tree without its leaves: what :func:`unflatten` rebuilds.
 
     Two trees with equal specs have the same containers, keys and number of leaves (leaf values,
-    ``None`` or not, are not part of it).
+    ``None`` or not, are not part of it). A named tuple, not a dataclass: one is made per
+    container of every block argument on every pass.
     """
 
     #: The container's type (``None``: a leaf).
     type: type | None
-    #: How it is rebuilt: by pytree's registered function, or as a mapping / sequence of its type.
-    kind: str = ""
-    #: What pytree's flatten returned beside the children (keys, a named tuple's type ...).
+    #: What rebuilding needs beside the children (a dict's keys, a named tuple's type ...).
     context: Any = None
     children: tuple[Spec, ...] = ()
     num_leaves: int = 1
+    #: ``unflatten_fn(children, context)`` rebuilds the container (pytree's registered function, or ours).
+    unflatten_fn: Callable[[list[Any], Any], Any] | None = None
 
 
 _LEAF = Spec(None)
 
 
-def _node(value: Any) -> tuple[str, Any, list[Any], list[Any]] | None:
-    """``(kind, context, children, their key entries)`` of a container; ``None`` for a leaf."""
-    if isinstance(value, (Tensor, torch.Size)) or is_stateful(value):
+def _as_tuple(children: list[Any], _: Any) -> tuple[Any, ...]:
+    return tuple(children)
+
+
+def _as_list(children: list[Any], _: Any) -> list[Any]:
+    return children
+
+
+def _as_dict(children: list[Any], keys: list[Any]) -> dict[Any, Any]:
+    return dict(zip(keys, children))
+
+
+def _as_mapping(children: list[Any], context: tuple[type, list[Any]]) -> Any:
+    kind, keys = context
+    items = dict(zip(keys, children))
+    try:
+        return kind(**items)  # a mapping built from keywords (a ModelOutput-like class)
+    except TypeError:
+        return kind(items)
+
+
+def _as_sequence(children: list[Any], kind: type) -> Any:
+    return kind(children)
+
+
+def _node(value: Any) -> tuple[Any, list[Any], list[Any], Callable[[list[Any], Any], Any]] | None:
+    """``(context, children, their key entries, unflatten_fn)`` of a container not a plain tuple,
+    list or dict; ``None`` for a leaf."""
+    if isinstance(value, torch.Size) or is_stateful(value):
         return None
     node_type = namedtuple if pytree.is_namedtuple_instance(value) else type(value)  # one pytree key for them all
     handler = pytree.SUPPORTED_NODES.get(node_type)
     if handler is not None:
         if handler.flatten_with_keys_fn is not None:
             keyed, context = handler.flatten_with_keys_fn(value)
-            return _PYTREE, context, [v for _, v in keyed], [k for k, _ in keyed]
+            return context, [v for _, v in keyed], [k for k, _ in keyed], handler.unflatten_fn
         children, context = handler.flatten_fn(value)
-        return _PYTREE, context, list(children), [pytree.SequenceKey(i) for i in range(len(children))]
+        return context, list(children), [pytree.SequenceKey(i) for i in range(len(children))], handler.unflatten_fn
     if isinstance(value, Mapping):
         keys = list(value.keys())
-        return _MAPPING, keys, [value[k] for k in keys], [pytree.MappingKey(k) for k in keys]
+        return (type(value), keys), [value[k] for k in keys], [pytree.MappingKey(k) for k in keys], _as_mapping
     if isinstance(value, (tuple, list)):
-        return _SEQUENCE, None, list(value), [pytree.SequenceKey(i) for i in range(len(value))]
+        return type(value), list(value), [pytree.SequenceKey(i) for i in range(len(value))], _as_sequence
     return None
 
 
+_SCALARS = (bool, int, float, str, type(None))
+
+
 def _flatten(value: Any, path: Path, out: list[Any], paths: list[Path] | None) -> Spec:
-    node = _node(value)
-    if node is None:
+    kind = type(value)
+    if isinstance(value, Tensor) or kind in _SCALARS:
         out.append(value)
         if paths is not None:
             paths.append(path)
         return _LEAF
-    kind, context, children, keys = node
-    specs = tuple(_flatten(child, (*path, key), out, paths) for child, key in zip(children, keys))
-    return Spec(type(value), kind, context, specs, sum(s.num_leaves for s in specs))
+    # The plain containers (most arguments) without the registry's lookups; the same rebuild as pytree's.
+    if kind is tuple or kind is list:
+        keys: Any = range(len(value))
+        children: Any = value
+        context: Any = None
+        rebuild: Callable[[list[Any], Any], Any] = _as_tuple if kind is tuple else _as_list
+        entry: Callable[[Any], Any] = pytree.SequenceKey
+    elif kind is dict:
+        keys = context = list(value)
+        children = [value[k] for k in keys]
+        rebuild, entry = _as_dict, pytree.MappingKey
+    else:
+        node = _node(value)
+        if node is None:
+            out.append(value)
+            if paths is not None:
+                paths.append(path)
+            return _LEAF
+        context, children, keys, rebuild = node
+        entry = lambda key: key  # noqa: E731  (the registry gave key entries already)
+    if paths is None:
+        specs = tuple(_flatten(child, path, out, None) for child in children)
+    else:
+        specs = tuple(_flatten(child, (*path, entry(key)), out, paths) for child, key in zip(children, keys))
+    return Spec(kind, context, specs, sum(s.num_leaves for s in specs), rebuild)
 
 
 def flatten(tree: Any) -> tuple[list[Any], Spec]:
@@ -157,28 +205,21 @@ def flatten_with_paths(tree: Any) -> tuple[list[Any], list[Path], Spec]:
     return out, paths, _flatten(tree, (), out, paths)
 
 
-def _rebuild(spec: Spec, children: list[Any]) -> Any:
-    assert spec.type is not None
-    if spec.kind == _PYTREE:
-        node_type = namedtuple if pytree.is_namedtuple_class(spec.type) else spec.type  # one key for them all
-        return pytree.SUPPORTED_NODES[node_type].unflatten_fn(children, spec.context)
-    if spec.kind == _MAPPING:
-        items = dict(zip(spec.context, children))
-        try:
-            return spec.type(**items)  # a mapping built from keywords (a ModelOutput-like class)
-        except TypeError:
-            return spec.type(items)
-    return spec.type(children)
-
-
 def unflatten(leaves: list[Any], spec: Spec) -> Any:
     """The tree of ``spec``'s structure holding ``leaves`` (as many as ``spec.num_leaves``)."""
     if len(leaves) != spec.num_leaves:
         raise ValueError(f"This structure holds {spec.num_leaves} leaves; got {len(leaves)}.")
-    it = iter(leaves)
+    if spec.type is None:
+        return leaves[0]
+    position = 0
 
     def build(s: Spec) -> Any:
-        return next(it) if s.type is None else _rebuild(s, [build(c) for c in s.children])
+        nonlocal position
+        if s.type is None:
+            position += 1
+            return leaves[position - 1]
+        assert s.unflatten_fn is not None
+        return s.unflatten_fn([build(c) for c in s.children], s.context)
 
     return build(spec)
 

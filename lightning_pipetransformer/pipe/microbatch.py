@@ -120,14 +120,24 @@ def scatter(hidden: Tensor, calls: Sequence[BlockArgs], chunks: int) -> Scatter:
     def split(value: Any, name: str, key: int | str) -> tuple[Any, ...]:
         if isinstance(value, Tensor):
             return split_tensor(value, name, key)
-        leaves, paths, spec = tree.flatten_with_paths(value)
+        leaves, spec = tree.flatten(value)
+        if spec.type is None:  # None, a flag, a key-value cache
+            if tree.is_stateful(value):
+                stateful.append(name)
+            return (value,) * n
+        paths: list[tree.Path] = []  # found only to name a tensor seen for the first time (the text costs)
         parts = []
-        for path, leaf in zip(paths, leaves):
-            if isinstance(leaf, Tensor):
-                parts.append(split_tensor(leaf, name + tree.path_str(path), key))
+        for k, leaf in enumerate(leaves):
+            if isinstance(leaf, Tensor) and id(leaf) in cut:
+                parts.append(split_tensor(leaf, "", key))
                 continue
-            if tree.is_stateful(leaf):
-                stateful.append(name + tree.path_str(path))
+            if isinstance(leaf, Tensor) or tree.is_stateful(leaf):
+                paths = paths or tree.flatten_with_paths(value)[1]
+                named = name + tree.path_str(paths[k])
+                if isinstance(leaf, Tensor):
+                    parts.append(split_tensor(leaf, named, key))
+                    continue
+                stateful.append(named)
             parts.append((leaf,) * n)
         return tuple(tree.unflatten([p[m] for p in parts], spec) for m in range(n))
 
@@ -216,9 +226,10 @@ def gather(outputs: Sequence[Any], sizes: Sequence[int], broadcast: Collection[t
     first = outputs[0]
     if len(outputs) == 1:
         return first
-    flat = [tree.flatten_with_paths(o) for o in outputs]
-    leaves, paths, spec = flat[0]
-    for i, (_, _, other) in enumerate(flat[1:], start=1):
+    flat = [tree.flatten(o) for o in outputs]
+    leaves, spec = flat[0]
+    paths = tree.flatten_with_paths(first)[1] if broadcast else [()] * len(leaves)
+    for i, (_, other) in enumerate(flat[1:], start=1):
         if other != spec:
             raise ValueError(
                 f"The last block returned outputs of different structure for micro-batch 0 and micro-batch {i} "
