@@ -601,3 +601,25 @@ def test_stream_protocol_with_stand_in_streams():
     # Each handover's gradient goes back: consumer's stream -> producer's stream, per micro-batch.
     assert waits == sorted([("s2", "caller:cpu"), ("s1", "s2"), ("s0", "s1"), ("caller:cpu", "s0")] * 2)
     assert hidden.grad is not None
+
+
+def test_a_reason_is_said_once_per_pipeline_and_once_for_pipelines_that_share_a_warn_once():
+    import warnings
+
+    from lightning_pipetransformer.warn_once import WarnOnce
+
+    blocks = make_blocks(depth=4)
+    small = torch.randn(3, SEQ, WIDTH)  # 3 samples for chunks=4: capped
+
+    def capped(*pipes):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for pipe in pipes:
+                for _ in range(2):
+                    pipe(small)
+        return sum("chunks=4 but the batches have 3 samples" in str(w.message) for w in caught)
+
+    assert capped(Pipeline(blocks, (2, 2), ["cpu"] * 2, 4)) == 1  # not once per batch
+    assert capped(Pipeline(blocks, (2, 2), ["cpu"] * 2, 4), Pipeline(blocks, (2, 2), ["cpu"] * 2, 4)) == 2
+    shared = WarnOnce()  # the chunk tuner's candidates share one
+    assert capped(*(Pipeline(blocks, (2, 2), ["cpu"] * 2, 4, say=shared) for _ in range(3))) == 1
