@@ -14,6 +14,7 @@ from typing import Any
 from lightning_pipetransformer.plan import Plan
 from lightning_pipetransformer.stack.discovery import BlockStack
 from lightning_pipetransformer.stack.interception import InterceptionStats, installed_pipeline, interception_stats
+from lightning_pipetransformer.warn_once import WarnOnce
 
 __all__ = ["CACHE_DIAGNOSTICS", "CACHE_METRICS", "EngagementReport", "cache_metrics", "plan_metrics", "plan_text", "progress_values"]
 
@@ -65,7 +66,7 @@ class EngagementReport:
         self._seen = InterceptionStats()
         self._step = 0
         self._installed = False
-        self._warned = False
+        self._say = WarnOnce(lambda message, _: self.warn(message))  # the "never called" warning, once
 
     def start(self, global_step: int) -> None:
         """At train start: count from here."""
@@ -87,9 +88,9 @@ class EngagementReport:
         ran, self._installed = self._installed, installed_pipeline(self.stack.container) is not None
         if not ((ran and steps > 0) or since.deferred):
             return {}
-        if steps > 0 and since.deferred == 0 and not self._warned:
-            self._warned = True
-            self.warn(
+        if steps > 0 and since.deferred == 0:
+            self._say(
+                "never-called",
                 f"PipeTransformer: {steps} training steps ran but the model never called the last block of "
                 f"'{self.stack.path}', so the pipeline / cache did not run at all. Check that this is the "
                 "block stack the model's forward loops over (layers=, configure_block_stack)."

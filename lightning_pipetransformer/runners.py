@@ -1,7 +1,7 @@
 """What the strategy installs in place of the block stack for one plan.
 
 The model's own loop over its block stack calls one runner (see
-:func:`~lightning_pipetransformer.pipe.pipeline.install_pipeline`). For a plan that runner is
+:func:`~lightning_pipetransformer.stack.interception.install_pipeline`). For a plan that runner is
 
 - nothing at all: one stage and one micro-batch, the model's loop runs as written;
 - a :class:`~lightning_pipetransformer.pipe.pipeline.Pipeline` over the stages' devices;
@@ -16,14 +16,14 @@ everything outside the stack (embeddings, head, loss) lives, so ``training_step`
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_pipetransformer import devices as dev
+from lightning_pipetransformer import tree
 from lightning_pipetransformer.cache.autocache import AutoCache
 from lightning_pipetransformer.cache.cached_stack import CachedStack
 from lightning_pipetransformer.devices import place_module
@@ -96,30 +96,20 @@ def _boundary_only(call: StackCall) -> Any:
 
 
 def to_device(value: Any, device: torch.device) -> Any:
-    """``value`` on ``device``: a tensor, or tuples, lists and mappings of them (named tuples,
-    dicts, ``OrderedDict`` and transformers' ``ModelOutput`` keep their type); other values as they are.
+    """``value`` with every tensor in it on ``device``; containers keep their types
+    (:mod:`~lightning_pipetransformer.tree`: named tuples, dicts, ``OrderedDict``, transformers'
+    ``ModelOutput``), other values stay as they are.
 
-    Mappings matter: a last block (or a pipeline's join) that returns a dict or a ``ModelOutput``
+    Containers matter: a last block (or a pipeline's join) that returns a dict or a ``ModelOutput``
     would otherwise leave its tensors on the last stage's device and the head would fail with
     "tensors on different devices".
     """
-    if isinstance(value, torch.Tensor):
-        if dev.device_of(value) == device:
-            return value
-        moved = value.to(device)
+
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        if dev.device_of(tensor) == device:
+            return tensor
+        moved = tensor.to(device)
         dev.tag_as(moved, device)
         return moved
-    if isinstance(value, tuple):
-        moved_items = [to_device(v, device) for v in value]
-        return type(value)(*moved_items) if hasattr(value, "_fields") else type(value)(moved_items)
-    if isinstance(value, list):
-        return [to_device(v, device) for v in value]
-    if isinstance(value, Mapping):
-        moved_map = {k: to_device(v, device) for k, v in value.items()}
-        if not isinstance(value, dict):
-            return moved_map  # a read-only mapping: a plain dict of the same items
-        out = copy.copy(value)  # the same type (a ModelOutput keeps its attributes in step with its items)
-        for k, v in moved_map.items():
-            out[k] = v
-        return out
-    return value
+
+    return tree.map_tensors(move, value)

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipetransformer.pipe.pipeline import Pipeline, hidden_of
-from lightning_pipetransformer.stack.interception import StackCall, uncounted
+from lightning_pipetransformer.pipe.pipeline import Pipeline
+from lightning_pipetransformer.stack.interception import StackCall, hidden_of, uncounted
+from lightning_pipetransformer.warn_once import WarnOnce
 
 __all__ = ["ChunkTuner"]
 
@@ -59,6 +60,7 @@ class ChunkTuner:
         self.num_frozen = num_frozen
         self.on_choice = on_choice
         self.pipeline: Pipeline | None = None
+        self._say = WarnOnce()  # shared by every pipeline it builds: a reason said once, not once per candidate M
 
     def run(self, call: StackCall) -> Any:
         if self.pipeline is None:
@@ -70,7 +72,7 @@ class ChunkTuner:
         return self.pipeline.run(call)
 
     def _pipeline(self, chunks: int) -> Pipeline:
-        return Pipeline(self.blocks, self.balance, self.devices, chunks=chunks, num_frozen=self.num_frozen)
+        return Pipeline(self.blocks, self.balance, self.devices, chunks=chunks, num_frozen=self.num_frozen, say=self._say)
 
     def _tune(self, call: StackCall) -> Pipeline:
         k = len(self.balance)

@@ -7,8 +7,9 @@ too (Llama's ``position_embeddings=(cos, sin)``): a tensor whose first dimension
 hidden state's batch size is split; everything else (``None``, scalars, a ``(seq, seq)`` causal
 mask, a broadcastable ``(1, ...)`` tensor) is passed whole. The heuristic is wrong when a
 non-batch tensor happens to have ``batch`` rows (a ``(seq, seq)`` mask with ``seq == batch``):
-name the batch-shaped arguments explicitly with ``batch_args`` (positions, ``0`` being the
-hidden state, and keyword names) to rule that out.
+the blocks then get a cut tensor whose shape no longer fits and fail, or the first-batch
+self-check (:mod:`~lightning_pipetransformer.stack.self_check`) finds the difference; a batch
+size other than that dimension, or ``chunks=1``, avoids it.
 
 Some models fold the batch into another axis: BLOOM's ALiBi bias is ``[batch * heads, 1, seq]``,
 batch-major. Arguments known to be folded that way (:data:`BATCH_MAJOR_FOLDED`) are cut into the
@@ -30,20 +31,17 @@ own, so autograd checks each micro-batch on its own rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from lightning_pipetransformer.stack.interception import BlockArgs, is_stateful
+from lightning_pipetransformer import tree
+from lightning_pipetransformer.stack.interception import BlockArgs
 
 __all__: list[str] = []
 
-#: Which arguments are batch-shaped: positions (0 is the hidden state) and keyword names.
-BatchArgs = Collection[int | str]
-#: Where a tensor sits in a block's output: the indices and keys that lead to it.
-Path = tuple[Any, ...]
 
 #: Keyword arguments whose first dimension is ``batch * k``, batch-major (sample ``b`` owns rows
 #: ``b*k .. b*k+k-1``): BLOOM's (and Falcon's) ALiBi bias, built by ``alibi.reshape(B * heads, 1, S)``.
@@ -88,17 +86,11 @@ def _is_batch_tensor(value: Any, batch: int) -> bool:
     return isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == batch
 
 
-def scatter(
-    hidden: Tensor, calls: Sequence[BlockArgs], chunks: int, batch_args: BatchArgs | None = None,
-) -> Scatter:
+def scatter(hidden: Tensor, calls: Sequence[BlockArgs], chunks: int) -> Scatter:
     """Cut ``hidden`` and the batch-shaped block arguments into ``effective_chunks(chunks, batch)`` pieces.
 
     A tensor used by several blocks (one mask object for every layer) is cut once, and its
     pieces are shared by those blocks again.
-
-    Raises:
-        ValueError: an argument named in ``batch_args`` is a tensor whose first dimension is not
-            the batch size.
     """
     batch = batch_size(hidden)
     n = effective_chunks(chunks, batch)
@@ -109,17 +101,12 @@ def scatter(
     whole: dict[int, tuple[str, Tensor]] = {}
     stateful: list[str] = []
 
-    def split_tensor(value: Tensor, name: str, key: int | str, named: bool | None) -> tuple[Any, ...]:
+    def split_tensor(value: Tensor, name: str, key: int | str) -> tuple[Any, ...]:
         if id(value) not in cut:
-            if named is True and not _is_batch_tensor(value, batch):
-                raise ValueError(
-                    f"Batch argument {name} has shape {tuple(value.shape)}, but the batch size "
-                    f"(the hidden state's first dimension) is {batch}."
-                )
-            if (named is None and _is_batch_tensor(value, batch)) or named is True:
+            if _is_batch_tensor(value, batch):
                 cut[id(value)] = _pieces(value, n, copy=value.requires_grad)
                 cut_from.append((name, value, cut[id(value)]))  # type: ignore[arg-type]
-            elif named is None and _folded(key, value, batch):
+            elif _folded(key, value, batch):
                 k = value.shape[0] // batch
                 folded = torch.split(value, [s * k for s in sizes])
                 cut[id(value)] = (value,) if n == 1 else (_copies(folded, n) if value.requires_grad else _aliases(folded))
@@ -130,28 +117,34 @@ def scatter(
         pieces = cut[id(value)]
         return pieces if pieces is not None else (value,) * n
 
-    def split(value: Any, name: str, key: int | str, named: bool | None) -> tuple[Any, ...]:
+    def split(value: Any, name: str, key: int | str) -> tuple[Any, ...]:
         if isinstance(value, Tensor):
-            return split_tensor(value, name, key, named)
-        if isinstance(value, (tuple, list)):
-            parts = [split(v, f"{name}[{i}]", key, named) for i, v in enumerate(value)]
-            return tuple(_rebuild(value, [p[m] for p in parts]) for m in range(n))
-        if isinstance(value, Mapping) and not is_stateful(value):
-            parts_by_key = {k: split(v, f"{name}[{k!r}]", key, named) for k, v in value.items()}
-            return tuple(_rebuild_mapping(value, {k: p[m] for k, p in parts_by_key.items()}) for m in range(n))
-        if is_stateful(value):
-            stateful.append(name)
-        return (value,) * n
-
-    def named(slot: int | str) -> bool | None:
-        if batch_args is None:
-            return None
-        return slot in batch_args
+            return split_tensor(value, name, key)
+        leaves, spec = tree.flatten(value)
+        if spec.type is None:  # None, a flag, a key-value cache
+            if tree.is_stateful(value):
+                stateful.append(name)
+            return (value,) * n
+        paths: list[tree.Path] = []  # found only to name a tensor seen for the first time (the text costs)
+        parts = []
+        for k, leaf in enumerate(leaves):
+            if isinstance(leaf, Tensor) and id(leaf) in cut:
+                parts.append(split_tensor(leaf, "", key))
+                continue
+            if isinstance(leaf, Tensor) or tree.is_stateful(leaf):
+                paths = paths or tree.flatten_with_paths(value)[1]
+                named = name + tree.path_str(paths[k])
+                if isinstance(leaf, Tensor):
+                    parts.append(split_tensor(leaf, named, key))
+                    continue
+                stateful.append(named)
+            parts.append((leaf,) * n)
+        return tuple(tree.unflatten([p[m] for p in parts], spec) for m in range(n))
 
     per_block: list[list[BlockArgs]] = [[] for _ in range(n)]
     for index, (args, kwargs) in enumerate(calls):
-        arg_parts = [split(a, f"block {index} argument {p + 1}", p + 1, named(p + 1)) for p, a in enumerate(args)]
-        kw_parts = {k: split(v, f"block {index} argument {k!r}", k, named(k)) for k, v in kwargs.items()}
+        arg_parts = [split(a, f"block {index} argument {p + 1}", p + 1) for p, a in enumerate(args)]
+        kw_parts = {k: split(v, f"block {index} argument {k!r}", k) for k, v in kwargs.items()}
         for m in range(n):
             per_block[m].append((tuple(p[m] for p in arg_parts), {k: p[m] for k, p in kw_parts.items()}))
     return Scatter(
@@ -210,74 +203,44 @@ def _copies(pieces: Sequence[Tensor], n: int) -> tuple[Tensor, ...]:
     return tuple(pieces) if n == 1 else tuple(p.clone() for p in pieces)
 
 
-def map_tensors(fn: Callable[[Tensor], Tensor], obj: Any) -> Any:
-    """Apply ``fn`` to every tensor in ``obj`` (a tensor, tuple, list or mapping, nested)."""
-    if isinstance(obj, Tensor):
-        return fn(obj)
-    if isinstance(obj, (tuple, list)):
-        items = [map_tensors(fn, v) for v in obj]
-        return _rebuild(obj, items)
-    if isinstance(obj, Mapping) and not is_stateful(obj):
-        return _rebuild_mapping(obj, {k: map_tensors(fn, v) for k, v in obj.items()})
-    return obj
-
-
 def tensors_in(obj: Any) -> list[Tensor]:
-    """Every tensor in ``obj`` (nested tuples, lists and mappings)."""
-    found: list[Tensor] = []
-    map_tensors(lambda t: found.append(t) or t, obj)  # type: ignore[func-returns-value]
-    return found
+    """Every tensor in ``obj`` (:func:`~lightning_pipetransformer.tree.tensors`; kept for the cache's callers)."""
+    return tree.tensors(obj)
 
 
-def gather(outputs: Sequence[Any], sizes: Sequence[int], broadcast: Collection[Path] = (), path: Path = ()) -> Any:
+def gather(outputs: Sequence[Any], sizes: Sequence[int], broadcast: Collection[tree.Path] = ()) -> Any:
     """Join the per-micro-batch outputs into one output of the same structure.
 
-    Tensors whose first dimension is their micro-batch's size are concatenated along it;
-    tuples, lists and mappings (e.g. a ``ModelOutput``) are joined field by field; anything
-    else (``None``, scalars, non-batch tensors) is taken from the first micro-batch. So are the
-    tensors at the ``broadcast`` paths (see :func:`tensor_paths`): with micro-batches of one
-    sample, a broadcastable ``(1, ...)`` output cannot be told from a per-sample one by its
-    shape, and the executor names them from an output it saw on more samples.
+    Tensors whose first dimension is their micro-batch's size are concatenated along it,
+    containers (tuples, dicts, a ``ModelOutput``: :mod:`~lightning_pipetransformer.tree`) are
+    rebuilt around them; anything else (``None``, scalars, non-batch tensors) is taken from the
+    first micro-batch. So are the tensors at the ``broadcast`` paths (see
+    :func:`~lightning_pipetransformer.tree.tensor_paths`): with micro-batches of one sample, a
+    broadcastable ``(1, ...)`` output cannot be told from a per-sample one by its shape, and the
+    executor names them from an output it saw on more samples.
+
+    Raises:
+        ValueError: the micro-batches' outputs differ in structure (other keys, another length):
+            there is no one output to join them into.
     """
     first = outputs[0]
     if len(outputs) == 1:
         return first
-    if isinstance(first, Tensor):
-        if path not in broadcast and all(_is_batch_tensor(o, n) for o, n in zip(outputs, sizes)):
-            return torch.cat(list(outputs))
-        return first
-    if isinstance(first, (tuple, list)):
-        items = [gather([o[i] for o in outputs], sizes, broadcast, (*path, i)) for i in range(len(first))]
-        return _rebuild(first, items)
-    if isinstance(first, Mapping):
-        return _rebuild_mapping(first, {k: gather([o[k] for o in outputs], sizes, broadcast, (*path, k)) for k in first})
-    return first
-
-
-def tensor_paths(output: Any, path: Path = ()) -> dict[Path, Tensor]:
-    """Every tensor in ``output`` by its path, the indices and keys that lead to it (as :func:`gather` walks)."""
-    if isinstance(output, Tensor):
-        return {path: output}
-    found: dict[Path, Tensor] = {}
-    if isinstance(output, (tuple, list)):
-        for i, value in enumerate(output):
-            found.update(tensor_paths(value, (*path, i)))
-    elif isinstance(output, Mapping):
-        for key, value in output.items():
-            found.update(tensor_paths(value, (*path, key)))
-    return found
-
-
-def _rebuild(like: tuple | list, items: list[Any]) -> Any:
-    if isinstance(like, tuple) and hasattr(like, "_fields"):  # a namedtuple takes fields
-        return type(like)(*items)
-    return type(like)(items)
-
-
-def _rebuild_mapping(like: Mapping, items: dict[Any, Any]) -> Any:
-    if type(like) is dict:
-        return items
-    try:
-        return type(like)(**items)  # a ModelOutput is built from keywords
-    except TypeError:
-        return type(like)(items)
+    flat = [tree.flatten(o) for o in outputs]
+    leaves, spec = flat[0]
+    paths = tree.flatten_with_paths(first)[1] if broadcast else [()] * len(leaves)
+    for i, (_, other) in enumerate(flat[1:], start=1):
+        if other != spec:
+            raise ValueError(
+                f"The last block returned outputs of different structure for micro-batch 0 and micro-batch {i} "
+                "(other keys or lengths, e.g. a ModelOutput field that is None in one only): they cannot be joined. "
+                "Use chunks=1 for this model."
+            )
+    joined = []
+    for k, (path, leaf) in enumerate(zip(paths, leaves)):
+        pieces = [f[0][k] for f in flat]
+        if isinstance(leaf, Tensor) and path not in broadcast and all(_is_batch_tensor(p, n) for p, n in zip(pieces, sizes)):
+            joined.append(torch.cat(pieces))
+        else:
+            joined.append(leaf)
+    return tree.unflatten(joined, spec)

@@ -1,20 +1,22 @@
 """The pipeline executor: one process drives a block stack cut into stages on K devices.
 
 GPipe fill-drain in the style of torchgpipe. :meth:`Pipeline.run` takes one pass of the model's
-loop over its blocks (:class:`~.interception.StackCall`: the hidden state and every block's own
-arguments), cuts it into ``chunks`` micro-batches (:mod:`.microbatch`), runs micro-batch ``i`` on
+loop over its blocks (:class:`~lightning_pipetransformer.stack.interception.StackCall`: the hidden
+state and every block's own arguments), cuts it into ``chunks`` micro-batches
+(:mod:`~lightning_pipetransformer.pipe.microbatch`), runs micro-batch ``i`` on
 stage ``j`` at clock cycle ``i + j`` (:func:`clock_cycles`), and joins the last block's outputs on
 the last stage's device. Autograd does the backward. ``pipeline(hidden, *args, **kwargs)`` is the
 pass where every block gets the same arguments (``for block in blocks: hidden = block(hidden,
 *args, **kwargs)``).
 
 On CUDA each stage computes on its own stream and hands its output to the next stage through
-events (:mod:`.devices`), so stages work on different micro-batches at the same time; on CPU the
+events (:mod:`~lightning_pipetransformer.devices`), so stages work on different micro-batches at the same time; on CPU the
 same code runs the same order with no streams, hence no overlap: micro-batching then only costs.
 
 The executor is not an ``nn.Module``: it holds references to the blocks and never registers
 them, so the user's module tree and state-dict keys stay as they are.
-:func:`~.interception.install_pipeline` makes a model's own loop hand its passes to it.
+:func:`~lightning_pipetransformer.stack.interception.install_pipeline` makes a model's own loop
+hand its passes to it.
 
 Micro-batching changes nothing mathematically except for layers that look across the batch
 (BatchNorm statistics are per micro-batch) and random ones (dropout draws differ from the
@@ -28,7 +30,6 @@ a block modifies in place (it would be modified once per micro-batch: an error).
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -38,54 +39,19 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pipetransformer import devices as dev
+from lightning_pipetransformer import tree
 from lightning_pipetransformer.devices import Device, Stream
-from lightning_pipetransformer.pipe.microbatch import (
-    BatchArgs,
-    Path,
-    Scatter,
-    batch_size,
-    gather,
-    map_tensors,
-    scatter,
-    tensor_paths,
-    tensors_in,
-)
+from lightning_pipetransformer.pipe.microbatch import Scatter, batch_size, gather, scatter
 from lightning_pipetransformer.plan import boundaries
 from lightning_pipetransformer.stack.input_grad import as_marked_input, needs_no_gradient
-from lightning_pipetransformer.stack.interception import (
-    BlockArgs,
-    InterceptionError,
-    StackCall,
-    call_block,
-    hidden_of,
-    install_pipeline,
-    installed_pipeline,
-    pipelined,
-    remove_pipeline,
-)
+from lightning_pipetransformer.stack.interception import BlockArgs, InterceptionError, StackCall, call_block, hidden_of
 from lightning_pipetransformer.stack.placeholders import refuse_placeholder
+from lightning_pipetransformer.warn_once import WarnOnce
 
-__all__ = [
-    "Pipeline",
-    "PipelineStats",
-    "clock_cycles",
-    "hidden_of",
-    "install_pipeline",
-    "installed_pipeline",
-    "pipelined",
-    "remove_pipeline",
-]
+__all__ = ["Pipeline", "PipelineStats", "clock_cycles"]
 
 Blocks = tuple[nn.Module, ...]
 Schedule = list[tuple[int, int]]
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str, key: str | None = None) -> None:
-    if (key or message) not in _warned:
-        _warned.add(key or message)
-        warnings.warn(message, stacklevel=3)
 
 
 def clock_cycles(chunks: int, stages: int) -> Iterator[Schedule]:
@@ -138,9 +104,13 @@ class Pipeline:
             grad). They run under ``torch.no_grad()`` unless something upstream needs gradients
             (a trainable embedding feeding the hidden state, a trainable tensor among their
             arguments), in which case they must stay in the graph so the gradient reaches it.
-        batch_args: which arguments are batch-shaped (positions, 0 being the hidden state, and
-            keyword names); ``None`` uses the first-dimension heuristic of :mod:`.microbatch`.
-        hidden_of: extracts the hidden state from a block's output (default :func:`hidden_of`).
+        say: the warn-once state to share with other pipelines of one owner (the chunk tuner's
+            candidates), so that a reason is said once for them all; default: one of its own.
+
+    Which arguments are batch-shaped follows :mod:`~lightning_pipetransformer.pipe.microbatch`, and
+    the hidden state in a block's output follows
+    :func:`~lightning_pipetransformer.stack.interception.hidden_of`: the interception learns the
+    blocks' outputs by that same rule, so the two must never disagree.
 
     With one stage and one micro-batch a call is the plain loop: no split, no copy, no extra
     autograd node.
@@ -154,8 +124,7 @@ class Pipeline:
         chunks: int = 1,
         num_frozen: int = 0,
         *,
-        batch_args: BatchArgs | None = None,
-        hidden_of: Callable[[Any], Tensor] = hidden_of,
+        say: WarnOnce | None = None,
     ) -> None:
         blocks, balance = tuple(blocks), tuple(balance)
         if any(b < 1 for b in balance) or not balance:
@@ -185,16 +154,15 @@ class Pipeline:
         self.devices: tuple[torch.device, ...] = tuple(dev.as_device(d) for d in devices)
         self.chunks = chunks
         self.num_frozen = num_frozen
-        self.batch_args = batch_args
-        self.hidden_of = hidden_of
         self.stats = PipelineStats()
+        self._say = say if say is not None else WarnOnce()
         #: Per stage: the first block's index in the stack.
         self._edges = boundaries(balance)
         self._streams: list[Stream] | None = None  # taken from the pool on the first pipelined call
         # Paths of the last block's output tensors, and of those broadcast over the batch, as seen
         # on the last micro-batch of two or more samples (see _join); None until then.
-        self._leaves: frozenset[Path] | None = None
-        self._broadcast: frozenset[Path] = frozenset()
+        self._leaves: frozenset[tree.Path] | None = None
+        self._broadcast: frozenset[tree.Path] = frozenset()
         self._largest_batch = 0  # the largest batch seen: a smaller one is an epoch's last
 
     def __repr__(self) -> str:
@@ -235,21 +203,22 @@ class Pipeline:
             return self._run_plain(call, mark)
         if chunks > 1:
             self._check_chunks_fit(call.hidden.shape[0])
-        split = scatter(call.hidden, call.calls, chunks, self.batch_args)
+        split = scatter(call.hidden, call.calls, chunks)
         if split.stateful and len(split.sizes) > 1:
             self.stats.stateful_fallbacks += 1
-            _warn_once(
+            self._say(
+                "stateful",
                 f"The blocks update a mutable object ({split.stateful[0]}, e.g. a key-value cache with use_cache=True): "
                 f"running these passes as one micro-batch instead of {self.chunks}, so that it is updated once per "
                 "block as in the model's own loop. Results are exact; only the micro-batch overlap is lost. "
                 "Pass use_cache=False while training to keep the micro-batches."
             )
-            split = scatter(call.hidden, call.calls, 1, self.batch_args)
+            split = scatter(call.hidden, call.calls, 1)
         if self._leaves is None and len(split.sizes) > 1 and max(split.sizes) == 1:
             # Micro-batches of one sample (a batch no larger than chunks), and no output seen on
             # more: a (1, ...) output could be per-sample or broadcast. One micro-batch is exact,
             # and teaches which (see _join).
-            split = scatter(call.hidden, call.calls, 1, self.batch_args)
+            split = scatter(call.hidden, call.calls, 1)
         self.stats.micro_batches += len(split.sizes)
         return self._run_pipelined(split, call, mark)
 
@@ -257,10 +226,10 @@ class Pipeline:
         """Warn once when the loader's batches are smaller than ``chunks`` (an epoch's smaller last batch is expected)."""
         largest, self._largest_batch = self._largest_batch, max(self._largest_batch, batch)
         if batch < self.chunks and batch >= largest:
-            _warn_once(
+            self._say(
+                "chunks-capped",
                 f"chunks={self.chunks} but the batches have {batch} samples: they run as at most {batch} micro-batches "
                 f"(one sample each), not {self.chunks}. Use chunks <= the batch size (or chunks='auto'), or a larger batch.",
-                key="chunks-capped",
             )
 
     # -- one stage, one micro-batch: the plain loop ------------------------------------------
@@ -268,9 +237,9 @@ class Pipeline:
     def _run_plain(self, call: StackCall, mark: bool) -> Any:
         device = self.devices[0]
         hidden, calls = call.hidden, call.calls
-        if any(t.device != device for t in (hidden, *tensors_in(calls))):
+        if any(t.device != device for t in (hidden, *tree.tensors(calls))):
             move = lambda v: v.to(device)  # noqa: E731
-            hidden, calls = move(hidden), map_tensors(move, calls)
+            hidden, calls = move(hidden), tree.map_tensors(move, calls)
         return self._run_stage(0, hidden, calls, call.observe, mark)
 
     # -- the general case ----------------------------------------------------------------------
@@ -283,13 +252,7 @@ class Pipeline:
             # the optimizer's parameter updates, the inputs.
             dev.wait(stream, dev.current_stream(device))
         # A tensor passed whole (the same object in every micro-batch) goes to each stage once.
-        hopped: dict[tuple[int, int], Tensor] = {}
-
-        def to_stage(value: Tensor, j: int) -> Tensor:
-            key = (id(value), j)
-            if key not in hopped:
-                hopped[key] = _hop_in(value, streams[j], devices[j])
-            return hopped[key]
+        hopped: list[dict[int, Tensor]] = [{} for _ in range(stages)]
 
         versions = [(name, t, t._version) for name, t in split.whole if chunks > 1 and not t.is_inference()]
         leaves = _leaf_versions(split) if torch.is_grad_enabled() else []
@@ -303,7 +266,7 @@ class Pipeline:
                 hiddens[i] = None
                 x = dev.hop(x, src, streams[j], devices[j])
                 first, stop = self._edges[j], self._edges[j + 1]
-                stage_calls = map_tensors(lambda t: to_stage(t, j), split.calls[i][first:stop])
+                stage_calls = tree.map_tensors(lambda t: _hop_in(t, streams[j], devices[j]), split.calls[i][first:stop], memo=hopped[j])
                 with dev.use_stream(streams[j]):
                     try:
                         out = self._run_stage(j, x, stage_calls, call.observe if i == 0 else None, mark)
@@ -315,7 +278,7 @@ class Pipeline:
                 if j == stages - 1:
                     outputs[i] = out
                 else:
-                    hiddens[i] = (self.hidden_of(out), streams[j])
+                    hiddens[i] = (hidden_of(out), streams[j])
         for name, tensor, version in versions:
             if tensor._version != version:
                 raise InterceptionError(
@@ -336,7 +299,7 @@ class Pipeline:
         caller_stream = dev.current_stream(last)
         if last_stream is not None or caller_stream is not None:
             # Back to the caller's stream before joining: it is where the result is used.
-            outputs = [map_tensors(lambda t: dev.hop(t, last_stream, caller_stream, last), o) for o in outputs]
+            outputs = [tree.map_tensors(lambda t: dev.hop(t, last_stream, caller_stream, last), o) for o in outputs]
         return self._join(outputs, split.sizes)
 
     def _join(self, outputs: list[Any], sizes: tuple[int, ...]) -> Any:
@@ -349,15 +312,16 @@ class Pipeline:
         """
         largest = max(range(len(sizes)), key=sizes.__getitem__)
         if sizes[largest] >= 2:
-            seen = tensor_paths(outputs[largest])
+            seen = tree.tensor_paths(outputs[largest])
             self._leaves = frozenset(seen)
             self._broadcast = frozenset(p for p, t in seen.items() if t.dim() > 0 and t.shape[0] == 1)
         elif len(sizes) > 1:
-            seen = tensor_paths(outputs[0])
+            seen = tree.tensor_paths(outputs[0])
             unknown = [p for p, t in seen.items() if t.dim() > 0 and t.shape[0] == 1 and p not in (self._leaves or ())]
             if unknown:
-                _warn_once(
-                    f"On micro-batches of one sample the last block returned a tensor at output path {unknown[0]} that it "
+                self._say(
+                    ("unseen-output", unknown[0]),
+                    f"On micro-batches of one sample the last block returned a tensor at output path {tree.path_str(unknown[0])} that it "
                     "did not return on larger ones: it is joined as per-sample. If it is broadcast over the batch "
                     "(first dimension 1), the plain loop returns it unjoined."
                 )
@@ -391,7 +355,7 @@ class Pipeline:
                     output = call_block(self.blocks[index], hidden, *args, **kwargs)
                     if observe is not None:
                         observe(index, output)
-                    hidden = self.hidden_of(output)
+                    hidden = hidden_of(output)
         if mark and first <= self.num_frozen < stop:
             hidden = as_marked_input(hidden)
         for index in range(frozen_stop, stop):
@@ -399,7 +363,7 @@ class Pipeline:
             output = call_block(self.blocks[index], hidden, *args, **kwargs)
             if observe is not None:
                 observe(index, output)
-            hidden = self.hidden_of(output)
+            hidden = hidden_of(output)
         return output
 
 
@@ -437,4 +401,4 @@ def _hop_in(value: Tensor, stream: Stream, device: torch.device) -> Tensor:
 
 
 def _needs_grad(hidden: Tensor, calls: Any) -> bool:
-    return hidden.requires_grad or any(t.requires_grad for t in tensors_in(calls))
+    return hidden.requires_grad or any(t.requires_grad for t in tree.tensors(calls))

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_pipetransformer import tree
 from lightning_pipetransformer.stack.discovery import BlockStack, BlockStackError
 
 __all__ = ["CallOrder", "CallOrderError", "CallOrderObserver", "OrderWatch", "graph_leaves", "split_by_order"]
@@ -199,18 +200,11 @@ def graph_leaves(values: Sequence[Any]) -> list[Tensor]:
     """The leaf tensors (parameters) the gradient of the tensors in ``values`` reaches, within a bounded walk."""
     roots: list[Any] = []
     leaves: list[Tensor] = []
-    todo = list(values)
-    while todo:
-        value = todo.pop()
-        if isinstance(value, Tensor):
-            if value.requires_grad and value.grad_fn is None:
-                leaves.append(value)  # a parameter handed to the block as it is (DeBERTa's rel_embeddings.weight)
-            elif value.requires_grad:
-                roots.append(value.grad_fn)
-        elif isinstance(value, (tuple, list)):
-            todo.extend(value)
-        elif isinstance(value, dict):
-            todo.extend(value.values())
+    for value in tree.tensors(list(values)):
+        if value.requires_grad and value.grad_fn is None:
+            leaves.append(value)  # a parameter handed to the block as it is (DeBERTa's rel_embeddings.weight)
+        elif value.requires_grad:
+            roots.append(value.grad_fn)
     seen: set[int] = set()
     while roots and len(seen) < _MAX_NODES:
         node = roots.pop()

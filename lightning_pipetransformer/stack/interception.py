@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -55,8 +54,10 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from lightning_pipetransformer import tree
 from lightning_pipetransformer.stack.observers import BlockHooks, Observer, block_modules, silenced
 from lightning_pipetransformer.stack.placeholders import is_placeholder, refuse_placeholder
+from lightning_pipetransformer.warn_once import WarnOnce
 
 __all__ = [
     "Deferred",
@@ -71,7 +72,6 @@ __all__ = [
     "install_pipeline",
     "installed_pipeline",
     "interception_stats",
-    "is_stateful",
     "pipelined",
     "remove_pipeline",
 ]
@@ -80,11 +80,6 @@ Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
 #: One block call's arguments after the hidden state.
 BlockArgs = tuple[Args, Kwargs]
-
-
-def is_stateful(value: Any) -> bool:
-    """A mutable per-call object the blocks update (a Hugging Face ``Cache``: ``update`` + ``get_seq_length``)."""
-    return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
 
 
 class InterceptionError(RuntimeError):
@@ -167,7 +162,7 @@ class Deferred(Tensor):
         if func in _HARMLESS:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        what = next((a._what for a in _leaves((args, kwargs)) if isinstance(a, Deferred)), "a block output")
+        what = next((a._what for a in tree.leaves((args, kwargs)) if isinstance(a, Deferred)), "a block output")
         owner = getattr(func, "__self__", None)  # a property getter: name the property ('shape')
         name = getattr(owner, "__name__", None) if getattr(func, "__name__", "") == "__get__" else getattr(func, "__name__", None)
         name = name or repr(func)
@@ -181,19 +176,8 @@ class Deferred(Tensor):
         )
 
 
-def _leaves(value: Any) -> Iterator[Any]:
-    if isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _leaves(v)
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            yield from _leaves(v)
-    else:
-        yield value
-
-
 def _contains_deferred(value: Any) -> bool:
-    return any(isinstance(v, Deferred) for v in _leaves(value))
+    return any(isinstance(v, Deferred) for v in tree.tensors(value))
 
 
 # -- what a block returns ------------------------------------------------------------------------
@@ -204,8 +188,8 @@ _HIDDEN, _TENSOR = "hidden", "tensor"
 def output_template(output: Any) -> Any:
     """The structure of a block output: tensors are slots, the first one (the hidden state) marked.
 
-    Follows :func:`~.pipeline.hidden_of`: a tensor is the hidden state, else the first element of a
-    tuple / list / ``ModelOutput``.
+    Follows :func:`hidden_of`: a tensor is the hidden state, else the first element of a tuple /
+    list / ``ModelOutput``.
     """
     if isinstance(output, Tensor):
         return _HIDDEN
@@ -362,8 +346,6 @@ class InterceptionStats:
     probes: int = 0
     #: Passes run block by block as the model called them, without the runner (not engaged).
     eager: int = 0
-    #: Passes abandoned before the last block (their outputs raise if used).
-    abandoned: int = 0
     #: Real runs of the last block in deferred passes: ``last_block_runs / deferred`` is the
     #: micro-batches per pass (M when the pipeline engages).
     last_block_runs: int = 0
@@ -398,7 +380,7 @@ class _Interceptor:
         self.stats = InterceptionStats()
         self._pass: _Pass | None = None
         self._hooks: BlockHooks | None = None  # the hook dictionaries of every module inside the blocks
-        self._warned: set[str] = set()  # observers already warned about
+        self._say = WarnOnce()  # each observer named once per stack
         #: Runs the next training pass instead of the runner, comparing it with the plain loop (see :func:`arm_self_check`).
         self.self_check: Callable[[Runner, StackCall], Any] | None = None
 
@@ -412,15 +394,13 @@ class _Interceptor:
     def called(self, index: int, args: Args, kwargs: Kwargs) -> Any:
         hidden, args, kwargs = _split_hidden(self.blocks[index], args, kwargs)
         if index == 0:
-            if self._pass is not None:
-                self.stats.abandoned += 1  # the model stopped before the last block last time
             if isinstance(hidden, Deferred):
                 raise InterceptionError(
                     f"Block 0 of the stack got {hidden._what} as its input: the model runs the stack twice in one "
                     "pass. Name one container with layers=, or use pipe_len=1, chunks=1, cache=False."
                 )
             learn = any(t is None for t in self.templates)
-            eager = learn and any(is_stateful(v) for v in _leaves((args, kwargs)))
+            eager = learn and any(tree.is_stateful(v) for v in tree.leaves((args, kwargs)))
             self._pass = _Pass(hidden, _Probe(self.blocks) if learn and not eager else None, eager, observed=self.observers())
         else:
             current = self._pass
@@ -478,7 +458,7 @@ class _Interceptor:
         call = StackCall(current.hidden, tuple(current.calls), self._check_structure, self._as_last_output, current.observed)
         if current.observed:
             self.stats.observed += 1
-            _warn_observed(current.observed, self._warned)
+            _warn_observed(current.observed, self._say)
         check = self.self_check if torch.is_grad_enabled() and not is_placeholder(current.hidden) else None
         with bypass():
             if check is not None:
@@ -498,10 +478,9 @@ class _Interceptor:
         home = self._pass.hidden.device if self._pass is not None else hidden.device
         where = _device_of(self.blocks[index], home)
         if where != home or hidden.device != where:
-            move = lambda v: v.to(where) if isinstance(v, Tensor) else v  # noqa: E731
-            hidden, args, kwargs = move(hidden), _map(move, args), _map(move, kwargs)
+            hidden, args, kwargs = tree.map_tensors(lambda v: v.to(where), (hidden, args, kwargs))
         if probe:
-            if any(is_stateful(v) for v in _leaves((args, kwargs))):
+            if any(tree.is_stateful(v) for v in tree.leaves((args, kwargs))):
                 self._pass = None
                 raise InterceptionError(
                     f"Block {index} got a key-value cache object but block 0 did not: the first pass cannot learn what "
@@ -510,16 +489,16 @@ class _Interceptor:
             # The runner reads the pass's input and every argument again: the probe works on copies,
             # so a block that changes its inputs in place changes them once, in the runner's pass.
             copies = self._pass.copies if self._pass is not None else {}
-            copy = lambda v: copies.setdefault(id(v), v.detach().clone()) if isinstance(v, Tensor) else v  # noqa: E731
-            args, kwargs = _map(copy, args), _map(copy, kwargs)
+            copy = lambda v: v.detach().clone()  # noqa: E731
+            args, kwargs = tree.map_tensors(copy, (args, kwargs), memo=copies)
             if index == 0:
-                hidden = copy(hidden)
+                hidden = tree.map_tensors(copy, hidden, memo=copies)
         observed = self._pass.observed if probe and self._pass is not None else ()
         quiet = silenced(o.module for o in observed if o.module is not None) if observed else contextlib.nullcontext()
         with bypass(), uncounted(), torch.no_grad() if probe else contextlib.nullcontext(), quiet:
             out = call_block(self.blocks[index], hidden, *args, **kwargs)
         if where != home:
-            out = _map(lambda v: v.to(home) if isinstance(v, Tensor) else v, out)
+            out = tree.map_tensors(lambda v: v.to(home), out)
         return out
 
     def _as_last_output(self, hidden: Tensor) -> Any:
@@ -542,14 +521,12 @@ class _Interceptor:
             )
 
 
-def _warn_observed(observed: Sequence[Observer], warned: set[str]) -> None:
+def _warn_observed(observed: Sequence[Observer], say: WarnOnce) -> None:
     """Once per hook (and stack): it observes the blocks, so its passes run each block once on the whole batch."""
     named = observed[0].describe()
-    if named in warned:
-        return
-    warned.add(named)
     more = f" (and {len(observed) - 1} more)" if len(observed) > 1 else ""
-    warnings.warn(
+    say(
+        named,
         f"PipeTransformer: {named}{more} observes the blocks (a hook that fires inside the block stack; transformers "
         "installs such hooks for output_hidden_states, output_attentions and output_router_logits). So that it sees "
         "each block once per pass with the whole batch, as in the plain loop, these passes run the pipeline as one "
@@ -557,7 +534,6 @@ def _warn_observed(observed: Sequence[Observer], warned: set[str]) -> None:
         "(pipetransformer/observed logs their share). To keep both: remove the hook or the output_* flag while training, "
         "or mark a hook that should see every real block run (micro-batches, e.g. to count them) with "
         "lightning_pipetransformer.sees_block_runs(hook).",
-        stacklevel=2,
     )
 
 
@@ -594,8 +570,9 @@ def hidden_of(output: Any) -> Tensor:
     if hasattr(output, "to_tuple"):
         return output.to_tuple()[0]
     raise TypeError(
-        f"Cannot find the hidden state in a block output of type {type(output).__name__}: "
-        "pass Pipeline(..., hidden_of=fn) with a function that extracts it."
+        f"Cannot find the hidden state in a block output of type {type(output).__name__}: it is the output itself "
+        "(a tensor) or the first element of a tuple, list or ModelOutput. A pipeline or cache cannot run this model's "
+        "blocks: use pipe_len=1, chunks=1 and cache=False for it."
     )
 
 
@@ -605,17 +582,6 @@ def _device_of(block: nn.Module, default: torch.device) -> torch.device:
     for tensor in block.buffers():
         return tensor.device
     return default
-
-
-def _map(fn: Callable[[Any], Any], value: Any) -> Any:
-    if isinstance(value, tuple):
-        items = [_map(fn, v) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    if isinstance(value, list):
-        return [_map(fn, v) for v in value]
-    if isinstance(value, dict):
-        return {k: _map(fn, v) for k, v in value.items()}
-    return fn(value)
 
 
 # -- installing a runner -------------------------------------------------------------------------

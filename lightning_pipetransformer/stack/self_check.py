@@ -29,14 +29,13 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
+from lightning_pipetransformer import tree
 from lightning_pipetransformer.stack.interception import (
     Deferred,
     InterceptionError,
     Runner,
     StackCall,
     _device_of,
-    _leaves,
-    _map,
     _Probe,
     _same_structure,
     bypass,
@@ -71,9 +70,8 @@ class SelfCheck:
     def __call__(self, runner: Runner, call: StackCall) -> Any:
         blocks = self.blocks
         before = _Probe(blocks)  # random state and buffers as the runner found them
-        copies: dict[int, Tensor] = {}
-        copy = lambda v: copies.setdefault(id(v), v.detach().clone()) if isinstance(v, Tensor) else v  # noqa: E731
-        hidden, calls = copy(call.hidden), _map(copy, call.calls)
+        # Copies, a tensor shared by several blocks copied once: the plain loop gets what the runner got.
+        hidden, calls = tree.map_tensors(lambda v: v.detach().clone(), (call.hidden, call.calls), memo={})
         watched = self._watched(call.observed)
         with _counting(watched) as fired:
             out = runner.run(call)
@@ -121,14 +119,14 @@ class SelfCheck:
         with bypass(), uncounted(), torch.no_grad():
             for block, (args, kwargs) in zip(self.blocks, calls):
                 where = _device_of(block, hidden.device)
-                move = lambda v, d=where: v.to(d) if isinstance(v, Tensor) else v  # noqa: E731
-                out = call_block(block, move(hidden), *_map(move, args), **_map(move, kwargs))
+                here, args, kwargs = tree.map_tensors(lambda v, d=where: v.to(d), (hidden, args, kwargs))
+                out = call_block(block, here, *args, **kwargs)
                 hidden = hidden_of(out)
-        return _map(lambda v: v.to(home) if isinstance(v, Tensor) else v, out)
+        return tree.map_tensors(lambda v: v.to(home), out)
 
 
 def _home(out: Any, default: torch.device) -> torch.device:
-    return next((v.device for v in _leaves(out) if isinstance(v, Tensor)), default)
+    return next((v.device for v in tree.tensors(out)), default)
 
 
 def _rng_states(blocks: Sequence[nn.Module]) -> list[Tensor]:
@@ -164,7 +162,7 @@ def _differences(out: Any, plain: Any, values: bool, largest: list[float] | None
     if not _same_structure(shape, expected):
         return [f"the last block's output is {shape} where the plain loop's is {expected}"]
     found: list[str] = []
-    got, want = [v for v in _leaves(out)], [v for v in _leaves(plain)]
+    got, want = tree.leaves(out), tree.leaves(plain)
     for index, (a, b) in enumerate(zip(got, want)):
         where = "the hidden state" if index == 0 else f"element {index} of the last block's output"
         if isinstance(a, Deferred):

@@ -22,8 +22,8 @@ from lightning_pipetransformer.cache.cached_stack import CachedStack
 from lightning_pipetransformer.cache.prefix import StaleCacheError, run_blocks
 from lightning_pipetransformer.cache.store import ActivationStore
 from lightning_pipetransformer.freeze.apply import apply_freeze
-from lightning_pipetransformer.pipe.pipeline import install_pipeline, remove_pipeline
 from lightning_pipetransformer.stack.discovery import find_block_stack
+from lightning_pipetransformer.stack.interception import install_pipeline, remove_pipeline
 from tests.helpers.cached_fits import assert_same_run, cached, fit, stats_of
 from tests.helpers.lightning_models import Classifier, IndexedSamples, _ids, _images, indexed_text
 from tests.helpers.models import SEQ, VOCAB, tiny_bert

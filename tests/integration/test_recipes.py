@@ -21,7 +21,6 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
-from lightning_pipetransformer.pipe import pipeline as pipeline_module
 from lightning_pipetransformer.stack.discovery import BlockStackError
 from tests.helpers.block_runs import ForwardBackwardRunsPerEpoch
 from tests.helpers.compare import assert_same_weights
@@ -339,7 +338,6 @@ def test_a_run_with_no_freeze_point_warns_before_training(freeze, words):
 
 
 def test_chunks_larger_than_the_batch_warn_once():
-    pipeline_module._warned.discard("chunks-capped")
     module = FamilyModule("bert")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -9,8 +9,8 @@ from lightning_pipetransformer.cache.autocache import AutoCache
 from lightning_pipetransformer.cache.cached_stack import CachedStack
 from lightning_pipetransformer.cache.prefix import StaleCacheError, run_blocks
 from lightning_pipetransformer.freeze.apply import apply_freeze
-from lightning_pipetransformer.pipe.pipeline import install_pipeline, remove_pipeline
 from lightning_pipetransformer.stack.discovery import find_block_stack
+from lightning_pipetransformer.stack.interception import install_pipeline, remove_pipeline
 from tests.helpers.models import SEQ, VOCAB, tiny_bert
 
 

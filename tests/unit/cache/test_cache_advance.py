@@ -21,9 +21,8 @@ from lightning_pipetransformer.cache.prefix import run_blocks
 from lightning_pipetransformer.cache.store import ActivationStore
 from lightning_pipetransformer.cache.validity import prefix_fingerprint
 from lightning_pipetransformer.freeze.apply import apply_freeze
-from lightning_pipetransformer.pipe.pipeline import install_pipeline, remove_pipeline
 from lightning_pipetransformer.stack.discovery import find_block_stack
-from lightning_pipetransformer.stack.interception import StackCall
+from lightning_pipetransformer.stack.interception import StackCall, install_pipeline, remove_pipeline
 
 SEQ, VOCAB = 8, 50
 

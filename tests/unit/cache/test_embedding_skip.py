@@ -9,8 +9,8 @@ from torch import nn
 from lightning_pipetransformer.cache.autocache import AutoCache
 from lightning_pipetransformer.cache.embedding_skip import SkipError
 from lightning_pipetransformer.freeze.apply import apply_freeze
-from lightning_pipetransformer.pipe.pipeline import installed_pipeline, remove_pipeline
 from lightning_pipetransformer.stack.discovery import find_block_stack
+from lightning_pipetransformer.stack.interception import installed_pipeline, remove_pipeline
 from tests.helpers.models import SEQ, VOCAB, tiny_bert, tiny_vit
 from tests.unit.cache.test_autocache import batch, count_rows, install
 

@@ -4,10 +4,12 @@ from collections import OrderedDict, namedtuple
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_pipetransformer.pipe.microbatch import batch_size, gather, map_tensors, scatter, tensor_paths
+from lightning_pipetransformer.pipe.microbatch import batch_size, gather, scatter
+from lightning_pipetransformer.tree import map_tensors, tensor_paths
 
 
 def one_block(*args, **kwargs):
@@ -118,20 +120,11 @@ def test_stateful_objects_are_reported():
     assert all(c[0][1]["cache"] is cache for c in split.calls)
 
 
-def test_explicit_batch_args_override_the_heuristic():
-    # A (seq, seq) mask with seq == batch looks batch-shaped to the heuristic.
-    x, square, mask = torch.randn(4, 4, 2), torch.randn(4, 4), torch.randn(4, 4)
-    assert scatter(x, one_block(square, mask=mask), 2).calls[0][0][0][0].shape == (2, 4)
-    split = scatter(x, one_block(square, mask=mask), 2, batch_args=("mask",))
-    assert all(c[0][0][0] is square for c in split.calls) and split.calls[0][0][1]["mask"].shape == (2, 4)
-    # Named but absent or None this call: not split, no error.
-    split = scatter(x, one_block(None), 2, batch_args=(1, "mask"))
-    assert split.calls[0][0][0][0] is None
-
-
-def test_explicit_batch_arg_with_wrong_shape_is_an_error():
-    with pytest.raises(ValueError, match=r"'mask' has shape \(3, 4\).*batch size .* is 4"):
-        scatter(torch.randn(4, 2), one_block(mask=torch.randn(3, 4)), 2, batch_args=("mask",))
+def test_a_square_argument_with_batch_rows_is_cut_by_the_heuristic():
+    # A (seq, seq) mask with seq == batch looks batch-shaped: it is cut (the blocks then fail on its
+    # shape, or the first-batch self-check finds the difference), never silently passed whole.
+    x, square = torch.randn(4, 4, 2), torch.randn(4, 4)
+    assert scatter(x, one_block(square), 2).calls[0][0][0][0].shape == (2, 4)
 
 
 def test_hidden_must_be_a_batched_tensor():
@@ -165,6 +158,8 @@ def test_gather_keeps_structure():
     assert isinstance(mo, Output) and torch.equal(mo["pooled"], torch.cat([a, b])[:, 0])
     only = (a, None)
     assert gather([only], (2,)) is only  # one micro-batch: returned as is
+    with pytest.raises(ValueError, match="different structure"):
+        gather([{"x": a}, {"y": b}], sizes)  # nothing to join them into
 
 
 def test_gather_leaves_the_named_broadcast_tensors_unjoined():
@@ -174,8 +169,10 @@ def test_gather_leaves_the_named_broadcast_tensors_unjoined():
     outputs = [(r, {"bias": bias, "per_sample": r[:, :2]}) for r in rows]
     assert gather(outputs, sizes)[1]["bias"].shape == (3, 4)  # by shape alone
     paths = tensor_paths(outputs[0])
-    assert list(paths) == [(0,), (1, "bias"), (1, "per_sample")] and paths[(1, "bias")] is bias
-    out = gather(outputs, sizes, broadcast={(1, "bias")})
+    at = pytree.SequenceKey, pytree.MappingKey
+    bias_path = (at[0](1), at[1]("bias"))
+    assert list(paths) == [(at[0](0),), bias_path, (at[0](1), at[1]("per_sample"))] and paths[bias_path] is bias
+    out = gather(outputs, sizes, broadcast={bias_path})
     assert out[1]["bias"] is bias and out[1]["per_sample"].shape == (3, 2) and torch.equal(out[0], torch.cat(rows))
 
 

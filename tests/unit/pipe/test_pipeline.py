@@ -8,14 +8,8 @@ import torch
 from torch import nn
 
 from lightning_pipetransformer import devices as dev
-from lightning_pipetransformer.pipe.pipeline import (
-    Pipeline,
-    clock_cycles,
-    hidden_of,
-    install_pipeline,
-    pipelined,
-    remove_pipeline,
-)
+from lightning_pipetransformer.pipe.pipeline import Pipeline, clock_cycles
+from lightning_pipetransformer.stack.interception import hidden_of, install_pipeline, pipelined, remove_pipeline
 from tests.helpers.block_runs import ForwardRuns
 from tests.unit.pipe.stand_in_streams import Timeline
 
@@ -161,7 +155,7 @@ def test_tuple_outputs_keep_their_structure(stages, chunks):
     assert_same(ref_grads, out_grads)
 
 
-def test_model_output_and_custom_hidden_of():
+def test_model_output_and_an_output_without_a_hidden_state():
     from transformers.modeling_outputs import BaseModelOutput
 
     class DictBlock(Block):
@@ -182,15 +176,9 @@ def test_model_output_and_custom_hidden_of():
     assert_same(ref.last_hidden_state, out.last_hidden_state)
     assert_same(ref.hidden_states, out.hidden_states)
 
-    torch.manual_seed(0)
+    # A dict has no first element: which entry is the hidden state is unknown, refused with the way out.
     blocks = [DictBlock() for _ in range(4)]
-    out = Pipeline(blocks, (2, 2), ["cpu"] * 2, 3, hidden_of=lambda o: o["h"])(hidden, mask)
-    ref = hidden
-    for block in blocks:
-        ref = block(ref, mask)["h"]
-    assert out["unused"] is None
-    assert_same(ref, out["h"])
-    with pytest.raises(TypeError, match="hidden_of"):
+    with pytest.raises(TypeError, match=r"type dict.*use pipe_len=1, chunks=1 and cache=False"):
         Pipeline(blocks, (2, 2), ["cpu"] * 2, 3)(hidden, mask)
 
 
@@ -209,7 +197,7 @@ def test_whole_arguments_reach_every_block_unsplit_and_accumulate_grads():
     torch.testing.assert_close(pipe_grad, ref_grad)
 
 
-def test_batch_args_override_for_a_square_non_batch_tensor():
+def test_a_square_non_batch_tensor_with_batch_rows_is_refused_loudly():
     class SquareMix(nn.Module):
         def __init__(self):
             super().__init__()
@@ -221,11 +209,9 @@ def test_batch_args_override_for_a_square_non_batch_tensor():
     torch.manual_seed(0)
     blocks = [SquareMix() for _ in range(4)]
     hidden, mix = torch.randn(SEQ, SEQ, WIDTH), torch.randn(SEQ, SEQ)  # batch == seq
-    ref = plain(blocks, hidden, mix)
-    with pytest.raises(RuntimeError):  # the heuristic splits 'mix': the shapes no longer fit
+    with pytest.raises(RuntimeError):  # the heuristic cuts 'mix': the shapes no longer fit, never a wrong result
         Pipeline(blocks, (2, 2), ["cpu"] * 2, 2)(hidden, mix)
-    out = Pipeline(blocks, (2, 2), ["cpu"] * 2, 2, batch_args=(0,))(hidden, mix)
-    assert_same(ref, out)
+    assert_same(plain(blocks, hidden, mix), Pipeline(blocks, (2, 2), ["cpu"] * 2, 1)(hidden, mix))  # chunks=1 runs it
 
 
 class BiasOut(nn.Module):
@@ -266,16 +252,13 @@ def test_a_broadcast_output_on_one_sample_micro_batches_is_returned_as_the_plain
 
 
 def test_an_output_never_seen_on_more_samples_is_joined_with_a_warning():
-    from lightning_pipetransformer.pipe import pipeline as pipeline_module
-
     torch.manual_seed(0)
     blocks = [BiasOut() for _ in range(2)]
     pipe = Pipeline(blocks, (1, 1), ["cpu"] * 2, 4)
     pipe(torch.randn(8, SEQ, WIDTH))
     for block in blocks:
         block.extra = True  # a fourth output, (1, 2), only on the next call
-    pipeline_module._warned.clear()
-    with pytest.warns(UserWarning, match=r"output path \(3,\).*joined as per-sample"):
+    with pytest.warns(UserWarning, match=r"output path \[3\].*joined as per-sample"):
         out = pipe(torch.randn(4, SEQ, WIDTH))
     assert out[1].shape == (1, WIDTH) and out[3].shape == (4, 2)
 
@@ -602,3 +585,25 @@ def test_stream_protocol_with_stand_in_streams():
     # Each handover's gradient goes back: consumer's stream -> producer's stream, per micro-batch.
     assert waits == sorted([("s2", "caller:cpu"), ("s1", "s2"), ("s0", "s1"), ("caller:cpu", "s0")] * 2)
     assert hidden.grad is not None
+
+
+def test_a_reason_is_said_once_per_pipeline_and_once_for_pipelines_that_share_a_warn_once():
+    import warnings
+
+    from lightning_pipetransformer.warn_once import WarnOnce
+
+    blocks = make_blocks(depth=4)
+    small = torch.randn(3, SEQ, WIDTH)  # 3 samples for chunks=4: capped
+
+    def capped(*pipes):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for pipe in pipes:
+                for _ in range(2):
+                    pipe(small)
+        return sum("chunks=4 but the batches have 3 samples" in str(w.message) for w in caught)
+
+    assert capped(Pipeline(blocks, (2, 2), ["cpu"] * 2, 4)) == 1  # not once per batch
+    assert capped(Pipeline(blocks, (2, 2), ["cpu"] * 2, 4), Pipeline(blocks, (2, 2), ["cpu"] * 2, 4)) == 2
+    shared = WarnOnce()  # the chunk tuner's candidates share one
+    assert capped(*(Pipeline(blocks, (2, 2), ["cpu"] * 2, 4, say=shared) for _ in range(3))) == 1

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipetransformer.pipe.pipeline import Pipeline, hidden_of, pipelined
+from lightning_pipetransformer.pipe.pipeline import Pipeline
+from lightning_pipetransformer.stack.interception import hidden_of, pipelined
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (streams and events)")
 
