@@ -112,7 +112,7 @@ class Engine:
         return copy.deepcopy(self.planner).plan(most_frozen).num_replicas
 
     def apply(self, plan: Plan, *, active: bool, devices: Sequence[torch.device], defer_boundary: bool = False) -> Plan:
-        """Make ``plan`` (already this process's view: :meth:`Replicas.localize`) the one in force and
+        """Make ``plan`` (already this process's view: :meth:`~.dp.replicas.Elastic.localize`) the one in force and
         route the stack through its runner; returns the plan in force (its chunks may be measured ones).
 
         ``active``: this process drives a replica (a shadow rank installs nothing). ``devices``: its
