@@ -15,10 +15,10 @@ tensor is on which device.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Protocol
-import weakref
 
 import torch
 from torch import Tensor

@@ -40,23 +40,19 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_pipetransformer.cache.advance import (
-    ENTRY_FORMAT,
-    advance_store,
-    entry_bytes,
-    select_rows,
-)
+from lightning_pipetransformer.cache.arguments import ENTRY_FORMAT, entry_bytes, shared_once
+from lightning_pipetransformer.cache.boundaries import Boundaries
 from lightning_pipetransformer.cache.embedding_skip import (
     EmbeddingSkipper,
     input_versions,
 )
-from lightning_pipetransformer.cache.keys import content_keys, index_keys
+from lightning_pipetransformer.cache.first_hit import FirstHitCheck
+from lightning_pipetransformer.cache.indices import BatchIndices
+from lightning_pipetransformer.cache.keys import content_keys
 from lightning_pipetransformer.cache.prefix import (
     InputRecorder,
     Pending,
-    StaleCacheError,
-    run_blocks,
-    shared_once,
+    Verdicts,
     with_block_arguments,
 )
 from lightning_pipetransformer.cache.store import (
@@ -72,7 +68,7 @@ from lightning_pipetransformer.cache.validity import (
 from lightning_pipetransformer.stack.discovery import BlockStack
 from lightning_pipetransformer.stack.interception import BlockArgs, installed_pipeline
 
-__all__ = ["AutoCache", "verification_tolerance"]
+__all__ = ["AutoCache"]
 
 CacheMode = bool | Literal["auto"]
 
@@ -135,15 +131,15 @@ class AutoCache:
         self.batches_skipped = 0
         self._container: nn.Module | None = None
         self.key = key
-        self._index_keys: list[str] | None = None
+        #: ``key="index"``: the keys of the next forward, and the indices each loader gave in its pass.
+        self.indices = BatchIndices()
         self.cache_dir = cache_dir
         self.memory_budget = memory_budget
         self.storage_dtype = storage_dtype
         self.write_through = write_through
-        self.store: ActivationStore | None = None
         self.enabled = bool(mode)
         self.compute_time: float | None = None  # seconds per sample through the frozen prefix
-        self._verified = False
+        self.first_hit = FirstHitCheck()
         self._recorder = InputRecorder(self._serving)
         self._hook: Any = None
         self._skipped: set[str] = set()
@@ -151,9 +147,8 @@ class AutoCache:
         # period_hit_rate: the store, its (hits, misses) and periods counted at the last report.
         self._period: tuple[ActivationStore, int, int, int] | None = None
         self._low_hits_warned = False
-        #: Several processes: refusals are kept for the step's end, where the ranks raise together (see _refuse).
-        self.defer_verdicts = False
-        self._verdict: Exception | None = None
+        #: Refusals: raised now, or (several processes) at the step's end on every rank together.
+        self.verdicts = Verdicts()
         #: ``id(parameter) -> name``, to name what the frozen blocks' input trains (set by the strategy).
         self.parameter_names: dict[int, str] = {}
         #: Why the modules before the stack keep training, when that is known in advance (input embeddings
@@ -168,18 +163,8 @@ class AutoCache:
         #: Whether what runs before the stack is still provisional (registration order, before the first
         #: training forward was observed): the frozen prefix is then computed, not looked up or stored.
         self.order_pending: Callable[[], bool] = lambda: False
-        self._unchecked = False  # the pending boundary's prefix was not checked yet (see move_boundary)
-        #: ``key="index"``: the indices each loader (``f"{stage}{dataloader_idx}"``) gave since its pass began.
-        self._seen_indices: dict[str, set[int]] = {}
-        # Several processes: the boundary to open once the weights are final (see defer_boundary),
-        # the store it replaces (advanced at the next sync_boundary) and where to advance it.
-        self._pending: tuple[BlockStack, int, bool, torch.device] | None = None
-        self._previous: ActivationStore | None = None
-        #: One process, lazy advance: the stores of earlier boundaries, newest first (see move_boundary).
-        self._older: list[ActivationStore] = []
-        self._where: tuple[BlockStack, torch.device] | None = None
-        #: Entries this process advanced into the current store when it opened.
-        self.advanced = 0
+        #: Which store is current, and the stores a boundary move keeps beside it.
+        self.boundaries = Boundaries(self._cacheable, self._open, lambda: self.forward_context())
         #: Mixed into the prefix fingerprint (e.g. the precision), so runs that differ there never share entries.
         self.fingerprint_extra = ""
         #: Index keys are only unique within one set-up (one loader, one run): prefix them with this.
@@ -200,23 +185,6 @@ class AutoCache:
                 warnings.warn(f"[rank {torch.distributed.get_rank()}] {message}", stacklevel=3)
             else:
                 _warn(message)
-
-    def _refuse(self, error: Exception) -> None:
-        """Raise ``error`` now, or (``defer_verdicts``) keep it for :meth:`take_verdict` and go on.
-
-        With several processes, a verdict one rank alone reaches must not skip the collectives the
-        others are in (DDP's buffer broadcast in the forward): the step finishes, computing without
-        the cache, and the strategy raises it on every rank together.
-        """
-        if not self.defer_verdicts:
-            raise error
-        if self._verdict is None:
-            self._verdict = error
-
-    def take_verdict(self) -> Exception | None:
-        """The refusal :meth:`_refuse` kept during this step, if any (and forget it)."""
-        verdict, self._verdict = self._verdict, None
-        return verdict
 
     def skip_once(self, reason: str) -> None:
         """Run without the cache for this batch; warn the first time for each reason."""
@@ -364,13 +332,13 @@ class AutoCache:
         pending = self._recorder.take()
         if skipped is not None:
             # The inputs of the very call that returned the placeholder (not whatever call came last).
-            pending = (skipped.args, skipped.kwargs, hidden, skipped.version, skipped.inputs)
+            pending = Pending(skipped.args, skipped.kwargs, hidden, skipped.version, skipped.inputs)
         elif pending is not None:
             mode = self._mode()
-            if pending[2] is not hidden or input_versions(pending[0], pending[1]) != pending[4]:
+            if pending.output is not hidden or input_versions(pending.args, pending.kwargs) != pending.inputs:
                 pending = None  # another tensor, or inputs changed in place since: they do not name it
-            elif pending[3] is not None:
-                if pending[3] == hidden._version:
+            elif pending.version is not None:
+                if pending.version == hidden._version:
                     self.verified_modes.add(mode)
                 else:
                     pending = None  # changed in place after the embeddings: their inputs do not name it
@@ -385,58 +353,11 @@ class AutoCache:
         return skipped, pending
 
     def set_batch(self, batch: Any, namespace: str, batch_idx: int | None = None) -> None:
-        """``key="index"``: take the sample indices of the next forward from ``batch["index"]``.
-
-        ``namespace`` names the loader (``f"{stage}{dataloader_idx}"``); ``batch_idx`` its position
-        in the loader's current pass (0 starts a new pass). An index key names a sample, so an
-        index seen twice in one batch or one pass means two samples share a key and one would be
-        served the other's activations: :class:`ValueError` (checked from the first batch, cache
-        on or not yet, so a bad index fails in the first step).
-        """
-        if not isinstance(batch, dict) or "index" not in batch:
-            raise ValueError(
-                "cache_key='index' needs dict batches with an 'index' entry (the dataset index of each sample); "
-                f"got a {type(batch).__name__} batch. Add the index in your Dataset/collate_fn, or use cache_key='content'."
-            )
-        keys = index_keys(batch["index"], f"{self.namespace}{namespace}")
-        raw = batch["index"]
-        self._check_unique(raw.reshape(-1).tolist() if isinstance(raw, Tensor) else list(raw), namespace, batch_idx)
-        serving = (self.store is not None or self._pending is not None) and self.enabled and self._verdict is None
-        self._index_keys = keys if serving else None
-
-    def _check_unique(self, indices: list[int], loader: str, batch_idx: int | None) -> None:
-        """Refuse an index repeated in the batch, or already seen in this pass over ``loader``.
-
-        The pass's indices are kept as a set of ints (reset when ``batch_idx == 0``): validation
-        may run several times per training epoch, each run a new pass. Without ``batch_idx`` only
-        the batch is checked.
-        """
-        fix = (
-            "Index keys must name one sample each: put each sample's own position in the Dataset in 'index' "
-            "(not, e.g., i % n), or use cache_key='content' (also when the sampler repeats samples on purpose: "
-            "sampling with replacement, weighted sampling)."
-        )
-        unique = set(indices)
-        if len(unique) != len(indices):
-            repeated = sorted({i for i in indices if indices.count(i) > 1})
-            self._refuse(ValueError(
-                f"cache_key='index': batch {batch_idx} of the {loader} loader holds dataset index(es) "
-                f"{repeated[:5]} more than once. {fix}"
-            ))
-            return
-        if batch_idx is None:
-            return
-        seen = self._seen_indices.setdefault(loader, set())
-        if batch_idx == 0:
-            seen.clear()
-        again = seen & unique
-        if again:
-            self._refuse(ValueError(
-                f"cache_key='index': batch {batch_idx} of the {loader} loader holds dataset index(es) "
-                f"{sorted(again)[:5]}, already seen earlier in this pass over the loader. {fix}"
-            ))
-            return
-        seen |= unique
+        """``key="index"``: take the sample indices of the next forward from ``batch["index"]``
+        (:meth:`BatchIndices.read`: checked from the first batch, cache on or not yet)."""
+        keys = self.indices.read(batch, f"{self.namespace}{namespace}", namespace, batch_idx, self.verdicts.refuse)
+        serving = (self.store is not None or self.boundaries.deferred is not None) and self.enabled and self.verdicts.pending is None
+        self.indices.next = keys if serving else None
 
     def keys_for(self, hidden: Tensor, calls: Sequence[BlockArgs], pending: Pending | None) -> list[str] | None:
         """Keys of what enters the stack (its input and every block's arguments), or ``None`` when
@@ -445,216 +366,64 @@ class AutoCache:
         ``pending``: the embeddings' recorded call when its inputs name ``hidden`` (:meth:`arrived`), else ``None``.
         """
         batch = hidden.shape[0]
-        if self._verdict is not None:
+        if self.verdicts.pending is not None:
             return None  # a refusal waits for the other ranks (defer_verdicts): compute, never guess
         if self.key == "index":
-            keys, self._index_keys = self._index_keys, None
+            keys, self.indices.next = self.indices.next, None
             if keys is None or len(keys) != batch:
                 raise ValueError(
                     f"cache_key='index': the forward got {batch} samples but the batch's 'index' entry had "
                     f"{None if keys is None else len(keys)}. Each forward must see its batch's samples once, in order."
                 )
             return with_block_arguments(keys, calls, hidden.device)
-        source: Any = (pending[0], pending[1]) if pending is not None else hidden
+        source: Any = (pending.args, pending.kwargs) if pending is not None else hidden
         try:
             return content_keys(source, shared_once(calls, batch), batch_size=batch)
         except TypeError:
             return None  # an argument we cannot hash reliably: compute, never guess
 
-    # ------------------------------------------------------------------ boundaries
+    # ------------------------------------------------------------------ boundaries (cache/boundaries.py)
+
+    @property
+    def store(self) -> ActivationStore | None:
+        """The current boundary's store (``None`` while no boundary is cached, or one is deferred)."""
+        return self.boundaries.current
+
+    @property
+    def advanced(self) -> int:
+        """Entries this process advanced into the current store since it opened."""
+        return self.boundaries.advanced
 
     def move_boundary(
-        self, stack: BlockStack, num_frozen: int, include_pre: bool, device: torch.device, shard: tuple[int, int],
-        advance: bool = True, lazy: bool = False,
+        self, stack: BlockStack, num_frozen: int, include_pre: bool, device: torch.device, shard: tuple[int, int], lazy: bool = False,
     ) -> None:
-        """Open the store for boundary ``num_frozen`` now, advancing the previous one's entries (one process).
-
-        ``lazy``: advance each entry when it is looked up next (:meth:`from_older`), not all of them now.
-        The work is the same for the entries used again, and it lands where they are used: a training
-        batch pays for its own samples, validation for the validation entries, and an entry never
-        read again costs nothing. The earlier stores stay open (their memory counts against the
-        budget) until the fit ends.
-        """
-        previous = self.store
-        self._pending = None
-        if self._previous is not None:
-            self._previous.close()
-            self._previous = None
-        if previous is None and num_frozen and self.mode and self.order_pending():
-            # What the prefix is (which modules run before the stack) is known after the first training forward:
-            # checked and opened at the first lookup after it (current_store).
-            self._pending, self._unchecked = (stack, num_frozen, include_pre, device), True
-            return
-        if not self._cacheable(stack, num_frozen, include_pre):
-            self.store = None
-            self._drop_older()
-            if previous is not None:
-                previous.clear(disk=True)
-            return
-        self.store = self._open(stack, num_frozen, include_pre)
-        if previous is not None and previous.boundary < num_frozen and advance and lazy:
-            self._older.insert(0, previous)  # newest first: an entry is advanced from the latest boundary that has it
-            self._share_budget()
-            return
-        if previous is not None and previous.boundary < num_frozen and advance:
-            with torch.no_grad(), self.forward_context():
-                self.advanced = advance_store(
-                    previous, self.store, run_blocks(stack.blocks[previous.boundary : num_frozen]),
-                    device=device, shard=shard,
-                )
-            if shard[0] == 0:
-                previous.clear(disk=True)  # kept if another run on the same weights still uses it
-            else:
-                previous.close()
-
-    def from_older(self, keys: Sequence[str], *, dtype: torch.dtype, device: torch.device) -> list[tuple[int, Tensor, Tensor]]:
-        """Entries for ``keys`` (missing at the current boundary) held at earlier boundaries, newest first.
-
-        Returns ``(boundary, found, activations)`` per earlier store that had some: ``found`` a CPU
-        bool mask over ``keys`` (each key found once, at its latest boundary), ``activations`` the
-        stacked entries there. The caller runs them through the blocks from that boundary on and
-        stores them at the current one; they leave the earlier store's memory now.
-        """
-        if not self._older:
-            return []
-        left = torch.ones(len(keys), dtype=torch.bool)
-        found: list[tuple[int, Tensor, Tensor]] = []
-        for older in self._older:
-            if not bool(left.any()):
-                break
-            wanted = [k for k, want in zip(keys, left.tolist()) if want]
-            in_memory = [older.in_memory(k) for k in wanted]
-            hit_mask, hits = older.lookup(wanted, dtype=dtype, device=device)
-            if not bool(hit_mask.any()):
-                continue
-            if self.store is not None:  # the current store missed them; the cache as a whole did not
-                from_memory = sum(m for m, hit in zip(in_memory, hit_mask.tolist()) if hit)
-                self.store.count_as_hits(from_memory, int(hit_mask.sum()) - from_memory)
-            mask = torch.zeros(len(keys), dtype=torch.bool)
-            mask[left.nonzero().flatten()[hit_mask]] = True
-            left &= ~mask
-            older.discard([k for k, hit in zip(wanted, hit_mask.tolist()) if hit])
-            found.append((older.boundary, mask, hits))
-        self.advanced += sum(int(m.sum()) for _, m, _ in found)
-        self._share_budget()
-        return found
-
-    def _share_budget(self) -> None:
-        """Entries of earlier boundaries still in memory count against the one budget."""
-        if self.store is not None:
-            self.store.reserved = sum(older.bytes_in_memory for older in self._older)
-
-    def _drop_older(self) -> None:
-        """The earlier boundaries' stores, with entries never read again: gone (their directories too)."""
-        for older in self._older:
-            older.clear(disk=True)
-        self._older = []
-
-    def close(self) -> None:
-        """End of the fit: let go of the earlier boundaries' entries (the current store stays for validate/test)."""
-        self._drop_older()
-        if self.store is not None:
-            self.store.reserved = 0
+        """One process: open the store for boundary ``num_frozen`` now (:meth:`Boundaries.move`)."""
+        order_pending = bool(num_frozen and self.mode and self.order_pending())
+        self.boundaries.move(stack, num_frozen, include_pre, device, shard, lazy=lazy, order_pending=order_pending)
 
     def defer_boundary(self, stack: BlockStack, num_frozen: int, include_pre: bool, device: torch.device) -> None:
-        """Several processes: check boundary ``num_frozen`` now, open its store later.
+        """Several processes: check boundary ``num_frozen`` now, open its store at :meth:`sync_boundary`."""
+        self.boundaries.defer(stack, num_frozen, include_pre, device)
 
-        The store's directory is named by a fingerprint of the frozen weights, and a replica that
-        AutoDP adds receives those weights only after the new plan is applied: the store opens at
-        :meth:`sync_boundary` (every rank, right after the transition) or, failing that, at the
-        first forward (:meth:`current_store`). The current store is kept until then, so that its
-        entries can be advanced.
-        """
-        if self._pending is not None and self._pending[1] == num_frozen and self.store is None:
-            return
-        if self.store is not None and self.store.boundary == num_frozen:
-            self._pending = None
-            return
-        old, self.store = self.store, None
-        if old is not None:
-            if old.boundary < num_frozen:
-                if self._previous is not None:
-                    self._previous.close()
-                self._previous = old
-            else:
-                old.close()
-        self._where = (stack, device)
-        self._pending = (stack, num_frozen, include_pre, device) if self._cacheable(stack, num_frozen, include_pre) else None
+    def sync_boundary(self, group: Any, node: int = 0) -> int:
+        """Every rank, same order: open the deferred store and advance the previous boundary's entries together."""
+        return self.boundaries.sync(group, node)
 
     def serves(self, num_frozen: int) -> bool:
         """Whether boundary ``num_frozen`` is cached (its store open, or deferred)."""
-        if self.store is not None and self.store.boundary == num_frozen:
-            return True
-        return self._pending is not None and self._pending[1] == num_frozen
+        return self.boundaries.serves(num_frozen)
 
     def current_store(self, num_frozen: int) -> ActivationStore | None:
-        """The store of boundary ``num_frozen``, opening a deferred one (cold) if it is still pending."""
-        if self.store is None and self._pending is not None and self._pending[1] == num_frozen:
-            self._open_pending()
-        store = self.store
-        return store if store is not None and store.boundary == num_frozen else None
+        """The store of boundary ``num_frozen``, opening a deferred one (cold) if it is still waiting."""
+        return self.boundaries.store_for(num_frozen)
 
-    def sync_boundary(self, group: Any, node: int = 0) -> int:
-        """Every rank, same order: open the deferred store and advance the previous boundary's entries together.
+    def from_older(self, keys: Sequence[str], *, dtype: torch.dtype, device: torch.device) -> list[tuple[int, Tensor, Tensor]]:
+        """Entries for ``keys`` held at earlier boundaries (a lazy advance): :meth:`Boundaries.older`."""
+        return self.boundaries.older(keys, dtype=dtype, device=device)
 
-        Called on *all* ranks of ``group`` (shadow ranks too) after the transition sent new
-        replicas their weights. Each rank that held the previous boundary's store advances its
-        shard of the entries (``shard_of(key, n)`` over the ``n`` such ranks of its node, which see
-        the same ``cache_dir``) into the new store; with ``write_through`` they land on disk.
-        Then every rank closes the previous store (releasing its lock on the directory) and a
-        barrier: nobody reads the new boundary before every shard is written, so replicas that
-        join now hit entries written by the others instead of re-warming. Finally one of the
-        advancing ranks deletes the previous boundary's directory, unless another run on the same
-        frozen weights still holds it open (it is then that run's to delete).
-        Returns the number of entries this rank advanced.
-        """
-        import torch.distributed as dist
-
-        previous, self._previous = self._previous, None
-        if self._pending is not None:
-            self._open_pending()
-        store = self.store
-        advancing = (
-            previous is not None and store is not None and self._where is not None and previous.boundary < store.boundary
-        )
-        mine = torch.tensor(
-            [node, previous.boundary, store.boundary] if advancing else [-1, -1, -1],  # type: ignore[union-attr]
-            dtype=torch.int64,
-        )
-        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, mine, group=group)
-        advanced = 0
-        first = False
-        if advancing:
-            # Shard among the ranks that advance the same boundaries into the same node's directory.
-            peers = [r for r, theirs in enumerate(gathered) if bool(torch.equal(theirs, mine))]
-            me = dist.get_rank(group)
-            first = peers[0] == me
-            stack, device = self._where  # type: ignore[misc]
-            with torch.no_grad(), self.forward_context():
-                advanced = advance_store(
-                    previous, store, run_blocks(stack.blocks[previous.boundary : store.boundary]),  # type: ignore[union-attr]
-                    device=device, shard=(peers.index(me), len(peers)),
-                )
-            self.advanced = advanced
-        if previous is not None:
-            # Every rank lets go of the old directory before the barrier; after it, one deletes it
-            # (its exclusive lock would fail while any store of the node still held it).
-            previous.close()
-        dist.barrier(group=group)
-        if previous is not None and first:
-            previous.clear(disk=True)
-        return advanced
-
-    def _open_pending(self) -> None:
-        assert self._pending is not None
-        stack, num_frozen, include_pre, _ = self._pending
-        self._pending = None
-        if self._unchecked:
-            self._unchecked = False
-            if not self._cacheable(stack, num_frozen, include_pre):
-                return
-        self.store = self._open(stack, num_frozen, include_pre)
+    def close(self) -> None:
+        """End of the fit: let go of the earlier boundaries' entries (the current store stays for validate/test)."""
+        self.boundaries.close()
 
     def _cacheable(self, stack: BlockStack, num_frozen: int, include_pre: bool) -> bool:
         """Whether the prefix up to ``num_frozen`` may be cached; raises (``True``) or turns off (``"auto"``)."""
@@ -677,21 +446,13 @@ class AutoCache:
             storage_dtype=self.storage_dtype, write_through=self.write_through, warn=self._store_warning,
             strict=False,  # cache_dir was checked before training: a disk failing later stops disk writes only
         )
-        self._verified = False
-        self.advanced = 0
+        self.first_hit.reset()
         self.batches_looked_up = self.batches_served = 0  # per boundary, like the new store's hits
         if self.mode == "auto":
             self.enabled = True  # measured again at this boundary
         return store
 
     # ------------------------------------------------------------------ checks and decisions
-
-    def _prefix_convolves(self) -> bool:
-        """Whether the frozen blocks of the current boundary hold a convolution (cuDNN's TF32 then counts)."""
-        if self._where is None or self.store is None:
-            return True  # unknown: the looser tolerance, never a false alarm
-        blocks = self._where[0].blocks[: self.store.boundary]
-        return any(isinstance(m, torch.nn.modules.conv._ConvNd) for block in blocks for m in block.modules())
 
     def after_hits(
         self, rows: Callable[[Tensor], Tensor], calls: Sequence[BlockArgs], hit_mask: Tensor,
@@ -701,20 +462,12 @@ class AutoCache:
 
         ``rows(mask)``: the input of the frozen blocks for the rows in ``mask``.
         """
-        if not self._verified and self.key == "content":
-            self._verified = True
-            with torch.no_grad():
-                fresh = prefix(rows(hit_mask), select_rows(calls, hit_mask, batch))
-            cached = boundary[hit_mask.to(boundary.device)]
-            math_dtype = _fp32_math_dtype(fresh.device, convolutions=self._prefix_convolves())
-            rtol, atol = verification_tolerance(fresh.dtype, cached.dtype, _autocast_dtype(fresh.device), math_dtype)
-            # equal_nan: a NaN computed the same way both times is the same value (a NaN input feature).
-            if not torch.allclose(fresh.float(), cached.float(), rtol=rtol, atol=atol, equal_nan=True):
-                self._refuse(StaleCacheError(
-                    "AutoCache returned an activation that differs from recomputing the frozen prefix: something "
-                    "other than the embeddings' inputs and the blocks' arguments feeds the frozen blocks (a trainable "
-                    "module before the stack, or randomness in the forward). Turn caching off (cache=False)."
-                ))
+        if self.key == "content":
+            where, store = self.boundaries.where, self.store
+            blocks = where[0].blocks[: store.boundary] if where is not None and store is not None else None
+            stale = self.first_hit.check(rows, calls, hit_mask, boundary, prefix, blocks)
+            if stale is not None:
+                self.verdicts.refuse(stale)
                 return
         if self.mode == "auto" and hit_mask.all() and self.compute_time is not None:
             lookup_per_sample = total / batch
@@ -782,44 +535,6 @@ class AutoCache:
         looked = self.batches_looked_up
         metrics["autocache/served_fraction"] = self.batches_served / looked if looked else 0.0
         return metrics
-
-
-def verification_tolerance(*dtypes: torch.dtype | None) -> tuple[float, float]:
-    """``(rtol, atol)`` for comparing a cached activation with a recomputed one.
-
-    The two were computed for batches of other sizes, and a GPU picks its kernels (and summation
-    order) by shape: in fp32 they agree to ~1e-4, under bf16/fp16 (autocast or ``*-true``) or TF32
-    matmuls only to a few units in the last place of the lowest precision in play. A cache fed by something other
-    than its keys differs by far more.
-    """
-    eps = max((torch.finfo(d).eps for d in dtypes if d is not None and d.is_floating_point), default=0.0)
-    if eps <= torch.finfo(torch.float32).eps:
-        return 1e-3, 1e-4
-    return 4 * eps, 4 * eps
-
-
-#: Stands for TF32 (a 10-bit mantissa, like float16's) in the tolerance: fp32 matmuls and convolutions in TF32.
-_TF32 = torch.float16
-
-
-def _fp32_math_dtype(device: torch.device, convolutions: bool = False) -> torch.dtype | None:
-    """The precision the frozen prefix's fp32 math really runs at: ``torch.set_float32_matmul_precision("high")``
-    (which Lightning suggests on every Ampere/Hopper GPU) means TF32 matmuls, ``"medium"`` bf16.
-    ``convolutions``: whether the prefix runs any; only then does ``cudnn.allow_tf32`` (True by
-    default on CUDA) count: Transformer blocks run matmuls only, and counting it for them would
-    loosen every fp32 check on CUDA about 40x. ``None``: full fp32."""
-    precision = torch.get_float32_matmul_precision()
-    if precision == "medium":
-        return torch.bfloat16
-    if precision == "high":
-        return _TF32
-    if device.type == "cuda" and (torch.backends.cuda.matmul.allow_tf32 or (convolutions and torch.backends.cudnn.allow_tf32)):
-        return _TF32
-    return None
-
-
-def _autocast_dtype(device: torch.device) -> torch.dtype | None:
-    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
 
 
 def _warn(message: str) -> None:

@@ -1,7 +1,7 @@
 """The frozen prefix, one batch at a time: what AutoCache and the cached stack both use.
 
-Running the frozen blocks (:func:`run_blocks`), the keys' view of the blocks' arguments
-(:func:`shared_once`, :func:`with_block_arguments`), the record of the embeddings' last call
+Running the frozen blocks (:func:`run_blocks`), the index keys' view of the blocks' arguments
+(:func:`with_block_arguments`), the record of the embeddings' last call
 (:class:`InputRecorder`, :data:`Pending`) and the error raised when a cached activation is stale.
 :mod:`~lightning_pipetransformer.cache.autocache` and :mod:`~lightning_pipetransformer.cache.cached_stack`
 import this module; it imports neither.
@@ -9,25 +9,62 @@ import this module; it imports neither.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from lightning_pipetransformer.cache.arguments import shared_once
 from lightning_pipetransformer.cache.embedding_skip import input_versions, version_of
 from lightning_pipetransformer.cache.keys import content_keys
-from lightning_pipetransformer.pipe.microbatch import per_sample_view
 from lightning_pipetransformer.stack.interception import BlockArgs, call_block, hidden_of
 
-__all__ = ["InputRecorder", "Pending", "StaleCacheError", "run_blocks", "shared_once", "with_block_arguments"]
+__all__ = ["InputRecorder", "Pending", "StaleCacheError", "Verdicts", "run_blocks", "with_block_arguments"]
 
-#: What the recorder saw at the embeddings' last call: inputs, output, the output's and the inputs' version counters.
-Pending = tuple[tuple[Any, ...], dict[str, Any], Any, "int | None", "tuple[int | None, ...]"]
+@dataclass(frozen=True)
+class Pending:
+    """The embeddings' last call, waiting for the stack: it names the stack's input only if that very
+    output, unmodified, arrives there (the version counters tell)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    #: What the call returned (the placeholder, when the embeddings were skipped).
+    output: Any
+    #: The output's version counter then (``None`` under ``inference_mode``: not tracked).
+    version: int | None
+    #: The inputs' version counters then: an input changed in place since no longer names the output.
+    inputs: tuple[int | None, ...]
 
 
 class StaleCacheError(RuntimeError):
     """A cached activation differs from the recomputed one: caching cannot be exact for this model."""
+
+
+class Verdicts:
+    """The cache's refusals (a stale activation, a repeated index): raised now, or kept for the step's end.
+
+    With several processes (``defer``), a verdict one rank alone reaches must not skip the
+    collectives the others are in (DDP's buffer broadcast in the forward): the step finishes,
+    computing without the cache, and the strategy raises it on every rank together (:meth:`take`).
+    """
+
+    def __init__(self) -> None:
+        self.defer = False
+        #: The first refusal kept during this step; the cache computes, never guesses, while one waits.
+        self.pending: Exception | None = None
+
+    def refuse(self, error: Exception) -> None:
+        if not self.defer:
+            raise error
+        if self.pending is None:
+            self.pending = error
+
+    def take(self) -> Exception | None:
+        """The refusal kept during this step, if any (and forget it)."""
+        verdict, self.pending = self.pending, None
+        return verdict
 
 
 def run_blocks(blocks: Sequence[nn.Module]) -> Callable[[Tensor, Sequence[BlockArgs]], Tensor]:
@@ -39,29 +76,6 @@ def run_blocks(blocks: Sequence[nn.Module]) -> Callable[[Tensor, Sequence[BlockA
         return hidden
 
     return run
-
-
-def shared_once(calls: Sequence[BlockArgs], batch: int) -> Any:
-    """``calls`` with every repeat of a tensor (one mask object for every block) replaced by a reference.
-
-    Content keys hash what is left: each distinct tensor once, and which block gets which. A
-    batch-major folded argument (BLOOM's alibi) is hashed per sample (:func:`per_sample_view`).
-    """
-    seen: dict[int, int] = {}
-
-    def ref(value: Any, key: int | str = 0) -> Any:
-        if isinstance(value, Tensor):
-            if id(value) in seen:
-                return f"@{seen[id(value)]}"
-            seen[id(value)] = len(seen)
-            return per_sample_view(key, value, batch)
-        if isinstance(value, Mapping):
-            return {k: ref(v, k) for k, v in value.items()}
-        if isinstance(value, (tuple, list)):
-            return [ref(v, key) for v in value]
-        return value
-
-    return [ref(call) for call in calls]
 
 
 def with_block_arguments(keys: list[str], calls: Sequence[BlockArgs], device: torch.device) -> list[str] | None:
@@ -99,7 +113,7 @@ class InputRecorder:
         if not self.active():
             self.pending = None
             return
-        self.pending = (args, kwargs, output, version_of(output), input_versions(args, kwargs))
+        self.pending = Pending(args, kwargs, output, version_of(output), input_versions(args, kwargs))
 
     def take(self) -> Pending | None:
         pending, self.pending = self.pending, None

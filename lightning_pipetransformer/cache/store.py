@@ -78,7 +78,6 @@ __all__ = [
     "StoredEntry",
     "check_batch_fits",
     "checksum",
-    "merge_rows",
     "probe_cache_dir",
 ]
 
@@ -385,9 +384,7 @@ class ActivationStore:
         self.directory = self.root / f"{fingerprint}-b{boundary}-{storage}"
         self._mem: dict[str, _MemEntry] = {}
         self._mem_bytes = 0
-        #: Bytes of the budget that other stores of this cache still hold in memory (entries of an earlier
-        #: boundary not advanced yet): new entries go to memory only within what is left.
-        self.reserved = 0
+        self._reserved = 0  # see reserve()
         self._bad: set[str] = set()  # keys whose file was rejected: the next store overwrites it
         self._stats = CacheStats()
         self._warn = warn or _default_warn
@@ -453,6 +450,11 @@ class ActivationStore:
             "budget are recomputed from now on at this boundary (exact, only slower; counted in autocache_diagnostics/unwritten). "
             "Free space in cache_dir (or make it writable again) or raise cache_memory.",
         )
+
+    def reserve(self, nbytes: int) -> None:
+        """Keep ``nbytes`` of the budget for entries other stores still hold in memory (an earlier
+        boundary's, not advanced yet): new entries go to memory only within what is left."""
+        self._reserved = nbytes
 
     def check_batch_fits(self, nbytes: int) -> None:
         """Raise :class:`CacheConfigError` if one batch of ``nbytes`` cannot fit in a positive budget."""
@@ -554,7 +556,7 @@ class ActivationStore:
             hidden = host[i].clone()
             row_extras = {n: t[i].clone() for n, t in host_extras.items()}
             nbytes = hidden.nbytes + sum(t.nbytes for t in row_extras.values())
-            in_memory = self.memory_budget > 0 and self._mem_bytes + nbytes <= self.memory_budget - self.reserved
+            in_memory = self.memory_budget > 0 and self._mem_bytes + nbytes <= self.memory_budget - self._reserved
             if in_memory:
                 self._mem[key] = _MemEntry(hidden, original, row_extras, nbytes)
                 self._mem_bytes += nbytes
@@ -808,24 +810,3 @@ class ActivationStore:
         if not with_extras:
             return hidden, original
         return hidden, original, {n[len(_EXTRA) :]: t for n, t in tensors.items() if n != _HIDDEN}
-
-
-def merge_rows(hit_mask: Tensor, hits: Tensor, computed: Tensor) -> Tensor:
-    """The full batch: rows of ``hits`` where ``hit_mask`` is true, rows of ``computed`` elsewhere, in order.
-
-    ``hits`` (``[hit_mask.sum(), ...]``) and ``computed`` (``[(~hit_mask).sum(), ...]``) may be
-    empty; the result is on ``computed``'s device and dtype (or ``hits``' when all hit).
-    """
-    n_hit = int(hit_mask.sum())
-    n_miss = hit_mask.numel() - n_hit
-    if hits.shape[0] != n_hit or computed.shape[0] != n_miss:
-        raise ValueError(f"merge_rows: {n_hit} hits and {n_miss} misses, got {hits.shape[0]} and {computed.shape[0]} rows.")
-    if n_miss == 0:
-        return hits
-    if n_hit == 0:
-        return computed
-    mask = hit_mask.to(computed.device)
-    out = computed.new_empty((hit_mask.numel(), *computed.shape[1:]))
-    out[mask] = hits.to(device=computed.device, dtype=computed.dtype)
-    out[~mask] = computed
-    return out

@@ -224,7 +224,7 @@ def test_first_hit_check_treats_the_same_nan_as_equal(tmp_path):
     boundary = prefix(hidden, [])
     hit = torch.ones(3, dtype=torch.bool)
     cache.after_hits(lambda m: hidden[m], [], hit, boundary, prefix, 0.0, 3)  # before: StaleCacheError
-    cache._verified = False
+    cache.first_hit.reset()
     stale = boundary.clone()
     stale[2] += 1
     with pytest.raises(StaleCacheError):

@@ -8,14 +8,9 @@ import pytest
 import torch
 from transformers import BertConfig, BertModel
 
-from lightning_pipetransformer.cache.advance import (
-    advance_store,
-    cached_prefix,
-    pack_block_inputs,
-    select_rows,
-    shard_of,
-    unpack_block_inputs,
-)
+from lightning_pipetransformer.cache.advance import advance_store, shard_of
+from lightning_pipetransformer.cache.arguments import pack_block_inputs, select_rows, unpack_block_inputs
+from lightning_pipetransformer.cache.batch import CachedBatch
 from lightning_pipetransformer.cache.keys import content_keys
 from lightning_pipetransformer.cache.prefix import run_blocks
 from lightning_pipetransformer.cache.store import ActivationStore
@@ -64,16 +59,15 @@ class CachedStack:
         hidden, frozen = call.hidden, self.num_frozen
         batch = hidden.shape[0]
 
-        def compute(miss: torch.Tensor) -> torch.Tensor:
-            h, calls = select_rows((hidden, call.calls[:frozen]), miss, batch)
-            self.computed += h.shape[0]
-            with torch.no_grad():
-                return run_blocks(list(self.blocks[:frozen]))(h, calls)
+        def rows(miss: torch.Tensor) -> torch.Tensor:
+            self.computed += int(miss.sum())
+            return select_rows(hidden, miss, batch)
 
-        boundary, _ = cached_prefix(
-            self.store, self.keys, compute, extras=pack_block_inputs(call.calls[frozen:], frozen, batch),
+        boundary = CachedBatch(
+            self.store, self.keys, rows=rows, calls=call.calls[:frozen], extras=pack_block_inputs(call.calls[frozen:], frozen, batch),
+            blocks=self.blocks[:frozen], prefix=run_blocks(list(self.blocks[:frozen])),
             sample_shape=hidden.shape[1:], dtype=hidden.dtype, device=hidden.device,
-        )
+        ).boundary()
         return run_blocks(list(self.blocks[frozen:]))(boundary, call.calls[frozen:])
 
 

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_pipetransformer.cache.batch import merge_rows
 from lightning_pipetransformer.cache.keys import content_keys
-from lightning_pipetransformer.cache.store import ActivationStore, CacheConfigError, merge_rows
+from lightning_pipetransformer.cache.store import ActivationStore, CacheConfigError
 
 FP = "0123456789abcdef0123456789abcdef"
 ROW = (4, 8)  # one sample's activation: 32 fp32 = 128 bytes
@@ -221,10 +222,10 @@ def test_bytes_reserved_by_another_store_count_against_the_budget(tmp_path):
     """Lazy advance: an earlier boundary's entries still in memory share the one budget with the new store's."""
     one = 4 * 8 * 4  # a [4, 8] fp32 activation
     store = ActivationStore(tmp_path, FP, 2, memory_budget=4 * one)
-    store.reserved = 3 * one
+    store.reserve(3 * one)
     store.store(["a", "b"], torch.randn(2, 4, 8), check_fits=False)
     assert store.in_memory("a") and not store.in_memory("b") and store.on_disk("b")
     assert store.bytes_in_memory == one
-    store.reserved = 0
+    store.reserve(0)
     store.store(["c", "d"], torch.randn(2, 4, 8), check_fits=False)
     assert store.in_memory("c") and store.in_memory("d") and store.bytes_in_memory == 3 * one
