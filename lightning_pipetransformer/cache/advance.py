@@ -58,9 +58,9 @@ def advance_store(
         device: where ``run`` computes (inputs are moved there); default CPU.
         shard: ``(rank, world)``: with several processes on one node, each advances the disk
             entries with ``shard_of(key, world) == rank`` plus the entries only it holds in
-            memory. Then (after a barrier) one process may ``src.clear(disk=True)``.
+            memory. Then (after a barrier) one process may ``src.close(delete=True)``.
 
-    Advanced entries leave ``src``'s memory (their files stay until ``src.clear(disk=True)``), so
+    Advanced entries leave ``src``'s memory (their files stay until ``src.close(delete=True)``), so
     with equal budgets the two stores together hold about one budget. Entries already in ``dst``
     are skipped, so an interrupted advance can simply be rerun.
     Entries stored without block inputs cannot be advanced: ``ValueError``.

@@ -58,7 +58,6 @@ from lightning_pipetransformer.cache.prefix import (
 from lightning_pipetransformer.cache.store import (
     ActivationStore,
     CacheConfigError,
-    check_batch_fits,
 )
 from lightning_pipetransformer.cache.validity import (
     check_deterministic,
@@ -266,7 +265,7 @@ class AutoCache:
         """Measure what a batch's entries will take from the first block's inputs, from the first forward on.
 
         The store only sees a batch once blocks are frozen (the first freeze can be epochs away);
-        :meth:`check_budget` uses this to refuse a budget too small for one batch at the first step.
+        :func:`~lightning_pipetransformer.cache.hooks.check_budget` uses this to refuse a budget too small for one batch at the first step.
         A pipeline calls the block per micro-batch: the measure is then a lower bound, and the
         store's own check at the first store stays the exact one.
         """
@@ -289,10 +288,6 @@ class AutoCache:
         self._size_hook.remove()
         self._size_hook = None
         return self._batch_bytes
-
-    def check_budget(self, batch_bytes: int) -> None:
-        """Raise :class:`~lightning_pipetransformer.cache.store.CacheConfigError` if a batch of ``batch_bytes`` cannot fit the budget."""
-        check_batch_fits(self.memory_budget, batch_bytes)
 
     def _serving(self) -> bool:
         """A cached stack of this cache is installed: it will take what the recorder records."""

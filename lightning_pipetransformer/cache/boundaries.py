@@ -123,7 +123,7 @@ class Boundaries:
             self.current = None
             self._drop_older()
             if previous is not None:
-                previous.clear(disk=True)
+                previous.close(delete=True)
             return
         self.current = self._open(stack, num_frozen, include_pre)
         if previous is None or previous.boundary >= num_frozen:
@@ -137,7 +137,7 @@ class Boundaries:
                 previous, self.current, run_blocks(stack.blocks[previous.boundary : num_frozen]), device=device, shard=shard,
             )
         if shard[0] == 0:
-            previous.clear(disk=True)  # kept if another run on the same weights still uses it
+            previous.close(delete=True)  # kept if another run on the same weights still uses it
         else:
             previous.close()
 
@@ -181,7 +181,7 @@ class Boundaries:
     def _drop_older(self) -> None:
         """The earlier boundaries' stores, with entries never read again: gone (their directories too)."""
         for older in self._older:
-            older.clear(disk=True)
+            older.close(delete=True)
         self._older = []
 
     def close(self) -> None:
@@ -264,7 +264,7 @@ class Boundaries:
             previous.close()
         dist.barrier(group=group)
         if previous is not None and first:
-            previous.clear(disk=True)
+            previous.close(delete=True)
         return advanced
 
     def _open_deferred(self) -> None:

@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_pipetransformer.cache.autocache import AutoCache
 from lightning_pipetransformer.cache.folders import default_cache_dir
-from lightning_pipetransformer.cache.store import probe_cache_dir
+from lightning_pipetransformer.cache.store import check_batch_fits, probe_cache_dir
 from lightning_pipetransformer.config import CacheConfig
 from lightning_pipetransformer.freeze.apply import tied_outside, untrainable_prefix
 from lightning_pipetransformer.stack.discovery import BlockStack
@@ -106,7 +106,7 @@ def check_budget(cache: AutoCache, control_group: Any) -> None:
         largest = torch.tensor(needed, dtype=torch.int64)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=control_group)
         needed = int(largest)
-    cache.check_budget(needed)
+    check_batch_fits(cache.memory_budget, needed)
 
 
 def index_keys_from(cache: AutoCache, args: tuple[Any, ...], kwargs: dict[str, Any], stage: str) -> None:

@@ -353,7 +353,7 @@ def test_a_forked_child_does_not_keep_the_directory_locked(tmp_path):
         os._exit(0)
     try:
         assert os.read(to_parent[0], 1) == b"r"
-        assert store.clear(disk=True) and not store.directory.exists()
+        assert store.close(delete=True) and not store.directory.exists()
     finally:
         os.write(to_child[1], b"x")
         os.waitpid(pid, 0)

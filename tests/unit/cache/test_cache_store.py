@@ -179,7 +179,7 @@ _WRITER = textwrap.dedent(
         g = torch.Generator().manual_seed(0)
         acts = torch.randn(16, 4, 8, generator=g)
         store.store([f"k{{i}}" for i in range(16)], acts)
-        store.clear()  # forget memory, write again: exercises concurrent os.replace
+        store.close()  # forget memory, write again: exercises concurrent os.replace
     # Then read what the other process wrote.
     hit, hits = store.lookup([f"k{{i}}" for i in range(16)])
     assert hit.all(), hit
