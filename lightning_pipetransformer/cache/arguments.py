@@ -178,7 +178,7 @@ def pack_block_inputs(calls: Sequence[BlockArgs], first_block: int, batch_size: 
     return out
 
 
-def entry_bytes(hidden: Tensor, args: Sequence[Any], kwargs: Mapping[str, Any], storage_dtype: torch.dtype | None) -> int | None:
+def entry_bytes(hidden: Tensor, args: Sequence[Any], kwargs: Mapping[str, Any]) -> int | None:
     """Bytes one sample's entry takes in the store (its activation plus one block's :func:`pack_block_inputs` rows).
 
     ``None`` when the arguments cannot be stored per sample (the cache then computes those batches).
@@ -187,8 +187,7 @@ def entry_bytes(hidden: Tensor, args: Sequence[Any], kwargs: Mapping[str, Any], 
         extras = pack_block_inputs([(tuple(args), dict(kwargs))], 0, hidden.shape[0])
     except TypeError:
         return None
-    itemsize = torch.empty((), dtype=storage_dtype or hidden.dtype).element_size()
-    return hidden[0].numel() * itemsize + sum(t[0].numel() * t.element_size() for t in extras.values())
+    return hidden[0].numel() * hidden.element_size() + sum(t[0].numel() * t.element_size() for t in extras.values())
 
 
 def unpack_block_inputs(extras: Mapping[str, Tensor], blocks: Sequence[int]) -> list[BlockArgs]:
@@ -263,7 +262,7 @@ def select_rows(value: Any, mask: Tensor, batch_size: int) -> Any:
     """``value`` (nested tuples/lists/dicts) with every ``[batch_size, ...]`` tensor cut to the rows in ``mask``.
 
     A tensor that appears several times (one mask for every block) is cut once; a batch-major
-    folded keyword argument (:func:`~.microbatch.per_sample_view`) is cut by sample.
+    folded keyword argument (:func:`~lightning_pipetransformer.pipe.microbatch.per_sample_view`) is cut by sample.
     """
     memo: dict[int, Tensor] = {}
 

@@ -40,8 +40,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_pipetransformer.cache.arguments import ENTRY_FORMAT, entry_bytes, shared_once
+from lightning_pipetransformer.cache.arguments import ENTRY_FORMAT, shared_once
 from lightning_pipetransformer.cache.boundaries import Boundaries
+from lightning_pipetransformer.cache.budget import BatchBytes
 from lightning_pipetransformer.cache.embedding_skip import (
     EmbeddingSkipper,
     input_versions,
@@ -49,6 +50,7 @@ from lightning_pipetransformer.cache.embedding_skip import (
 from lightning_pipetransformer.cache.first_hit import FirstHitCheck
 from lightning_pipetransformer.cache.indices import BatchIndices
 from lightning_pipetransformer.cache.keys import content_keys
+from lightning_pipetransformer.cache.metrics import BatchCounters, PeriodHits, cache_metrics
 from lightning_pipetransformer.cache.prefix import (
     InputRecorder,
     Pending,
@@ -66,6 +68,7 @@ from lightning_pipetransformer.cache.validity import (
 )
 from lightning_pipetransformer.stack.discovery import BlockStack
 from lightning_pipetransformer.stack.interception import BlockArgs, installed_pipeline
+from lightning_pipetransformer.warn_once import WarnOnce
 
 __all__ = ["AutoCache"]
 
@@ -94,7 +97,6 @@ class AutoCache:
             measured faster than the frozen prefix; ``False`` never.
         cache_dir: node-local directory shared by the node's processes.
         memory_budget: host bytes for entries in memory; the rest spills to ``cache_dir``.
-        storage_dtype: ``None`` (exact) or ``torch.bfloat16``/``torch.float16`` (lossy, opt-in).
         write_through: also write in-memory entries to disk (several processes per node).
         key: ``"content"`` (exact) or ``"index"`` (the batch's ``"index"`` entry, set per batch
             with :meth:`set_batch`; reuses the first view of an augmented sample, so the
@@ -108,7 +110,6 @@ class AutoCache:
         mode: CacheMode,
         cache_dir: str,
         memory_budget: int,
-        storage_dtype: torch.dtype | None = None,
         write_through: bool = False,
         key: Literal["content", "index"] = "content",
         skip_embeddings: bool = True,
@@ -120,32 +121,24 @@ class AutoCache:
         #: as the same, unmodified tensor: skipping them is safe in those modes (a dropout between them
         #: is the identity in eval mode only).
         self.verified_modes: set[bool] = set()
-        #: Forwards that got a placeholder instead of the embeddings' output (reported as a metric).
-        self.embeddings_skipped = 0
-        #: Batches looked up in the current boundary's store, and those the cache answered in full (this
-        #: store's entries or an earlier boundary's, advanced on read), counted per boundary like the
-        #: store's hits; and the batches that ran without the cache since the fit began.
-        self.batches_looked_up = 0
-        self.batches_served = 0
-        self.batches_skipped = 0
+        #: Batches served, looked up and run without the cache; forwards that skipped the embeddings.
+        self.counters = BatchCounters()
         self._container: nn.Module | None = None
         self.key = key
         #: ``key="index"``: the keys of the next forward, and the indices each loader gave in its pass.
         self.indices = BatchIndices()
         self.cache_dir = cache_dir
         self.memory_budget = memory_budget
-        self.storage_dtype = storage_dtype
         self.write_through = write_through
         self.enabled = bool(mode)
         self.compute_time: float | None = None  # seconds per sample through the frozen prefix
         self.first_hit = FirstHitCheck()
         self._recorder = InputRecorder(self._serving)
         self._hook: Any = None
-        self._skipped: set[str] = set()
-        self._store_warned: set[str] = set()
-        # period_hit_rate: the store, its (hits, misses) and periods counted at the last report.
-        self._period: tuple[ActivationStore, int, int, int] | None = None
-        self._low_hits_warned = False
+        #: Reasons said once per run: by global rank 0 (every replica would say the same), and by each rank.
+        self._said = WarnOnce(_warn_from_rank_zero)
+        self._said_here = WarnOnce()
+        self._period = PeriodHits()
         #: Refusals: raised now, or (several processes) at the step's end on every rank together.
         self.verdicts = Verdicts()
         #: ``id(parameter) -> name``, to name what the frozen blocks' input trains (set by the strategy).
@@ -171,29 +164,24 @@ class AutoCache:
         #: Context the model's forward runs in (the precision plugin's autocast): the boundary advance
         #: runs blocks F..F'-1 outside any step, and must compute what a forward would.
         self.forward_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
-        #: The largest batch of entries the first block's calls would store so far (see watch_batch_bytes).
-        self._batch_bytes = 0
-        self._size_hook: Any = None
+        #: What a batch's entries will take, measured from the first forward (checked at the first step).
+        self.batch_bytes = BatchBytes()
 
     def _store_warning(self, reason: str, message: str) -> None:
         """A store could not work fully (full disk, removed directory, NaN activations): warn once per run."""
-        if reason not in self._store_warned:
-            self._store_warned.add(reason)
-            if reason == "disk" and torch.distributed.is_available() and torch.distributed.is_initialized():
-                # A disk fails for one process or one node, not for every replica alike: said where it happens.
-                warnings.warn(f"[rank {torch.distributed.get_rank()}] {message}", stacklevel=3)
-            else:
-                _warn(message)
+        if reason == "disk" and torch.distributed.is_available() and torch.distributed.is_initialized():
+            # A disk fails for one process or one node, not for every replica alike: said where it happens.
+            self._said_here(("store", reason), f"[rank {torch.distributed.get_rank()}] {message}")
+        else:
+            self._said(("store", reason), message)
 
     def skip_once(self, reason: str) -> None:
         """Run without the cache for this batch; warn the first time for each reason."""
-        self.batches_skipped += 1
-        if reason not in self._skipped:
-            self._skipped.add(reason)
-            _warn(f"AutoCache is not used for these batches: {reason}. Results are exact; only the speed-up is lost.")
+        self.counters.skipped += 1
+        self._said(("skip", reason), f"AutoCache is not used for these batches: {reason}. Results are exact; only the speed-up is lost.")
 
     def describe_input_gradient(self, leaf: Any) -> str:
-        """What the frozen blocks' input trains, in words (``leaf``: :func:`~..stack.input_grad.gradient_leaf`)."""
+        """What the frozen blocks' input trains, in words (``leaf``: :func:`~lightning_pipetransformer.stack.input_grad.gradient_leaf`)."""
         name = self.parameter_names.get(id(leaf)) if isinstance(leaf, Tensor) else None
         return _INPUT_TRAINS + (f" (it reaches {name})" if name else "")
 
@@ -225,8 +213,7 @@ class AutoCache:
 
     def served(self, hits: int, batch: int) -> None:
         """Count a batch the store answered (``hits`` of ``batch`` samples), for the logger."""
-        self.batches_looked_up += 1
-        self.batches_served += int(hits == batch)
+        self.counters.count_lookup(hits, batch)
 
     # ------------------------------------------------------------------ wiring
 
@@ -254,40 +241,10 @@ class AutoCache:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        if self._size_hook is not None:
-            self._size_hook.remove()
-            self._size_hook = None
+        self.batch_bytes.stop()
         if self.skipper is not None:
             self.skipper.detach()
             self.skipper = None
-
-    def watch_batch_bytes(self, first_block: nn.Module) -> None:
-        """Measure what a batch's entries will take from the first block's inputs, from the first forward on.
-
-        The store only sees a batch once blocks are frozen (the first freeze can be epochs away);
-        :func:`~lightning_pipetransformer.cache.hooks.check_budget` uses this to refuse a budget too small for one batch at the first step.
-        A pipeline calls the block per micro-batch: the measure is then a lower bound, and the
-        store's own check at the first store stays the exact one.
-        """
-
-        def measure(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if args and isinstance(args[0], Tensor) and args[0].dim() > 0 and args[0].shape[0] > 0:
-                per_sample = entry_bytes(args[0], args[1:], kwargs, self.storage_dtype)
-                if per_sample is not None:
-                    self._batch_bytes = max(self._batch_bytes, per_sample * args[0].shape[0])
-
-        if self._size_hook is not None:
-            self._size_hook.remove()
-        self._batch_bytes = 0
-        self._size_hook = first_block.register_forward_pre_hook(measure, with_kwargs=True)
-
-    def measured_batch_bytes(self) -> int | None:
-        """The bytes :meth:`watch_batch_bytes` measured (0: nothing seen) and stop measuring; ``None`` once stopped."""
-        if self._size_hook is None:
-            return None
-        self._size_hook.remove()
-        self._size_hook = None
-        return self._batch_bytes
 
     def _serving(self) -> bool:
         """A cached stack of this cache is installed: it will take what the recorder records."""
@@ -344,7 +301,7 @@ class AutoCache:
             else:
                 pending = None
         if skipped is not None:
-            self.embeddings_skipped += 1
+            self.counters.embeddings_skipped += 1
         return skipped, pending
 
     def set_batch(self, batch: Any, namespace: str, batch_idx: int | None = None) -> None:
@@ -438,11 +395,11 @@ class AutoCache:
         store = ActivationStore(
             self.cache_dir, prefix_fingerprint(stack, num_frozen, include_pre, extra=f"{self.fingerprint_extra}|format={ENTRY_FORMAT}"),
             num_frozen, self.memory_budget,
-            storage_dtype=self.storage_dtype, write_through=self.write_through, warn=self._store_warning,
+            write_through=self.write_through, warn=self._store_warning,
             strict=False,  # cache_dir was checked before training: a disk failing later stops disk writes only
         )
         self.first_hit.reset()
-        self.batches_looked_up = self.batches_served = 0  # per boundary, like the new store's hits
+        self.counters.new_boundary()  # per boundary, like the new store's hits
         if self.mode == "auto":
             self.enabled = True  # measured again at this boundary
         return store
@@ -480,56 +437,43 @@ class AutoCache:
         entries were stored). Content keys that still miss then name other tensors than the stored
         ones: warned once, with the usual cause (batches padded to their own longest sequence).
         """
+        measured = self._period.rate(self.store)
+        if measured is None:
+            return None
+        rate, lookups = measured
         store = self.store
-        if store is None:
-            self._period = None
-            return None
-        stats = store.stats()
-        before = self._period
-        periods = before[3] + 1 if before is not None and before[0] is store else 0
-        self._period = (store, stats.hits, stats.misses, periods)
-        if before is None or periods < 2:
-            return None
-        lookups = stats.hits + stats.misses - before[1] - before[2]
-        if lookups == 0:
-            return None
-        rate = (stats.hits - before[1]) / lookups
-        if self.key == "content" and rate < _LOW_HIT_RATE and not self._low_hits_warned:
-            self._low_hits_warned = True
+        assert store is not None
+        if self.key == "content" and rate < _LOW_HIT_RATE:
             if self.input_augmented is not None:
-                _warn(
-                    f"AutoCache: only {rate:.0%} of {lookups} lookups hit in an epoch after the entries of boundary "
-                    f"{store.boundary} were stored: {self.input_augmented}. Turn the augmentation off to cache, or use "
-                    "cache=False. Results are exact; only the speed-up is lost (autocache/period_hit_rate)."
+                cause = (
+                    f"{self.input_augmented}. Turn the augmentation off to cache, or use cache=False. Results are exact; "
+                    "only the speed-up is lost (autocache/period_hit_rate)."
                 )
-                return rate
-            _warn(
+            else:
+                cause = (
+                    "Content keys name the exact tensor that enters the frozen blocks, so "
+                    "a sample that arrives as another tensor misses: most often the batches are padded to their own "
+                    "longest sequence (a sample's length then depends on its batch-mates). Pad to fixed lengths or to "
+                    "length buckets (the example's data.bucket_tokens), or use cache_key='index'. (A random augmentation "
+                    "or masking of the input misses by design.) Results are exact; only the speed-up is lost "
+                    "(autocache/period_hit_rate)."
+                )
+            separator = ": " if self.input_augmented is not None else ". "
+            self._said(
+                "low hits",
                 f"AutoCache: only {rate:.0%} of {lookups} lookups hit in an epoch after the entries of boundary "
-                f"{store.boundary} were stored. Content keys name the exact tensor that enters the frozen blocks, so "
-                "a sample that arrives as another tensor misses: most often the batches are padded to their own "
-                "longest sequence (a sample's length then depends on its batch-mates). Pad to fixed lengths or to "
-                "length buckets (the example's data.bucket_tokens), or use cache_key='index'. (A random augmentation "
-                "or masking of the input misses by design.) Results are exact; only the speed-up is lost "
-                "(autocache/period_hit_rate)."
+                f"{store.boundary} were stored{separator}{cause}",
             )
         return rate
 
     def stats(self) -> dict[str, float]:
-        """Hits, misses and bytes of the current store, for the logger."""
-        can_engage = float(self.never_engages is None)
-        if self.store is None:
-            return {"autocache/enabled": 0.0, "autocache/batches_bypassed": float(self.batches_skipped), "autocache/can_engage": can_engage}
-        metrics = self.store.stats().as_metrics("autocache/")
-        metrics["autocache/can_engage"] = can_engage
-        metrics["autocache/enabled"] = float(self.enabled)
-        metrics["autocache/boundary"] = float(self.store.boundary)
-        metrics["autocache/advanced"] = float(self.advanced)
-        metrics["autocache/embeddings_skipped"] = float(self.embeddings_skipped)
-        metrics["autocache/batches_served"] = float(self.batches_served)
-        metrics["autocache/batches_bypassed"] = float(self.batches_skipped)
-        looked = self.batches_looked_up
-        metrics["autocache/served_fraction"] = self.batches_served / looked if looked else 0.0
-        return metrics
+        """Hits, misses and bytes of the current store and the batch counters, for the logger."""
+        return cache_metrics(self.store, self.counters, enabled=self.enabled, advanced=self.advanced, can_engage=self.never_engages is None)
+
+
+def _warn_from_rank_zero(message: str, stacklevel: int) -> None:
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        warnings.warn(message, stacklevel=stacklevel + 1)
 
 
 def _warn(message: str) -> None:

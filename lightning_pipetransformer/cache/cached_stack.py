@@ -102,7 +102,7 @@ class CachedStack:
         if frozen and cache.order_pending():
             # The first training forward, whose call order decides what the prefix is (stack/execution.py):
             # computed as without the cache (with its graph, should something before the stack still train).
-            cache.batches_skipped += 1
+            cache.counters.skipped += 1
             return self._prefix(given.full(), prefix_calls)
         store = cache.current_store(frozen)
         if torch.is_grad_enabled() and frozen:

@@ -2,7 +2,8 @@
 
 Running the frozen blocks (:func:`run_blocks`), the index keys' view of the blocks' arguments
 (:func:`with_block_arguments`), the record of the embeddings' last call
-(:class:`InputRecorder`, :data:`Pending`) and the error raised when a cached activation is stale.
+(:class:`InputRecorder`, :class:`Pending`), the error raised when a cached activation is stale and
+how refusals reach every rank (:class:`Verdicts`).
 :mod:`~lightning_pipetransformer.cache.autocache` and :mod:`~lightning_pipetransformer.cache.cached_stack`
 import this module; it imports neither.
 """

@@ -1,7 +1,7 @@
 """The activation store: per sample key, the activation at the frozen boundary, in host memory then on disk.
 
 One :class:`ActivationStore` serves one frozen prefix, named by its fingerprint
-(:func:`~.cache_validity.prefix_fingerprint`) and boundary. Layout::
+(:func:`~lightning_pipetransformer.cache.validity.prefix_fingerprint`) and boundary. Layout::
 
     cache_dir/                                  (0700 when created here)
       <fingerprint>-b<boundary>-<storage>/      one directory per prefix (0700)
@@ -31,8 +31,9 @@ process, and hashing 3 MiB per batch would cost about as much as the lookup itse
 one bad step would otherwise be replayed every epoch under index keys.
 
 Several stores (runs, processes) may share one directory: each holds a shared ``flock`` on it
-while open, and :meth:`ActivationStore.clear` deletes it only under a non-blocking exclusive
-lock, so one run's boundary advance never deletes a directory another run still reads or writes.
+while open, and :meth:`ActivationStore.close` with ``delete=True`` deletes it only under a
+non-blocking exclusive lock (:mod:`~lightning_pipetransformer.cache.folders`), so one run's boundary
+advance never deletes a directory another run still reads or writes.
 A directory removed from outside is recreated at the next write (``stats().recreated``). A disk
 that is full (``ENOSPC``/``EDQUOT``) or refuses a write stops disk writes at this boundary with
 one warning (``stats().unwritten`` counts the entries not written): they are recomputed when
@@ -40,8 +41,9 @@ needed, exactly as without a cache.
 
 Storage dtype is the activation's own by default (exact). ``storage_dtype=torch.bfloat16`` or
 ``torch.float16`` halves memory and disk but is *lossy*: the active blocks then see rounded
-inputs and cache-on no longer equals cache-off bit for bit. Opt-in only. Extra per-sample tensors
-stored with an entry (the block inputs needed to advance it, see :mod:`.cache_advance`) are kept
+inputs and cache-on does not equal cache-off bit for bit: an option of the store alone (the strategy
+stores exact activations). Extra per-sample tensors
+stored with an entry (the block inputs needed to advance it, see :mod:`~lightning_pipetransformer.cache.arguments`) are kept
 in their own dtype.
 """
 
@@ -52,7 +54,6 @@ import errno
 import os
 import secrets
 import tempfile
-import warnings
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -64,9 +65,11 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_save
 from torch import Tensor
 
+from lightning_pipetransformer.cache.budget import CacheConfigError, check_batch_fits
 from lightning_pipetransformer.cache.folders import LOCKING, lock_directory, remove_directory, unlock
 from lightning_pipetransformer.cache.keys import KEY_PATTERN
 from lightning_pipetransformer.cache.validity import FORMAT_VERSION
+from lightning_pipetransformer.warn_once import WarnOnce
 
 __all__ = [
     "ActivationStore",
@@ -85,21 +88,6 @@ _EXTRA = "x."  # prefix of extra tensors' names inside a file
 _LOWER_PRECISION = (torch.bfloat16, torch.float16)
 _CHECKSUM = "crc32."  # header metadata: crc32.<tensor name> = the CRC-32 of that tensor's bytes
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-
-
-class CacheConfigError(ValueError):
-    """The cache cannot work as configured (directory not writable, budget below one batch)."""
-
-
-def check_batch_fits(memory_budget: int, nbytes: int) -> None:
-    """Raise :class:`CacheConfigError` if one batch of ``nbytes`` cannot fit in a positive ``memory_budget``."""
-    if 0 < memory_budget < nbytes:
-        raise CacheConfigError(
-            f"The cache's memory budget ({memory_budget:,} bytes: cache_memory= on the strategy, divided by the "
-            f"processes of a node, or memory_budget= on the store) is smaller than one batch of activations "
-            f"({nbytes:,} bytes). Raise it to at least {nbytes:,} bytes per process (a whole epoch needs batches x "
-            "that), or set it to 0 to keep the cache on disk only."
-        )
 
 
 def probe_cache_dir(cache_dir: str) -> None:
@@ -196,10 +184,6 @@ def _finite(row: Tensor) -> bool:
     return cmath.isfinite(total) or bool(torch.isfinite(row).all())
 
 
-def _default_warn(reason: str, message: str) -> None:
-    warnings.warn(message, stacklevel=4)
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -217,7 +201,7 @@ class ActivationStore:
 
     Args:
         cache_dir: directory shared by the node's processes; created (0700) if missing.
-        fingerprint: the frozen prefix's :func:`~.cache_validity.prefix_fingerprint`.
+        fingerprint: the frozen prefix's :func:`~lightning_pipetransformer.cache.validity.prefix_fingerprint`.
         boundary: the number of frozen blocks F the activations come out of.
         memory_budget: host bytes for entries (activations + extras) held in memory; ``0``
             keeps everything on disk. A positive budget below one batch raises at the first
@@ -225,15 +209,15 @@ class ActivationStore:
         storage_dtype: ``None`` stores the activation's dtype (exact); ``torch.bfloat16`` or
             ``torch.float16`` is a lossy, opt-in halving of the bytes.
         write_through: also write entries kept in memory to disk, so other processes see them.
-        warn: ``warn(reason, message)``, called the first time something stops the store from
-            working fully (``reason``: ``"disk"`` full, directory ``"recreated"``, ``"nonfinite"``
-            activations); default ``warnings.warn(message)``. A caller with several stores (one per
-            boundary) can use ``reason`` to warn once in all.
+        warn: ``warn(reason, message)``, called each time something stops the store from working
+            fully (``reason``: ``"disk"`` full, directory ``"recreated"``, ``"nonfinite"``
+            activations): the caller decides what to say once (AutoCache: once per run, over the
+            stores of all its boundaries). Default: each reason said once by this store.
         strict: whether a directory that cannot be made or written (other than a full disk) is a
             :class:`CacheConfigError`; ``False``: disk writes stop, with the warning, as for a full disk.
 
-    The store holds a shared lock on its directory from construction until :meth:`close` or
-    :meth:`clear` (or garbage collection): while it does, no other store deletes that directory.
+    The store holds a shared lock on its directory from construction until :meth:`close`
+    (or garbage collection): while it does, no other store deletes that directory.
 
     Raises:
         CacheConfigError: ``cache_dir`` cannot be created or written (with ``strict``), or a bad
@@ -277,8 +261,10 @@ class ActivationStore:
         self._reserved = 0  # see reserve()
         self._bad: set[str] = set()  # keys whose file was rejected: the next store overwrites it
         self._stats = CacheStats()
-        self._warn = warn or _default_warn
-        self._warned: set[str] = set()
+        if warn is None:
+            said = WarnOnce()
+            warn = lambda reason, message: said(reason, message, stacklevel=4)  # noqa: E731
+        self._warn = warn
         #: Why disk writes stopped at this boundary (a full disk), or ``None`` while they work.
         self._disk_off: str | None = None
         self.strict = strict
@@ -325,16 +311,11 @@ class ActivationStore:
         except OSError as err:
             self._stop_disk(err)
 
-    def _warn_once(self, reason: str, message: str) -> None:
-        if reason not in self._warned:
-            self._warned.add(reason)
-            self._warn(reason, message)
-
     def _stop_disk(self, err: OSError) -> None:
         """Disk full (or a write refused): keep to memory at this boundary; warn once."""
         self._disk_off = f"{type(err).__name__}: {err}"
         self._stats.disk_failures += 1
-        self._warn_once(
+        self._warn(
             "disk",
             f"AutoCache stopped writing to {self.directory} ({self._disk_off}). Entries that do not fit the memory "
             "budget are recomputed from now on at this boundary (exact, only slower; counted in autocache_diagnostics/unwritten). "
@@ -453,7 +434,7 @@ class ActivationStore:
     def _skip_nonfinite(self, key: str) -> None:
         """Never keep a NaN/inf activation: replayed from the cache, one bad step would recur every epoch."""
         self._stats.nonfinite += 1
-        self._warn_once(
+        self._warn(
             "nonfinite",
             f"AutoCache did not store a non-finite (NaN/inf) activation at boundary {self.boundary} (key {key}): such "
             "samples are recomputed each time they come (counted in autocache/nonfinite). Check the inputs and the "
@@ -628,7 +609,7 @@ class ActivationStore:
         except OSError:
             return False
         self._stats.recreated += 1
-        self._warn_once(
+        self._warn(
             "recreated",
             f"AutoCache's directory {self.directory} was removed while in use ({err.strerror}); it was made again. "
             "The entries that were in it are recomputed when next needed (exact). Do not clean cache_dir during a run.",

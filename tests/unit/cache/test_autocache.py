@@ -68,11 +68,11 @@ def test_cached_equals_uncached_over_epochs_and_boundary_moves(tmp_path, budget)
     word_rows = count_rows(cached.bert.embeddings.word_embeddings)  # runs only inside the real embeddings
     for seed in (0, 1):  # epoch 1: all misses; the first forward shows the embeddings' output reaches the stack
         assert_same_step(plain, cached, *batch(seed))
-    assert word_rows == [6, 6] and cache.embeddings_skipped == 1  # batch 1 skipped them, then ran them for its 6 misses
+    assert word_rows == [6, 6] and cache.counters.embeddings_skipped == 1  # batch 1 skipped them, then ran them for its 6 misses
     word_rows.clear()
     for seed in (0, 1):  # epoch 2: all hit; the embeddings run only for the one-off verification of the first hits
         assert_same_step(plain, cached, *batch(seed))
-    assert word_rows == [6] and cache.embeddings_skipped == 3
+    assert word_rows == [6] and cache.counters.embeddings_skipped == 3
     assert cache.store.stats().hits == 12 and cache.store.stats().misses == 12
 
     # Move the boundary 1 -> 3: entries are advanced, not recomputed from the input.
