@@ -132,14 +132,6 @@ def test_dropout_in_frozen_prefix_is_refused_or_turns_cache_off(tmp_path):
     assert auto.store is None and not auto.enabled
 
 
-def test_active_balance_drops_emptied_stages():
-    from lightning_pipetransformer.pipe.partition import active_balance
-
-    assert active_balance((3, 1), 3) == ((1,), (1,))
-    assert active_balance((2, 2, 2), 3) == ((1, 2), (1, 2))
-    assert active_balance((4,), 0) == ((4,), (0,))
-
-
 def test_unwritable_cache_dir_is_a_clear_error(tmp_path):
     from lightning_pipetransformer.cache.store import CacheConfigError, probe_cache_dir
 

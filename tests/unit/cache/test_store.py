@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_pipetransformer.cache.batch import merge_rows
 from lightning_pipetransformer.cache.keys import content_keys
 from lightning_pipetransformer.cache.store import ActivationStore, CacheConfigError
 
@@ -150,16 +149,6 @@ def test_shape_mismatch_is_a_miss_and_bad_keys_are_refused(tmp_path):
         store.lookup(["../../etc/passwd"])
     with pytest.raises(ValueError, match="one row per key"):
         store.store(keys, acts[:1])
-
-
-def test_merge_rows():
-    hit = torch.tensor([True, False, True, False])
-    hits = torch.tensor([[1.0], [3.0]])
-    computed = torch.tensor([[2.0], [4.0]])
-    assert merge_rows(hit, hits, computed).flatten().tolist() == [1.0, 2.0, 3.0, 4.0]
-    assert merge_rows(torch.zeros(2, dtype=torch.bool), torch.empty(0, 1), computed) is computed
-    with pytest.raises(ValueError):
-        merge_rows(hit, hits, computed[:1])
 
 
 _WRITER = textwrap.dedent(
