@@ -9,14 +9,15 @@ under ``sys.setprofile`` and prints:
 - how many distinct functions and files that is;
 - how often a call goes from one ``cache/`` file into another (the back-and-forth of the cached path).
 
-Comprehensions count as part of the function that holds them; the calling file of a call is the file of
-the frame that made it.
+Comprehensions count as part of the function that holds them, a generator's resumptions as its one call;
+the calling file of a call is the file of the frame that made it.
 
 Run: ``python scripts/cached_batch_calls.py``. Deterministic (fixed seeds); nothing is downloaded.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import tempfile
@@ -68,12 +69,18 @@ def trace(run) -> list[tuple[str, str, str | None]]:
         path = Path(filename)
         return str(path.relative_to(PACKAGE)) if path.is_relative_to(PACKAGE) else None
 
+    generators: dict[int, object] = {}  # generator frames already entered, kept alive so their ids stay theirs
+
     def profile(frame, event, arg):
         if event != "call":
             return
         here = relative(frame.f_code.co_filename)
         if here is None or frame.f_code.co_name in _COMPREHENSIONS:
             return
+        if frame.f_code.co_flags & inspect.CO_GENERATOR:
+            if id(frame) in generators:
+                return  # a generator resumed (each next() is a "call" event): one call, not one per item
+            generators[id(frame)] = frame
         caller = frame.f_back
         calls.append((here, frame.f_code.co_qualname, relative(caller.f_code.co_filename) if caller else None))
 
@@ -129,6 +136,13 @@ def main() -> None:
     print(f"files: {len(files)}  ({', '.join(sorted(files))})")
     print(f"cache functions: {len(cache_functions)} in {len(cache_files)} cache files")
     print(f"calls between cache files: {crossings}")
+    pairs: dict[str, int] = {}
+    for file, _, caller in calls:
+        if caller is not None and file != caller and file.startswith("cache/") and caller.startswith("cache/"):
+            pair = f"{caller} -> {file}"
+            pairs[pair] = pairs.get(pair, 0) + 1
+    for pair, count in sorted(pairs.items(), key=lambda kv: (-kv[1], kv[0])):
+        print(f"  {pair}: {count}")
     print(f"calls between package files: {cross_file}")
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import re
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -43,16 +42,12 @@ from torch import Tensor, nn
 from lightning_pipetransformer.cache.arguments import ENTRY_FORMAT, shared_once
 from lightning_pipetransformer.cache.boundaries import Boundaries
 from lightning_pipetransformer.cache.budget import BatchBytes
-from lightning_pipetransformer.cache.embedding_skip import (
-    EmbeddingSkipper,
-    input_versions,
-)
+from lightning_pipetransformer.cache.embeddings import EmbeddingsWatch
 from lightning_pipetransformer.cache.first_hit import FirstHitCheck
 from lightning_pipetransformer.cache.indices import BatchIndices
 from lightning_pipetransformer.cache.keys import content_keys
 from lightning_pipetransformer.cache.metrics import BatchCounters, PeriodHits, cache_metrics
 from lightning_pipetransformer.cache.prefix import (
-    InputRecorder,
     Pending,
     Verdicts,
     with_block_arguments,
@@ -67,7 +62,7 @@ from lightning_pipetransformer.cache.validity import (
     prefix_modules,
 )
 from lightning_pipetransformer.stack.discovery import BlockStack
-from lightning_pipetransformer.stack.interception import BlockArgs, installed_pipeline
+from lightning_pipetransformer.stack.interception import BlockArgs
 from lightning_pipetransformer.warn_once import WarnOnce
 
 __all__ = ["AutoCache"]
@@ -78,15 +73,6 @@ CacheMode = bool | Literal["auto"]
 #: naming other tensors than the stored ones (fixed inputs hit every time): worth a warning.
 _LOW_HIT_RATE = 0.8
 _INPUT_TRAINS = "the input of the frozen blocks requires grad and its gradient trains something"
-
-
-#: Per block-stack container: the modes in which its embeddings' output was seen to reach the stack
-#: unchanged (:attr:`AutoCache.verified_modes`). That is a property of the model's code, so it outlives
-#: one AutoCache: validate/test/predict after fit build a new one, and under ``inference_mode`` (no
-#: version counters) could not show it again, so they would key on the hidden state and miss fit's entries.
-_VERIFIED_MODES: weakref.WeakKeyDictionary[nn.Module, set[bool]] = weakref.WeakKeyDictionary()
-
-
 
 
 class AutoCache:
@@ -115,15 +101,12 @@ class AutoCache:
         skip_embeddings: bool = True,
     ) -> None:
         self.mode = mode
-        self.skip_embeddings = skip_embeddings
-        self.skipper: EmbeddingSkipper | None = None
-        #: The modes (``scope.training``) in which the embeddings' output was seen to reach the stack
-        #: as the same, unmodified tensor: skipping them is safe in those modes (a dropout between them
-        #: is the identity in eval mode only).
-        self.verified_modes: set[bool] = set()
         #: Batches served, looked up and run without the cache; forwards that skipped the embeddings.
         self.counters = BatchCounters()
-        self._container: nn.Module | None = None
+        #: What the embeddings did in each forward: recorded, skipped where exact (cache/embeddings.py).
+        self.embeddings = EmbeddingsWatch(
+            self, skip_embeddings, lambda num_frozen: self.enabled and self.boundaries.serves(num_frozen), self.counters,
+        )
         self.key = key
         #: ``key="index"``: the keys of the next forward, and the indices each loader gave in its pass.
         self.indices = BatchIndices()
@@ -133,8 +116,6 @@ class AutoCache:
         self.enabled = bool(mode)
         self.compute_time: float | None = None  # seconds per sample through the frozen prefix
         self.first_hit = FirstHitCheck()
-        self._recorder = InputRecorder(self._serving)
-        self._hook: Any = None
         #: Reasons said once per run: by global rank 0 (every replica would say the same), and by each rank.
         self._said = WarnOnce(_warn_from_rank_zero)
         self._said_here = WarnOnce()
@@ -211,98 +192,17 @@ class AutoCache:
             )
         self.skip_once(reason)
 
-    def served(self, hits: int, batch: int) -> None:
-        """Count a batch the store answered (``hits`` of ``batch`` samples), for the logger."""
-        self.counters.count_lookup(hits, batch)
-
-    # ------------------------------------------------------------------ wiring
-
     def attach(self, stack: BlockStack, root: nn.Module | None = None) -> None:
-        """Record the inputs of the first module before the stack (cheap keys); skip it when possible.
-
-        Only for a prefix that includes the embeddings (frozen with the first block). ``root``
-        (the module the stack was found in) lets the skipper find the forward that calls both.
-        """
+        """Record the inputs of the first module before the stack (cheap keys); skip it when possible
+        (:meth:`EmbeddingsWatch.attach`). Followed again when the stack's ``pre`` is refined."""
         self.detach()
         # pre is provisional (registration order) until AutoFreeze observes the first forward: follow it then.
         stack.when_refined(_Reattach(self, stack, root))
-        if not stack.pre:
-            return
-        pre = stack.pre[0][1]
-        self._container = stack.container
-        # What earlier AutoCaches showed for this model (shared: what this one shows is kept too).
-        self.verified_modes = _VERIFIED_MODES.setdefault(stack.container, set())
-        if self.skip_embeddings and root is not None:
-            self.skipper = EmbeddingSkipper.for_stack(root, pre, stack.container, self._may_skip_pre)
-        # Registered after the skipper's lazy forward: the recorder sees the placeholder as the output.
-        self._hook = pre.register_forward_hook(self._recorder, with_kwargs=True)
+        self.embeddings.attach(stack, root)
 
     def detach(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        self.embeddings.detach()
         self.batch_bytes.stop()
-        if self.skipper is not None:
-            self.skipper.detach()
-            self.skipper = None
-
-    def _serving(self) -> bool:
-        """A cached stack of this cache is installed: it will take what the recorder records."""
-        return self._installed_runner() is not None
-
-    def _may_skip_pre(self) -> bool:
-        """The embeddings may return a placeholder: a cached runner serves this forward's boundary."""
-        if not (self.enabled and self._mode() in self.verified_modes and self._container is not None):
-            return False
-        runner = self._installed_runner()
-        return runner is not None and self.serves(runner.num_frozen)
-
-    def _installed_runner(self) -> Any:
-        """The installed runner if it is this cache's cached stack, else ``None``.
-
-        Told by its ``cache`` (the one runner that holds one), not by its class: the cached stack
-        imports this module, never the other way round.
-        """
-        runner = installed_pipeline(self._container) if self._container is not None else None
-        return runner if getattr(runner, "cache", None) is self else None
-
-    def _mode(self) -> bool:
-        """The mode the skip decision depends on: the training flag of the forward that calls the embeddings."""
-        return self.skipper.scope.training if self.skipper is not None else True
-
-    def arrived(self, hidden: Tensor) -> tuple[Any, Pending | None]:
-        """At the stack: ``(skipped, pending)``, what the embeddings did in this forward.
-
-        ``skipped`` is the skipper's record if the embeddings returned ``hidden`` as a
-        placeholder (else ``None``); ``pending`` their recorded call when its inputs name
-        ``hidden`` (else ``None``: the hidden state is hashed). A real output that arrives as the
-        same tensor with the same version counter marks skipping as safe from the next forward
-        on. Under ``inference_mode`` versions are not tracked: the inputs then name ``hidden``
-        only once a tracked forward has shown that they do.
-        """
-        skipped = self.skipper.take(hidden) if self.skipper is not None else None
-        pending = self._recorder.take()
-        if skipped is not None:
-            # The inputs of the very call that returned the placeholder (not whatever call came last).
-            pending = Pending(skipped.args, skipped.kwargs, hidden, skipped.version, skipped.inputs)
-        elif pending is not None:
-            mode = self._mode()
-            if pending.output is not hidden or input_versions(pending.args, pending.kwargs) != pending.inputs:
-                pending = None  # another tensor, or inputs changed in place since: they do not name it
-            elif pending.version is not None:
-                if pending.version == hidden._version:
-                    self.verified_modes.add(mode)
-                else:
-                    pending = None  # changed in place after the embeddings: their inputs do not name it
-            elif self.verified_modes:
-                # inference_mode tracks no versions: identity suffices once a tracked forward ruled out
-                # in-place changes (a placeholder, a normal tensor, is still checked at the stack).
-                self.verified_modes.add(mode)
-            else:
-                pending = None
-        if skipped is not None:
-            self.counters.embeddings_skipped += 1
-        return skipped, pending
 
     def set_batch(self, batch: Any, namespace: str, batch_idx: int | None = None) -> None:
         """``key="index"``: take the sample indices of the next forward from ``batch["index"]``
@@ -315,7 +215,7 @@ class AutoCache:
         """Keys of what enters the stack (its input and every block's arguments), or ``None`` when
         they cannot be exact.
 
-        ``pending``: the embeddings' recorded call when its inputs name ``hidden`` (:meth:`arrived`), else ``None``.
+        ``pending``: the embeddings' recorded call when its inputs name ``hidden`` (:meth:`EmbeddingsWatch.arrived`), else ``None``.
         """
         batch = hidden.shape[0]
         if self.verdicts.pending is not None:
@@ -365,14 +265,6 @@ class AutoCache:
         """Whether boundary ``num_frozen`` is cached (its store open, or deferred)."""
         return self.boundaries.serves(num_frozen)
 
-    def current_store(self, num_frozen: int) -> ActivationStore | None:
-        """The store of boundary ``num_frozen``, opening a deferred one (cold) if it is still waiting."""
-        return self.boundaries.store_for(num_frozen)
-
-    def from_older(self, keys: Sequence[str], *, dtype: torch.dtype, device: torch.device) -> list[tuple[int, Tensor, Tensor]]:
-        """Entries for ``keys`` held at earlier boundaries (a lazy advance): :meth:`Boundaries.older`."""
-        return self.boundaries.older(keys, dtype=dtype, device=device)
-
     def close(self) -> None:
         """End of the fit: let go of the earlier boundaries' entries (the current store stays for validate/test)."""
         self.boundaries.close()
@@ -414,8 +306,8 @@ class AutoCache:
 
         ``rows(mask)``: the input of the frozen blocks for the rows in ``mask``.
         """
-        if self.key == "content":
-            where, store = self.boundaries.where, self.store
+        if self.key == "content" and not self.first_hit.done:
+            where, store = self.boundaries.where, self.boundaries.current
             blocks = where[0].blocks[: store.boundary] if where is not None and store is not None else None
             stale = self.first_hit.check(rows, calls, hit_mask, boundary, prefix, blocks)
             if stale is not None:

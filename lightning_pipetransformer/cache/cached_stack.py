@@ -9,6 +9,7 @@ missed, store), and runs the active blocks on the boundary it returns.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -90,7 +91,7 @@ class CachedStack:
 
     def run(self, call: StackCall) -> Any:
         cache, frozen = self.cache, self.num_frozen
-        skipped, pending = cache.arrived(call.hidden)
+        skipped, pending = cache.embeddings.arrived(call.hidden)
         given = StackInput.of(call.hidden, skipped)
         boundary = self._boundary(call, given, pending)
         return self.active(call.part(frozen, hidden=as_marked_input(boundary) if given.grad_free else boundary))
@@ -104,7 +105,7 @@ class CachedStack:
             # computed as without the cache (with its graph, should something before the stack still train).
             cache.counters.skipped += 1
             return self._prefix(given.full(), prefix_calls)
-        store = cache.current_store(frozen)
+        store = cache.boundaries.store_for(frozen)
         if torch.is_grad_enabled() and frozen:
             trainable = (
                 cache.describe_input_gradient(gradient_leaf(hidden)) if hidden.requires_grad and not given.grad_free
@@ -146,7 +147,7 @@ class CachedStack:
         shape_in = tuple(hidden.shape[1:])
         served = CachedBatch(
             store, keys, rows=given.rows, calls=calls, extras=extras, blocks=self.blocks[: self.num_frozen], prefix=self._prefix,
-            older=lambda missed: cache.from_older(missed, dtype=hidden.dtype, device=hidden.device),
+            older=functools.partial(cache.boundaries.older, dtype=hidden.dtype, device=hidden.device),
             sample_shape=self._boundary_shapes.get(shape_in, shape_in), dtype=hidden.dtype, device=hidden.device,
         )
         start = time.perf_counter()
@@ -159,7 +160,7 @@ class CachedStack:
         batch = hidden.shape[0]
         hit_mask = served.hit_mask
         assert hit_mask is not None
-        cache.served(served.served, batch)
+        cache.counters.count_lookup(served.served, batch)
         if bool(hit_mask.any()):
             cache.after_hits(given.rows, calls, hit_mask, boundary, self._prefix, total, batch)
         return boundary

@@ -79,7 +79,7 @@ def test_cached_equals_uncached_over_epochs_and_boundary_moves(tmp_path, budget)
     apply_freeze(find_block_stack(plain), 3, include_pre=True)
     remove_pipeline(stack.container)
     _, runner = install(cached, cache, 3)
-    cache.verified_modes = {True}  # attach() starts unverified; this model was verified above (training mode)
+    cache.embeddings.verified_modes = {True}  # attach() starts unverified; this model was verified above (training mode)
     computed = []
     original = runner._prefix
     runner._prefix = lambda *a, **k: computed.append(a[0].shape[0]) or original(*a, **k)

@@ -145,7 +145,7 @@ def test_in_place_change_after_the_embeddings_is_never_skipped_and_stays_exact(t
     a, b = (torch.randint(0, VOCAB, (4, SEQ), generator=g) for _ in range(2))
     for ids in (a, b, a, b):
         torch.testing.assert_close(model(ids), plain(ids))
-    assert not cache.verified_modes and cache.counters.embeddings_skipped == 0
+    assert not cache.embeddings.verified_modes and cache.counters.embeddings_skipped == 0
     assert cache.store.stats().hits == 8  # keyed on the hidden state itself, which is exact
 
 
@@ -251,7 +251,7 @@ def test_skipping_shown_safe_in_eval_mode_is_not_used_in_training_mode(tmp_path)
     with torch.no_grad():  # Trainer(inference_mode=False) validation: versions tracked, dropout is the identity
         model(ids)
         model(ids)
-    assert cache.verified_modes == {False} and cache.counters.embeddings_skipped == 1
+    assert cache.embeddings.verified_modes == {False} and cache.counters.embeddings_skipped == 1
     model.train()
     for _ in range(2):  # the dropout makes a new tensor: never skipped here, and no SkipError
         model(ids).sum().backward()
