@@ -42,16 +42,12 @@ from torch import Tensor, nn
 from lightning_pipetransformer.cache.arguments import ENTRY_FORMAT, shared_once
 from lightning_pipetransformer.cache.boundaries import Boundaries
 from lightning_pipetransformer.cache.budget import BatchBytes
-from lightning_pipetransformer.cache.embeddings import EmbeddingsWatch
+from lightning_pipetransformer.cache.embeddings import EmbeddingsWatch, Pending
 from lightning_pipetransformer.cache.first_hit import FirstHitCheck
 from lightning_pipetransformer.cache.indices import BatchIndices
 from lightning_pipetransformer.cache.keys import content_keys
 from lightning_pipetransformer.cache.metrics import BatchCounters, PeriodHits, cache_metrics
-from lightning_pipetransformer.cache.prefix import (
-    Pending,
-    Verdicts,
-    with_block_arguments,
-)
+from lightning_pipetransformer.cache.prefix import Verdicts, with_block_arguments
 from lightning_pipetransformer.cache.store import (
     ActivationStore,
     CacheConfigError,

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -23,9 +25,10 @@ from torch import Tensor, nn
 from lightning_pipetransformer.cache.arguments import select_rows
 from lightning_pipetransformer.cache.prefix import run_blocks
 from lightning_pipetransformer.cache.store import ActivationStore
+from lightning_pipetransformer.stack.input_grad import needs_no_gradient
 from lightning_pipetransformer.stack.interception import BlockArgs
 
-__all__ = ["CachedBatch", "OlderEntries", "merge_rows"]
+__all__ = ["CachedBatch", "OlderEntries", "StackInput", "merge_rows"]
 
 #: ``older(keys) -> [(boundary, found, activations), ...]``: entries for ``keys`` (all missing at the current
 #: boundary) that earlier boundaries' stores still hold, newest first; ``found`` a CPU bool mask over ``keys``.
@@ -33,6 +36,40 @@ OlderEntries = Callable[[Sequence[str]], list[tuple[int, Tensor, Tensor]]]
 
 #: The frozen prefix: ``prefix(hidden, calls)`` runs blocks 0..F-1, block ``i`` with ``calls[i]``.
 Prefix = Callable[[Tensor, Sequence[BlockArgs]], Tensor]
+
+
+@dataclass
+class StackInput:
+    """What enters the frozen blocks in one forward: the hidden state, or the record of skipped embeddings.
+
+    ``hidden`` is a placeholder when the embeddings were skipped (``skipped`` is then their record):
+    :meth:`rows` runs them for the rows that need real values (misses, verified hits), :meth:`full`
+    for all rows. ``grad_free``: the input requires grad only because a hook marked it
+    (enable_input_require_grads under gradient checkpointing or PEFT), with no parameter behind it:
+    the frozen prefix needs no graph and can be served; the boundary is marked again for the active
+    blocks (stack/input_grad.py).
+    """
+
+    hidden: Tensor
+    skipped: Any
+    grad_free: bool
+
+    @classmethod
+    def of(cls, hidden: Tensor, skipped: Any) -> StackInput:
+        grad_free = torch.is_grad_enabled() and hidden.requires_grad and (skipped is not None or needs_no_gradient(hidden))
+        return cls(hidden, skipped, grad_free)
+
+    def rows(self, mask: Tensor) -> Tensor:
+        if self.skipped is not None:
+            return self.skipped.rows(mask)
+        source = self.hidden.detach() if self.grad_free else self.hidden
+        return source[mask.to(source.device)]
+
+    def full(self) -> Tensor:
+        """Never the placeholder: where the cache stands aside, the real embeddings run."""
+        if self.skipped is not None:
+            return self.skipped.rows()
+        return self.hidden.detach() if self.grad_free else self.hidden
 
 
 class CachedBatch:

@@ -12,18 +12,17 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from lightning_pipetransformer.cache.arguments import pack_block_inputs
-from lightning_pipetransformer.cache.batch import CachedBatch
+from lightning_pipetransformer.cache.batch import CachedBatch, StackInput
 from lightning_pipetransformer.cache.prefix import run_blocks
 from lightning_pipetransformer.pipe.microbatch import tensors_in
 from lightning_pipetransformer.stack.execution import graph_leaves
-from lightning_pipetransformer.stack.input_grad import as_marked_input, gradient_leaf, needs_no_gradient
+from lightning_pipetransformer.stack.input_grad import as_marked_input, gradient_leaf
 from lightning_pipetransformer.stack.interception import BlockArgs, StackCall
 
 if TYPE_CHECKING:
@@ -41,40 +40,6 @@ def first_trainable(calls: Sequence[BlockArgs], parameter_names: Mapping[int, st
                 source = f", computed from {', '.join(sorted(set(found))[:3])}" if found else ""
                 return f"block {index}'s {name}{source}"
     return None
-
-
-@dataclass
-class StackInput:
-    """What enters the frozen blocks in one forward: the hidden state, or the record of skipped embeddings.
-
-    ``hidden`` is a placeholder when the embeddings were skipped (``skipped`` is then their record):
-    :meth:`rows` runs them for the rows that need real values (misses, verified hits), :meth:`full`
-    for all rows. ``grad_free``: the input requires grad only because a hook marked it
-    (enable_input_require_grads under gradient checkpointing or PEFT), with no parameter behind it:
-    the frozen prefix needs no graph and can be served; the boundary is marked again for the active
-    blocks (stack/input_grad.py).
-    """
-
-    hidden: Tensor
-    skipped: Any
-    grad_free: bool
-
-    @classmethod
-    def of(cls, hidden: Tensor, skipped: Any) -> StackInput:
-        grad_free = torch.is_grad_enabled() and hidden.requires_grad and (skipped is not None or needs_no_gradient(hidden))
-        return cls(hidden, skipped, grad_free)
-
-    def rows(self, mask: Tensor) -> Tensor:
-        if self.skipped is not None:
-            return self.skipped.rows(mask)
-        source = self.hidden.detach() if self.grad_free else self.hidden
-        return source[mask.to(source.device)]
-
-    def full(self) -> Tensor:
-        """Never the placeholder: where the cache stands aside, the real embeddings run."""
-        if self.skipped is not None:
-            return self.skipped.rows()
-        return self.hidden.detach() if self.grad_free else self.hidden
 
 
 class CachedStack:

@@ -4,7 +4,7 @@ their inputs name what reaches the stack.
 A content key is cheapest on the embeddings' inputs (token ids: a few numbers per sample) rather than
 on the hidden state they produce, but those inputs name the stack's input only if that very output,
 unmodified, is what reaches the stack. :class:`EmbeddingsWatch` records the embeddings' last call
-(:class:`~lightning_pipetransformer.cache.prefix.InputRecorder`), checks at the stack that their output
+(:class:`InputRecorder`), checks at the stack that their output
 arrived unchanged (identity and version counter), and, once that has been seen in a mode, lets the
 :class:`~lightning_pipetransformer.cache.embedding_skip.EmbeddingSkipper` hand the model a placeholder
 instead of running them on batches the cache serves.
@@ -14,17 +14,58 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_pipetransformer.cache.embedding_skip import EmbeddingSkipper, input_versions
+from lightning_pipetransformer.cache.embedding_skip import EmbeddingSkipper, input_versions, version_of
 from lightning_pipetransformer.cache.metrics import BatchCounters
-from lightning_pipetransformer.cache.prefix import InputRecorder, Pending
 from lightning_pipetransformer.stack.discovery import BlockStack
 from lightning_pipetransformer.stack.interception import installed_pipeline
 
-__all__ = ["EmbeddingsWatch"]
+__all__ = ["EmbeddingsWatch", "InputRecorder", "Pending"]
+
+@dataclass(frozen=True)
+class Pending:
+    """The embeddings' last call, waiting for the stack: it names the stack's input only if that very
+    output, unmodified, arrives there (the version counters tell)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    #: What the call returned (the placeholder, when the embeddings were skipped).
+    output: Any
+    #: The output's version counter then (``None`` under ``inference_mode``: not tracked).
+    version: int | None
+    #: The inputs' version counters then: an input changed in place since no longer names the output.
+    inputs: tuple[int | None, ...]
+
+
+class InputRecorder:
+    """A forward hook on the first module before the stack: its last inputs, output and the output's version.
+
+    The inputs stand for the hidden state only if that very output tensor, unmodified, is what
+    reaches the stack (checked by identity and version counter in :meth:`EmbeddingsWatch.arrived`): a second embedding
+    added to it, an in-place change, or the module called again for another input, and the
+    hidden state itself is hashed instead.
+    """
+
+    def __init__(self, active: Callable[[], bool] = lambda: True) -> None:
+        self.pending: Pending | None = None
+        #: Whether a cached stack will take the record: otherwise nothing reads it, and keeping it would
+        #: hold the previous batch's embeddings output (on the GPU) until the next forward.
+        self.active = active
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if not self.active():
+            self.pending = None
+            return
+        self.pending = Pending(args, kwargs, output, version_of(output), input_versions(args, kwargs))
+
+    def take(self) -> Pending | None:
+        pending, self.pending = self.pending, None
+        return pending
+
 
 #: Per block-stack container: the modes in which its embeddings' output was seen to reach the stack
 #: unchanged (:attr:`EmbeddingsWatch.verified_modes`). That is a property of the model's code, so it outlives

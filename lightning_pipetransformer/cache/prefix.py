@@ -1,9 +1,8 @@
 """The frozen prefix, one batch at a time: what AutoCache and the cached stack both use.
 
 Running the frozen blocks (:func:`run_blocks`), the index keys' view of the blocks' arguments
-(:func:`with_block_arguments`), the record of the embeddings' last call
-(:class:`InputRecorder`, :class:`Pending`), the error raised when a cached activation is stale and
-how refusals reach every rank (:class:`Verdicts`).
+(:func:`with_block_arguments`), the error raised when a cached activation is stale and how
+refusals reach every rank (:class:`Verdicts`).
 :mod:`~lightning_pipetransformer.cache.autocache` and :mod:`~lightning_pipetransformer.cache.cached_stack`
 import this module; it imports neither.
 """
@@ -11,33 +10,15 @@ import this module; it imports neither.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from lightning_pipetransformer.cache.arguments import shared_once
-from lightning_pipetransformer.cache.embedding_skip import input_versions, version_of
 from lightning_pipetransformer.cache.keys import content_keys
 from lightning_pipetransformer.stack.interception import BlockArgs, call_block, hidden_of
 
-__all__ = ["InputRecorder", "Pending", "StaleCacheError", "Verdicts", "run_blocks", "with_block_arguments"]
-
-@dataclass(frozen=True)
-class Pending:
-    """The embeddings' last call, waiting for the stack: it names the stack's input only if that very
-    output, unmodified, arrives there (the version counters tell)."""
-
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    #: What the call returned (the placeholder, when the embeddings were skipped).
-    output: Any
-    #: The output's version counter then (``None`` under ``inference_mode``: not tracked).
-    version: int | None
-    #: The inputs' version counters then: an input changed in place since no longer names the output.
-    inputs: tuple[int | None, ...]
-
+__all__ = ["StaleCacheError", "Verdicts", "run_blocks", "with_block_arguments"]
 
 class StaleCacheError(RuntimeError):
     """A cached activation differs from the recomputed one: caching cannot be exact for this model."""
@@ -92,30 +73,3 @@ def with_block_arguments(keys: list[str], calls: Sequence[BlockArgs], device: to
     except TypeError:
         return None  # an argument we cannot hash reliably: compute, never guess
     return [f"{key}-{extra}" for key, extra in zip(keys, extras)]
-
-
-class InputRecorder:
-    """A forward hook on the first module before the stack: its last inputs, output and the output's version.
-
-    The inputs stand for the hidden state only if that very output tensor, unmodified, is what
-    reaches the stack (checked by identity and version counter in
-    :meth:`~lightning_pipetransformer.cache.autocache.AutoCache.arrived`): a second embedding
-    added to it, an in-place change, or the module called again for another input, and the
-    hidden state itself is hashed instead.
-    """
-
-    def __init__(self, active: Callable[[], bool] = lambda: True) -> None:
-        self.pending: Pending | None = None
-        #: Whether a cached stack will take the record: otherwise nothing reads it, and keeping it would
-        #: hold the previous batch's embeddings output (on the GPU) until the next forward.
-        self.active = active
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        if not self.active():
-            self.pending = None
-            return
-        self.pending = Pending(args, kwargs, output, version_of(output), input_versions(args, kwargs))
-
-    def take(self) -> Pending | None:
-        pending, self.pending = self.pending, None
-        return pending
