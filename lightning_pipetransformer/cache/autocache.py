@@ -12,7 +12,8 @@ For every batch it
    augmentation or masking done in ``training_step`` just misses, it never hits a stale entry;
 2. looks the keys up in the store of the current boundary (whose directory name carries a
    fingerprint of the frozen weights, so another model or boundary can never be returned);
-3. runs the frozen blocks, under ``no_grad``, only for the misses and stores their outputs;
+3. runs the frozen blocks, under ``no_grad``, only for the misses and stores their outputs
+   (:class:`~lightning_pipetransformer.cache.batch.CachedBatch`);
 4. runs the active blocks (the pipeline over ``blocks[F:]``) on the merged boundary activations.
 
 Once the embeddings' output is seen to reach the stack unchanged, they are skipped too
@@ -26,6 +27,15 @@ and compared with what the store returned (a mismatch raises: something outside 
 prefix feeds it and caching cannot be exact; NaN equals NaN there); and ``cache="auto"`` keeps
 the cache only while a lookup per sample is measured faster than the frozen prefix per sample
 on this device.
+
+AutoCache holds one object per part, each in its own module: the boundaries and their stores
+(:mod:`~lightning_pipetransformer.cache.boundaries`), the embeddings' watch
+(:mod:`~lightning_pipetransformer.cache.embeddings`), index keys
+(:mod:`~lightning_pipetransformer.cache.indices`), the first-hit check
+(:mod:`~lightning_pipetransformer.cache.first_hit`), refusals (:class:`~lightning_pipetransformer.cache.prefix.Verdicts`),
+counters (:mod:`~lightning_pipetransformer.cache.metrics`) and the batch-size measure
+(:mod:`~lightning_pipetransformer.cache.budget`). It keeps the settings and the decisions that
+span them: whether the frozen blocks' input lets the cache serve, ``cache="auto"``, the keys.
 """
 
 from __future__ import annotations
