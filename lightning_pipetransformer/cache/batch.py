@@ -84,10 +84,11 @@ class CachedBatch:
         extras: per-sample tensors ``[B, ...]`` kept with new entries (the blocks' inputs from F on).
         blocks: the frozen blocks 0..F-1 (an earlier boundary b's entries run blocks b..F-1).
         prefix: runs all frozen blocks (installed by the cached stack, so that it can be observed).
-        older: where entries of earlier boundaries come from (a lazy advance); ``None``: nowhere.
+        older: where entries of earlier boundaries come from (a lazy advance); ``None``: nowhere (then
+            the misses' rows are not even listed for it).
         sample_shape, dtype, device: of one activation, as the first active block expects it.
 
-    After :meth:`boundary`: ``hit_mask`` (the rows the store held), ``served`` (those plus the
+    After :meth:`boundary`: ``hit_mask`` and ``hits`` (the rows the store held), ``served`` (those plus the
     rows an earlier boundary held: the cache answered them), ``compute_seconds`` (per sample through
     the frozen prefix, when some ran) and ``computed_shape`` (one computed activation's shape).
     """
@@ -119,6 +120,7 @@ class CachedBatch:
         self.dtype = dtype
         self.device = device
         self.hit_mask: Tensor | None = None
+        self.hits = 0
         self.served = 0
         self.compute_seconds: float | None = None
         self.computed_shape: tuple[int, ...] | None = None
@@ -127,12 +129,13 @@ class CachedBatch:
         """The whole batch's boundary activations ``[B, ...]``."""
         hit_mask, hits = self.store.lookup(self.keys, sample_shape=self.sample_shape, dtype=self.dtype, device=self.device)
         self.hit_mask = hit_mask
-        self.served = int(hit_mask.sum())
-        miss = ~hit_mask
-        if not bool(miss.any()):
+        hit = hit_mask.tolist()  # the mask is host data: read once, no wait for the device
+        self.hits = self.served = sum(hit)
+        if self.hits == len(hit):
             return hits
+        miss = ~hit_mask
         computed = self._run_misses(miss)
-        self._store(miss, computed)
+        self._store(miss, [k for k, found in zip(self.keys, hit) if not found], computed)
         return merge_rows(hit_mask, hits, computed)
 
     def _run_misses(self, miss: Tensor) -> Tensor:
@@ -171,8 +174,7 @@ class CachedBatch:
         self.compute_seconds = (time.perf_counter() - start) / max(1, hidden.shape[0])
         return out
 
-    def _store(self, miss: Tensor, computed: Tensor) -> None:
-        miss_keys = [k for k, missed in zip(self.keys, miss.tolist()) if missed]
+    def _store(self, miss: Tensor, miss_keys: list[str], computed: Tensor) -> None:
         self.store.store(miss_keys, computed, {n: t[miss.to(t.device)] for n, t in self.extras.items()})
 
 

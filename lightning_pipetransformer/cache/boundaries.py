@@ -173,6 +173,11 @@ class Boundaries:
         self._share_budget()
         return found
 
+    @property
+    def holds_older(self) -> bool:
+        """Whether earlier boundaries' stores are still open (a lazy advance in progress)."""
+        return bool(self._older)
+
     def _share_budget(self) -> None:
         """Entries of earlier boundaries still in memory count against the one budget."""
         if self.current is not None:

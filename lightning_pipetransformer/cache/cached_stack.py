@@ -112,7 +112,7 @@ class CachedStack:
         shape_in = tuple(hidden.shape[1:])
         served = CachedBatch(
             store, keys, rows=given.rows, calls=calls, extras=extras, blocks=self.blocks[: self.num_frozen], prefix=self._prefix,
-            older=functools.partial(cache.boundaries.older, dtype=hidden.dtype, device=hidden.device),
+            older=functools.partial(cache.boundaries.older, dtype=hidden.dtype, device=hidden.device) if cache.boundaries.holds_older else None,
             sample_shape=self._boundary_shapes.get(shape_in, shape_in), dtype=hidden.dtype, device=hidden.device,
         )
         start = time.perf_counter()
@@ -126,7 +126,7 @@ class CachedStack:
         hit_mask = served.hit_mask
         assert hit_mask is not None
         cache.counters.count_lookup(served.served, batch)
-        if bool(hit_mask.any()):
+        if served.hits:
             cache.after_hits(given.rows, calls, hit_mask, boundary, self._prefix, total, batch)
         return boundary
 

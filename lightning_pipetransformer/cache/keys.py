@@ -205,7 +205,8 @@ def content_keys(*values: Any, batch_size: int | None = None) -> list[str]:
     total = torch.stack([h.to(device) for h in per_row]).sum(dim=0)  # [B, 2]
     for h in shared:
         total = total + h.to(device)
-    total = total + torch.tensor([host_salt, _signed(host_salt * 3 + 1)], dtype=torch.int64, device=device)
+    # Python scalars, not a tensor made from host data: that would be a copy to the device in every step.
+    total = torch.stack((total[:, 0] + host_salt, total[:, 1] + _signed(host_salt * 3 + 1)), dim=1)
     # Final mix so keys are uniform even when only salts differ; one transfer per batch.
     final = torch.stack((_mix_a(total[:, 0] ^ total[:, 1]), _mix_b(total[:, 1] + _SEED_A)), dim=1).cpu()
     return [f"{a & _M64:016x}{b & _M64:016x}" for a, b in final.tolist()]
