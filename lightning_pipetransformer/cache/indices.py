@@ -39,9 +39,11 @@ class BatchIndices:
                 "cache_key='index' needs dict batches with an 'index' entry (the dataset index of each sample); "
                 f"got a {type(batch).__name__} batch. Add the index in your Dataset/collate_fn, or use cache_key='content'."
             )
-        keys = index_keys(batch["index"], namespace)
         raw = batch["index"]
-        error = self._repeated(raw.reshape(-1).tolist() if isinstance(raw, Tensor) else list(raw), loader, batch_idx)
+        if isinstance(raw, Tensor) and not (raw.is_floating_point() or raw.is_complex()):
+            raw = raw.reshape(-1).tolist()  # read once: on a GPU, the step's one wait for its indices
+        keys = index_keys(raw, namespace)  # says what is wrong with indices that are not ints
+        error = self._repeated(list(raw), loader, batch_idx)
         if error is not None:
             refuse(error)
         return keys

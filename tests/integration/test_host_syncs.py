@@ -121,3 +121,31 @@ def test_a_served_cached_step_reads_only_its_keys_back(tmp_path, monkeypatch):
     served = counts[3]  # the first hit's one-off check ran at batch 3 (counts[2])
     assert served == ["cpu", "tolist", "tolist"], served
     assert len(counts[4]) > len(served)  # misses cost more (their rows run, are checked finite, stored, merged)
+
+
+def test_a_served_cached_step_with_index_keys_reads_its_indices_once(tmp_path, monkeypatch):
+    """Index keys: the batch's indices are read once (they name the entries), then the blocks'
+    arguments hashed into the keys once (a changed mask must miss); nothing else."""
+    from lightning_pipetransformer.cache.cached_stack import CachedStack
+    from tests.unit.cache.test_autocache import batch
+
+    model, cache = _cached_bert(tmp_path, "index")
+    ids, mask = batch(0)
+    counts: list[list[str]] = []
+    run = CachedStack.run
+
+    def counted(self, call):
+        seen: list[str] = []
+        counts.append(seen)
+        with SyncCounter(seen):
+            return run(self, call)
+
+    monkeypatch.setattr(CachedStack, "run", counted)
+    for _ in range(3):
+        given: list[str] = []
+        with SyncCounter(given):
+            cache.set_batch({"index": torch.arange(6)}, "train0", None)
+        model(input_ids=ids, attention_mask=mask).logits.sum().backward()
+    assert cache.store.stats().hits == 12  # engaged: the second and third batches were served
+    assert given == ["tolist"], given
+    assert counts[-1] == ["cpu", "tolist", "tolist"], counts[-1]
