@@ -225,7 +225,7 @@ class AutoCache:
         """
         batch = hidden.shape[0]
         if self.verdicts.pending is not None:
-            return None  # a refusal waits for the other ranks (defer_verdicts): compute, never guess
+            return None  # a refusal waits for the other ranks (Verdicts.defer): compute, never guess
         if self.key == "index":
             keys, self.indices.next = self.indices.next, None
             if keys is None or len(keys) != batch:
