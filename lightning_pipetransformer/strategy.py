@@ -532,7 +532,7 @@ class PipeTransformerStrategy(ProcessLayout):
         if group is None:
             return run()
         if cache is not None:
-            cache.defer_verdicts = True
+            cache.verdicts.defer = True
         error: BaseException | None = None
         output = None
         try:
@@ -540,7 +540,7 @@ class PipeTransformerStrategy(ProcessLayout):
         except Exception as err:  # noqa: BLE001 - raised below, on every rank together
             error = err
         if error is None and cache is not None:
-            error = cache.take_verdict()
+            error = cache.verdicts.take()
         try:
             signum = faults.agree_at_step(error, self._signals.signum, group, where)
         except BaseException as raised:

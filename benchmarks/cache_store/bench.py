@@ -185,7 +185,7 @@ def main() -> None:
     print()
     print(table)
     for store in (mem, disk, half, mem_writes, disk_writes):
-        store.clear(disk=True)
+        store.close(delete=True)
     if args.write_docs:
         text = DOCS.read_text()
         block = f"{BEGIN}\n{header}\n\n{table}\n{END}"

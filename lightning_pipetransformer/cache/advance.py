@@ -1,293 +1,27 @@
-"""Running the frozen prefix around the store: one batch with hits and misses, and a boundary advance.
-
-Per batch (:func:`cached_prefix`)::
-
-    keys --lookup--> hit_mask, hits ---------------------------.
-      misses --compute(miss_mask)--> boundary rows --store--> merge_rows --> first active block
-
-Only the misses run through the prefix; the merged batch enters the first active block with the
-batch's own block arguments (attention mask ...), which the model computes as usual.
+"""Boundary moves: the entries stored at boundary F carried to boundary F' without recomputing them.
 
 When the boundary moves F -> F' (:func:`advance_store`), every entry at F goes through blocks
-F..F'-1 only, never again from the input, and is stored under the new prefix's fingerprint.
-Those blocks need the per-sample inputs the model's loop passed to each of them with the hidden
-state (an attention mask, a sliding-window mask for some layers, rotary embeddings ...): they
-are stored *with* each entry, for every block from the boundary on, as extra tensors built by
-:func:`pack_block_inputs` and turned back into each block's ``(args, kwargs)`` by
-:func:`unpack_block_inputs`. A tensor that several blocks receive (one mask object for all
-layers) is stored once. Encoding of one leaf of block ``b``'s arguments, nested tuples, lists
-and dicts included (``position_embeddings=(cos, sin)``)::
-
-    tensor [B, ...]     -> "t.<path>"            one row per sample
-    tensor [1, ...]     -> "t.<path>"            expanded to one row per sample (broadcast: same result)
-    tensor [B * k, ...] -> "f.<path>"            a batch-major folded argument (BLOOM's alibi), as [B, k, ...]
-    a tensor seen before-> "r.<path>.-<path'>"   an empty row: the same tensor as <path'>
-    None                -> "n.<path>"            an empty row, [B, 0]
-    bool / int / float  -> "s.<path>"            a [B] tensor; entries are advanced in groups of equal values
-    empty tuple / list  -> "e.<path>"            an empty row
-    (always)            -> "m.inputs"            an empty row: block inputs were recorded (even if none)
-
-``<path>`` is ``b<block>`` then ``.a<i>`` for positional argument i (0 = the first after the
-hidden state) or ``.k<name>`` for a keyword, then ``.t<i>`` / ``.l<i>`` / ``.d<key>`` for an
-element of a tuple, list or dict. A BERT layer's extras are one bool mask row ``[1, S, S]``
-(S*S bytes: 4 KiB at S = 64, against 96 KiB of fp32 activation) or nothing when unpadded.
+F..F'-1 only, never again from the input, and is stored under the new prefix's fingerprint. The
+blocks' inputs come from the entry itself: stored with it by the per-batch path
+(:func:`~lightning_pipetransformer.cache.arguments.pack_block_inputs`), read back by
+:func:`~lightning_pipetransformer.cache.arguments.unpack_block_inputs`. With several processes on a
+node, :func:`shard_of` splits the directory's entries among them.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_pipetransformer.cache.store import (
-    ActivationStore,
-    StoredEntry,
-    merge_rows,
-)
-from lightning_pipetransformer.pipe.microbatch import per_sample_view
-from lightning_pipetransformer.stack.interception import BlockArgs, hidden_of
+from lightning_pipetransformer.cache.arguments import INPUTS_MARKER, unpack_block_inputs
+from lightning_pipetransformer.cache.store import ActivationStore, StoredEntry
+from lightning_pipetransformer.stack.interception import hidden_of
 
-__all__ = [
-    "ENTRY_FORMAT",
-    "advance_store",
-    "cached_prefix",
-    "entry_bytes",
-    "pack_block_inputs",
-    "select_rows",
-    "shard_of",
-    "unpack_block_inputs",
-]
-
-#: The layout of stored block inputs; part of every store's fingerprint, so entries written in
-#: another layout are never read.
-ENTRY_FORMAT = 2
-
-_MARKER = "m.inputs"
-
-
-def _readable(path: str) -> str:
-    """``"b3.krel_embeddings"`` as ``"block 3's argument rel_embeddings"``, ``"b2.a1.t0"`` as ``"block 2's argument 2 [0]"``."""
-    block, *parts = path.split(".")
-    words = f"block {block[1:]}'s argument "
-    for i, part in enumerate(parts):
-        kind, rest = part[0], part[1:]
-        if i == 0:
-            words += rest if kind == "k" else str(int(rest) + 1)
-        else:
-            words += f" [{rest}]" if kind in "tl" else f" [{rest!r}]"
-    return words
-
-
-def pack_block_inputs(calls: Sequence[BlockArgs], first_block: int, batch_size: int) -> dict[str, Tensor]:
-    """Encode the arguments of blocks ``first_block, first_block + 1, ...`` as per-sample tensors ``[B, ...]``.
-
-    ``calls[i]`` is block ``first_block + i``'s ``(args, kwargs)`` after the hidden state.
-
-    Raises:
-        TypeError: an argument that is neither batch-shaped, broadcast (first dimension 1),
-            None, a bool/int/float, nor a tuple/list/dict of those: it cannot be split per sample.
-    """
-    out: dict[str, Tensor] = {_MARKER: torch.zeros(batch_size, 0, dtype=torch.uint8)}
-    seen: dict[int, str] = {}
-
-    def empty() -> Tensor:
-        return torch.zeros(batch_size, 0, dtype=torch.uint8)
-
-    def pack(path: str, value: Any, key: int | str) -> None:
-        per_sample = per_sample_view(key, value, batch_size)
-        if per_sample is not value:
-            out[f"f.{path}"] = per_sample.detach()
-            return
-        if value is None:
-            out[f"n.{path}"] = empty()
-        elif isinstance(value, Tensor):
-            if id(value) in seen:
-                out[f"r.{path}.-{seen[id(value)]}"] = empty()
-                return
-            if value.dim() > 0 and value.shape[0] == batch_size:
-                out[f"t.{path}"] = value.detach()
-            elif value.dim() > 0 and value.shape[0] == 1:
-                out[f"t.{path}"] = value.detach().expand(batch_size, *value.shape[1:])
-            else:
-                raise TypeError(
-                    f"{_readable(path)} is a tensor of shape {tuple(value.shape)}, neither [batch={batch_size}, ...] "
-                    "nor broadcast [1, ...] (one value shared by all samples, such as a weight handed to every block)"
-                )
-            seen[id(value)] = path
-        elif isinstance(value, (bool, int, float)):
-            dtype = torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) else torch.float64
-            out[f"s.{path}"] = torch.full((batch_size,), value, dtype=dtype)
-        elif isinstance(value, (tuple, list)) and type(value) in (tuple, list):
-            if not value:
-                out[f"e.{path}.{'t' if isinstance(value, tuple) else 'l'}"] = empty()
-            kind = "t" if isinstance(value, tuple) else "l"
-            for i, item in enumerate(value):
-                pack(f"{path}.{kind}{i}", item, key)
-        elif type(value) is dict and all(isinstance(k, str) and k.isidentifier() for k in value):
-            for name, item in value.items():
-                pack(f"{path}.d{name}", item, key)
-        else:
-            raise TypeError(
-                f"{_readable(path)} is a {type(value).__module__}.{type(value).__qualname__}, which an entry cannot hold "
-                "(tensors, None, bool/int/float and plain tuples, lists and dicts of them can)"
-            )
-
-    for offset, (args, kwargs) in enumerate(calls):
-        block = f"b{first_block + offset}"
-        out[f"e.{block}"] = empty()  # the block was recorded (even with no arguments)
-        for i, value in enumerate(args):
-            pack(f"{block}.a{i}", value, i + 1)
-        for name, value in kwargs.items():
-            pack(f"{block}.k{name}", value, name)
-    return out
-
-
-def entry_bytes(hidden: Tensor, args: Sequence[Any], kwargs: Mapping[str, Any], storage_dtype: torch.dtype | None) -> int | None:
-    """Bytes one sample's entry takes in the store (its activation plus one block's :func:`pack_block_inputs` rows).
-
-    ``None`` when the arguments cannot be stored per sample (the cache then computes those batches).
-    """
-    try:
-        extras = pack_block_inputs([(tuple(args), dict(kwargs))], 0, hidden.shape[0])
-    except TypeError:
-        return None
-    itemsize = torch.empty((), dtype=storage_dtype or hidden.dtype).element_size()
-    return hidden[0].numel() * itemsize + sum(t[0].numel() * t.element_size() for t in extras.values())
-
-
-def unpack_block_inputs(extras: Mapping[str, Tensor], blocks: Sequence[int]) -> list[BlockArgs]:
-    """Inverse of :func:`pack_block_inputs` for ``n`` stacked samples: each of ``blocks``' ``(args, kwargs)``.
-
-    Raises:
-        ValueError: a block's inputs were not stored (entries from before that block's boundary).
-    """
-    values: dict[str, Any] = {}
-    references: dict[str, str] = {}
-    recorded: set[str] = set()
-    for name, tensor in extras.items():
-        kind, _, path = name.partition(".")
-        if kind == "t":
-            values[path] = tensor
-        elif kind == "f":
-            values[path] = tensor.flatten(0, 1)
-        elif kind == "n":
-            values[path] = None
-        elif kind == "s":
-            values[path] = tensor[0].item()  # equal in the group (advance_store groups by value)
-        elif kind == "r":
-            path, _, target = path.partition(".-")
-            references[path] = target
-        elif kind == "e":
-            if path.count(".") == 0:
-                recorded.add(path)
-            else:
-                values[path] = "<empty>"
-    for path, target in references.items():
-        values[path] = values[target]
-    calls: list[BlockArgs] = []
-    for block in blocks:
-        prefix = f"b{block}"
-        if prefix not in recorded:
-            raise ValueError(f"The stored entry holds no inputs for block {block}: it cannot be advanced through it.")
-        tree: dict[str, Any] = {}
-        for path, value in values.items():
-            head, _, rest = path.partition(".")
-            if head == prefix:
-                _insert(tree, rest.split("."), value)
-        slots = sorted(int(k[1:]) for k in tree if k.startswith("a"))
-        if slots != list(range(len(slots))):
-            raise ValueError(f"Stored inputs of block {block} have positional slots {slots}: some are missing.")
-        args = tuple(_build(tree[f"a{i}"]) for i in slots)
-        kwargs = {k[1:]: _build(v) for k, v in tree.items() if k.startswith("k")}
-        calls.append((args, kwargs))
-    return calls
-
-
-def _insert(tree: dict[str, Any], parts: list[str], value: Any) -> None:
-    node = tree
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    node[parts[-1]] = value
-
-
-def _build(node: Any) -> Any:
-    """A packed subtree back into the tuple / list / dict it was."""
-    if not isinstance(node, dict):
-        return node
-    if set(node) in ({"t"}, {"l"}) and node[next(iter(node))] == "<empty>":
-        return () if "t" in node else []
-    kind = next(iter(node))[0]
-    if kind == "d":
-        return {k[1:]: _build(v) for k, v in node.items()}
-    items = [_build(v) for _, v in sorted(node.items(), key=lambda kv: int(kv[0][1:]))]
-    return tuple(items) if kind == "t" else items
-
-
-def select_rows(value: Any, mask: Tensor, batch_size: int) -> Any:
-    """``value`` (nested tuples/lists/dicts) with every ``[batch_size, ...]`` tensor cut to the rows in ``mask``.
-
-    A tensor that appears several times (one mask for every block) is cut once; a batch-major
-    folded keyword argument (:func:`~.microbatch.per_sample_view`) is cut by sample.
-    """
-    memo: dict[int, Tensor] = {}
-
-    def cut(v: Any) -> Any:
-        if isinstance(v, Tensor):
-            if v.dim() > 0 and v.shape[0] == batch_size:
-                if id(v) not in memo:
-                    memo[id(v)] = v[mask.to(v.device)]
-                return memo[id(v)]
-            return v
-        if isinstance(v, Mapping):
-            return {k: cut_folded(k, x) if per_sample_view(k, x, batch_size) is not x else cut(x) for k, x in v.items()}
-        if isinstance(v, tuple) and hasattr(v, "_fields"):
-            return type(v)(*(cut(x) for x in v))
-        if isinstance(v, (tuple, list)):
-            return type(v)(cut(x) for x in v)
-        return v
-
-    def cut_folded(key: str, v: Tensor) -> Tensor:
-        if id(v) not in memo:
-            memo[id(v)] = per_sample_view(key, v, batch_size)[mask.to(v.device)].flatten(0, 1)
-        return memo[id(v)]
-
-    return cut(value)
-
-
-def cached_prefix(
-    store: ActivationStore,
-    keys: Sequence[str],
-    compute: Callable[[Tensor], Tensor],
-    *,
-    extras: Mapping[str, Tensor] | None = None,
-    sample_shape: Sequence[int] | None = None,
-    dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
-) -> tuple[Tensor, Tensor]:
-    """The boundary activations of a whole batch, computing only the misses; returns ``(activations, hit_mask)``.
-
-    Args:
-        store: the store of the current boundary.
-        keys: one key per sample (:func:`~.cache_keys.content_keys` / ``index_keys``).
-        compute: ``compute(miss_mask) -> [misses, ...]``: runs the frozen prefix (no grad) on the
-            rows where ``miss_mask`` (CPU bool ``[B]``) is true; :func:`select_rows` cuts a batch.
-            Not called when every sample hits.
-        extras: per-sample tensors ``[B, ...]`` to keep with new entries, normally
-            ``pack_block_inputs(args, kwargs, B)`` so the entries can be advanced later.
-        sample_shape, dtype, device: of one activation, as the first active block expects it.
-    """
-    hit_mask, hits = store.lookup(keys, sample_shape=sample_shape, dtype=dtype, device=device)
-    miss_mask = ~hit_mask
-    if not bool(miss_mask.any()):
-        return hits, hit_mask
-    computed = compute(miss_mask)
-    miss_keys = [k for k, hit in zip(keys, hit_mask.tolist()) if not hit]
-    miss_extras = {n: t[miss_mask.to(t.device)] for n, t in (extras or {}).items()}
-    store.store(miss_keys, computed, miss_extras)
-    return merge_rows(hit_mask, hits, computed), hit_mask
+__all__ = ["advance_store", "shard_of"]
 
 
 def shard_of(key: str, num_shards: int) -> int:
@@ -318,15 +52,15 @@ def advance_store(
     Args:
         run: ``run(hidden, calls)`` runs blocks F..F'-1 exactly as the model's loop does, block
             ``F + i`` with ``calls[i]`` (its stored ``(args, kwargs)``), and returns the hidden
-            state (or a block output :func:`~.interception.hidden_of` reads). It is called under
+            state (or a block output :func:`~lightning_pipetransformer.stack.interception.hidden_of` reads). It is called under
             ``torch.no_grad()``.
         batch_size: entries per call of ``run``.
         device: where ``run`` computes (inputs are moved there); default CPU.
         shard: ``(rank, world)``: with several processes on one node, each advances the disk
             entries with ``shard_of(key, world) == rank`` plus the entries only it holds in
-            memory. Then (after a barrier) one process may ``src.clear(disk=True)``.
+            memory. Then (after a barrier) one process may ``src.close(delete=True)``.
 
-    Advanced entries leave ``src``'s memory (their files stay until ``src.clear(disk=True)``), so
+    Advanced entries leave ``src``'s memory (their files stay until ``src.close(delete=True)``), so
     with equal budgets the two stores together hold about one budget. Entries already in ``dst``
     are skipped, so an interrupted advance can simply be rerun.
     Entries stored without block inputs cannot be advanced: ``ValueError``.
@@ -366,10 +100,10 @@ def advance_store(
         entry = src.read(key)
         if entry is None:  # removed or rejected meanwhile: it will simply miss
             continue
-        if _MARKER not in entry.extras:
+        if INPUTS_MARKER not in entry.extras:
             raise ValueError(
                 f"Entry {key!r} at boundary {src.boundary} was stored without its block inputs, so it cannot "
-                "be advanced: store entries with extras=pack_block_inputs(args, kwargs, B)."
+                "be advanced: store entries with extras=pack_block_inputs(calls, first_block, B)."
             )
         group = groups.setdefault(_signature(entry), [])
         group.append((key, entry))

@@ -12,7 +12,8 @@ For every batch it
    augmentation or masking done in ``training_step`` just misses, it never hits a stale entry;
 2. looks the keys up in the store of the current boundary (whose directory name carries a
    fingerprint of the frozen weights, so another model or boundary can never be returned);
-3. runs the frozen blocks, under ``no_grad``, only for the misses and stores their outputs;
+3. runs the frozen blocks, under ``no_grad``, only for the misses and stores their outputs
+   (:class:`~lightning_pipetransformer.cache.batch.CachedBatch`);
 4. runs the active blocks (the pipeline over ``blocks[F:]``) on the merged boundary activations.
 
 Once the embeddings' output is seen to reach the stack unchanged, they are skipped too
@@ -26,6 +27,15 @@ and compared with what the store returned (a mismatch raises: something outside 
 prefix feeds it and caching cannot be exact; NaN equals NaN there); and ``cache="auto"`` keeps
 the cache only while a lookup per sample is measured faster than the frozen prefix per sample
 on this device.
+
+AutoCache holds one object per part, each in its own module: the boundaries and their stores
+(:mod:`~lightning_pipetransformer.cache.boundaries`), the embeddings' watch
+(:mod:`~lightning_pipetransformer.cache.embeddings`), index keys
+(:mod:`~lightning_pipetransformer.cache.indices`), the first-hit check
+(:mod:`~lightning_pipetransformer.cache.first_hit`), refusals (:class:`~lightning_pipetransformer.cache.prefix.Verdicts`),
+counters (:mod:`~lightning_pipetransformer.cache.metrics`) and the batch-size measure
+(:mod:`~lightning_pipetransformer.cache.budget`). It keeps the settings and the decisions that
+span them: whether the frozen blocks' input lets the cache serve, ``cache="auto"``, the keys.
 """
 
 from __future__ import annotations
@@ -33,36 +43,24 @@ from __future__ import annotations
 import contextlib
 import re
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
-from lightning_pipetransformer.cache.advance import (
-    ENTRY_FORMAT,
-    advance_store,
-    entry_bytes,
-    select_rows,
-)
-from lightning_pipetransformer.cache.embedding_skip import (
-    EmbeddingSkipper,
-    input_versions,
-)
-from lightning_pipetransformer.cache.keys import content_keys, index_keys
-from lightning_pipetransformer.cache.prefix import (
-    InputRecorder,
-    Pending,
-    StaleCacheError,
-    run_blocks,
-    shared_once,
-    with_block_arguments,
-)
+from lightning_pipetransformer.cache.arguments import ENTRY_FORMAT, shared_once
+from lightning_pipetransformer.cache.boundaries import Boundaries
+from lightning_pipetransformer.cache.budget import BatchBytes
+from lightning_pipetransformer.cache.embeddings import EmbeddingsWatch, Pending
+from lightning_pipetransformer.cache.first_hit import FirstHitCheck
+from lightning_pipetransformer.cache.indices import BatchIndices
+from lightning_pipetransformer.cache.keys import content_keys
+from lightning_pipetransformer.cache.metrics import BatchCounters, PeriodHits, cache_metrics
+from lightning_pipetransformer.cache.prefix import Verdicts, with_block_arguments
 from lightning_pipetransformer.cache.store import (
     ActivationStore,
     CacheConfigError,
-    check_batch_fits,
 )
 from lightning_pipetransformer.cache.validity import (
     check_deterministic,
@@ -70,9 +68,10 @@ from lightning_pipetransformer.cache.validity import (
     prefix_modules,
 )
 from lightning_pipetransformer.stack.discovery import BlockStack
-from lightning_pipetransformer.stack.interception import BlockArgs, installed_pipeline
+from lightning_pipetransformer.stack.interception import BlockArgs
+from lightning_pipetransformer.warn_once import WarnOnce
 
-__all__ = ["AutoCache", "verification_tolerance"]
+__all__ = ["AutoCache"]
 
 CacheMode = bool | Literal["auto"]
 
@@ -80,15 +79,6 @@ CacheMode = bool | Literal["auto"]
 #: naming other tensors than the stored ones (fixed inputs hit every time): worth a warning.
 _LOW_HIT_RATE = 0.8
 _INPUT_TRAINS = "the input of the frozen blocks requires grad and its gradient trains something"
-
-
-#: Per block-stack container: the modes in which its embeddings' output was seen to reach the stack
-#: unchanged (:attr:`AutoCache.verified_modes`). That is a property of the model's code, so it outlives
-#: one AutoCache: validate/test/predict after fit build a new one, and under ``inference_mode`` (no
-#: version counters) could not show it again, so they would key on the hidden state and miss fit's entries.
-_VERIFIED_MODES: weakref.WeakKeyDictionary[nn.Module, set[bool]] = weakref.WeakKeyDictionary()
-
-
 
 
 class AutoCache:
@@ -99,7 +89,6 @@ class AutoCache:
             measured faster than the frozen prefix; ``False`` never.
         cache_dir: node-local directory shared by the node's processes.
         memory_budget: host bytes for entries in memory; the rest spills to ``cache_dir``.
-        storage_dtype: ``None`` (exact) or ``torch.bfloat16``/``torch.float16`` (lossy, opt-in).
         write_through: also write in-memory entries to disk (several processes per node).
         key: ``"content"`` (exact) or ``"index"`` (the batch's ``"index"`` entry, set per batch
             with :meth:`set_batch`; reuses the first view of an augmented sample, so the
@@ -113,47 +102,32 @@ class AutoCache:
         mode: CacheMode,
         cache_dir: str,
         memory_budget: int,
-        storage_dtype: torch.dtype | None = None,
         write_through: bool = False,
         key: Literal["content", "index"] = "content",
         skip_embeddings: bool = True,
     ) -> None:
         self.mode = mode
-        self.skip_embeddings = skip_embeddings
-        self.skipper: EmbeddingSkipper | None = None
-        #: The modes (``scope.training``) in which the embeddings' output was seen to reach the stack
-        #: as the same, unmodified tensor: skipping them is safe in those modes (a dropout between them
-        #: is the identity in eval mode only).
-        self.verified_modes: set[bool] = set()
-        #: Forwards that got a placeholder instead of the embeddings' output (reported as a metric).
-        self.embeddings_skipped = 0
-        #: Batches looked up in the current boundary's store, and those the cache answered in full (this
-        #: store's entries or an earlier boundary's, advanced on read), counted per boundary like the
-        #: store's hits; and the batches that ran without the cache since the fit began.
-        self.batches_looked_up = 0
-        self.batches_served = 0
-        self.batches_skipped = 0
-        self._container: nn.Module | None = None
+        #: Batches served, looked up and run without the cache; forwards that skipped the embeddings.
+        self.counters = BatchCounters()
+        #: What the embeddings did in each forward: recorded, skipped where exact (cache/embeddings.py).
+        self.embeddings = EmbeddingsWatch(
+            self, skip_embeddings, lambda num_frozen: self.enabled and self.boundaries.serves(num_frozen), self.counters,
+        )
         self.key = key
-        self._index_keys: list[str] | None = None
+        #: ``key="index"``: the keys of the next forward, and the indices each loader gave in its pass.
+        self.indices = BatchIndices()
         self.cache_dir = cache_dir
         self.memory_budget = memory_budget
-        self.storage_dtype = storage_dtype
         self.write_through = write_through
-        self.store: ActivationStore | None = None
         self.enabled = bool(mode)
         self.compute_time: float | None = None  # seconds per sample through the frozen prefix
-        self._verified = False
-        self._recorder = InputRecorder(self._serving)
-        self._hook: Any = None
-        self._skipped: set[str] = set()
-        self._store_warned: set[str] = set()
-        # period_hit_rate: the store, its (hits, misses) and periods counted at the last report.
-        self._period: tuple[ActivationStore, int, int, int] | None = None
-        self._low_hits_warned = False
-        #: Several processes: refusals are kept for the step's end, where the ranks raise together (see _refuse).
-        self.defer_verdicts = False
-        self._verdict: Exception | None = None
+        self.first_hit = FirstHitCheck()
+        #: Reasons said once per run: by global rank 0 (every replica would say the same), and by each rank.
+        self._said = WarnOnce(_warn_from_rank_zero)
+        self._said_here = WarnOnce()
+        self._period = PeriodHits()
+        #: Refusals: raised now, or (several processes) at the step's end on every rank together.
+        self.verdicts = Verdicts()
         #: ``id(parameter) -> name``, to name what the frozen blocks' input trains (set by the strategy).
         self.parameter_names: dict[int, str] = {}
         #: Why the modules before the stack keep training, when that is known in advance (input embeddings
@@ -168,18 +142,8 @@ class AutoCache:
         #: Whether what runs before the stack is still provisional (registration order, before the first
         #: training forward was observed): the frozen prefix is then computed, not looked up or stored.
         self.order_pending: Callable[[], bool] = lambda: False
-        self._unchecked = False  # the pending boundary's prefix was not checked yet (see move_boundary)
-        #: ``key="index"``: the indices each loader (``f"{stage}{dataloader_idx}"``) gave since its pass began.
-        self._seen_indices: dict[str, set[int]] = {}
-        # Several processes: the boundary to open once the weights are final (see defer_boundary),
-        # the store it replaces (advanced at the next sync_boundary) and where to advance it.
-        self._pending: tuple[BlockStack, int, bool, torch.device] | None = None
-        self._previous: ActivationStore | None = None
-        #: One process, lazy advance: the stores of earlier boundaries, newest first (see move_boundary).
-        self._older: list[ActivationStore] = []
-        self._where: tuple[BlockStack, torch.device] | None = None
-        #: Entries this process advanced into the current store when it opened.
-        self.advanced = 0
+        #: Which store is current, and the stores a boundary move keeps beside it.
+        self.boundaries = Boundaries(self._cacheable, self._open, lambda: self.forward_context())
         #: Mixed into the prefix fingerprint (e.g. the precision), so runs that differ there never share entries.
         self.fingerprint_extra = ""
         #: Index keys are only unique within one set-up (one loader, one run): prefix them with this.
@@ -187,46 +151,24 @@ class AutoCache:
         #: Context the model's forward runs in (the precision plugin's autocast): the boundary advance
         #: runs blocks F..F'-1 outside any step, and must compute what a forward would.
         self.forward_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
-        #: The largest batch of entries the first block's calls would store so far (see watch_batch_bytes).
-        self._batch_bytes = 0
-        self._size_hook: Any = None
+        #: What a batch's entries will take, measured from the first forward (checked at the first step).
+        self.batch_bytes = BatchBytes()
 
     def _store_warning(self, reason: str, message: str) -> None:
         """A store could not work fully (full disk, removed directory, NaN activations): warn once per run."""
-        if reason not in self._store_warned:
-            self._store_warned.add(reason)
-            if reason == "disk" and torch.distributed.is_available() and torch.distributed.is_initialized():
-                # A disk fails for one process or one node, not for every replica alike: said where it happens.
-                warnings.warn(f"[rank {torch.distributed.get_rank()}] {message}", stacklevel=3)
-            else:
-                _warn(message)
-
-    def _refuse(self, error: Exception) -> None:
-        """Raise ``error`` now, or (``defer_verdicts``) keep it for :meth:`take_verdict` and go on.
-
-        With several processes, a verdict one rank alone reaches must not skip the collectives the
-        others are in (DDP's buffer broadcast in the forward): the step finishes, computing without
-        the cache, and the strategy raises it on every rank together.
-        """
-        if not self.defer_verdicts:
-            raise error
-        if self._verdict is None:
-            self._verdict = error
-
-    def take_verdict(self) -> Exception | None:
-        """The refusal :meth:`_refuse` kept during this step, if any (and forget it)."""
-        verdict, self._verdict = self._verdict, None
-        return verdict
+        if reason == "disk" and torch.distributed.is_available() and torch.distributed.is_initialized():
+            # A disk fails for one process or one node, not for every replica alike: said where it happens.
+            self._said_here(("store", reason), f"[rank {torch.distributed.get_rank()}] {message}")
+        else:
+            self._said(("store", reason), message)
 
     def skip_once(self, reason: str) -> None:
         """Run without the cache for this batch; warn the first time for each reason."""
-        self.batches_skipped += 1
-        if reason not in self._skipped:
-            self._skipped.add(reason)
-            _warn(f"AutoCache is not used for these batches: {reason}. Results are exact; only the speed-up is lost.")
+        self.counters.skipped += 1
+        self._said(("skip", reason), f"AutoCache is not used for these batches: {reason}. Results are exact; only the speed-up is lost.")
 
     def describe_input_gradient(self, leaf: Any) -> str:
-        """What the frozen blocks' input trains, in words (``leaf``: :func:`~..stack.input_grad.gradient_leaf`)."""
+        """What the frozen blocks' input trains, in words (``leaf``: :func:`~lightning_pipetransformer.stack.input_grad.gradient_leaf`)."""
         name = self.parameter_names.get(id(leaf)) if isinstance(leaf, Tensor) else None
         return _INPUT_TRAINS + (f" (it reaches {name})" if name else "")
 
@@ -256,405 +198,82 @@ class AutoCache:
             )
         self.skip_once(reason)
 
-    def served(self, hits: int, batch: int) -> None:
-        """Count a batch the store answered (``hits`` of ``batch`` samples), for the logger."""
-        self.batches_looked_up += 1
-        self.batches_served += int(hits == batch)
-
-    # ------------------------------------------------------------------ wiring
-
     def attach(self, stack: BlockStack, root: nn.Module | None = None) -> None:
-        """Record the inputs of the first module before the stack (cheap keys); skip it when possible.
-
-        Only for a prefix that includes the embeddings (frozen with the first block). ``root``
-        (the module the stack was found in) lets the skipper find the forward that calls both.
-        """
+        """Record the inputs of the first module before the stack (cheap keys); skip it when possible
+        (:meth:`EmbeddingsWatch.attach`). Followed again when the stack's ``pre`` is refined."""
         self.detach()
         # pre is provisional (registration order) until AutoFreeze observes the first forward: follow it then.
         stack.when_refined(_Reattach(self, stack, root))
-        if not stack.pre:
-            return
-        pre = stack.pre[0][1]
-        self._container = stack.container
-        # What earlier AutoCaches showed for this model (shared: what this one shows is kept too).
-        self.verified_modes = _VERIFIED_MODES.setdefault(stack.container, set())
-        if self.skip_embeddings and root is not None:
-            self.skipper = EmbeddingSkipper.for_stack(root, pre, stack.container, self._may_skip_pre)
-        # Registered after the skipper's lazy forward: the recorder sees the placeholder as the output.
-        self._hook = pre.register_forward_hook(self._recorder, with_kwargs=True)
+        self.embeddings.attach(stack, root)
 
     def detach(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        if self._size_hook is not None:
-            self._size_hook.remove()
-            self._size_hook = None
-        if self.skipper is not None:
-            self.skipper.detach()
-            self.skipper = None
-
-    def watch_batch_bytes(self, first_block: nn.Module) -> None:
-        """Measure what a batch's entries will take from the first block's inputs, from the first forward on.
-
-        The store only sees a batch once blocks are frozen (the first freeze can be epochs away);
-        :meth:`check_budget` uses this to refuse a budget too small for one batch at the first step.
-        A pipeline calls the block per micro-batch: the measure is then a lower bound, and the
-        store's own check at the first store stays the exact one.
-        """
-
-        def measure(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if args and isinstance(args[0], Tensor) and args[0].dim() > 0 and args[0].shape[0] > 0:
-                per_sample = entry_bytes(args[0], args[1:], kwargs, self.storage_dtype)
-                if per_sample is not None:
-                    self._batch_bytes = max(self._batch_bytes, per_sample * args[0].shape[0])
-
-        if self._size_hook is not None:
-            self._size_hook.remove()
-        self._batch_bytes = 0
-        self._size_hook = first_block.register_forward_pre_hook(measure, with_kwargs=True)
-
-    def measured_batch_bytes(self) -> int | None:
-        """The bytes :meth:`watch_batch_bytes` measured (0: nothing seen) and stop measuring; ``None`` once stopped."""
-        if self._size_hook is None:
-            return None
-        self._size_hook.remove()
-        self._size_hook = None
-        return self._batch_bytes
-
-    def check_budget(self, batch_bytes: int) -> None:
-        """Raise :class:`~lightning_pipetransformer.cache.store.CacheConfigError` if a batch of ``batch_bytes`` cannot fit the budget."""
-        check_batch_fits(self.memory_budget, batch_bytes)
-
-    def _serving(self) -> bool:
-        """A cached stack of this cache is installed: it will take what the recorder records."""
-        return self._installed_runner() is not None
-
-    def _may_skip_pre(self) -> bool:
-        """The embeddings may return a placeholder: a cached runner serves this forward's boundary."""
-        if not (self.enabled and self._mode() in self.verified_modes and self._container is not None):
-            return False
-        runner = self._installed_runner()
-        return runner is not None and self.serves(runner.num_frozen)
-
-    def _installed_runner(self) -> Any:
-        """The installed runner if it is this cache's cached stack, else ``None``.
-
-        Told by its ``cache`` (the one runner that holds one), not by its class: the cached stack
-        imports this module, never the other way round.
-        """
-        runner = installed_pipeline(self._container) if self._container is not None else None
-        return runner if getattr(runner, "cache", None) is self else None
-
-    def _mode(self) -> bool:
-        """The mode the skip decision depends on: the training flag of the forward that calls the embeddings."""
-        return self.skipper.scope.training if self.skipper is not None else True
-
-    def arrived(self, hidden: Tensor) -> tuple[Any, Pending | None]:
-        """At the stack: ``(skipped, pending)``, what the embeddings did in this forward.
-
-        ``skipped`` is the skipper's record if the embeddings returned ``hidden`` as a
-        placeholder (else ``None``); ``pending`` their recorded call when its inputs name
-        ``hidden`` (else ``None``: the hidden state is hashed). A real output that arrives as the
-        same tensor with the same version counter marks skipping as safe from the next forward
-        on. Under ``inference_mode`` versions are not tracked: the inputs then name ``hidden``
-        only once a tracked forward has shown that they do.
-        """
-        skipped = self.skipper.take(hidden) if self.skipper is not None else None
-        pending = self._recorder.take()
-        if skipped is not None:
-            # The inputs of the very call that returned the placeholder (not whatever call came last).
-            pending = (skipped.args, skipped.kwargs, hidden, skipped.version, skipped.inputs)
-        elif pending is not None:
-            mode = self._mode()
-            if pending[2] is not hidden or input_versions(pending[0], pending[1]) != pending[4]:
-                pending = None  # another tensor, or inputs changed in place since: they do not name it
-            elif pending[3] is not None:
-                if pending[3] == hidden._version:
-                    self.verified_modes.add(mode)
-                else:
-                    pending = None  # changed in place after the embeddings: their inputs do not name it
-            elif self.verified_modes:
-                # inference_mode tracks no versions: identity suffices once a tracked forward ruled out
-                # in-place changes (a placeholder, a normal tensor, is still checked at the stack).
-                self.verified_modes.add(mode)
-            else:
-                pending = None
-        if skipped is not None:
-            self.embeddings_skipped += 1
-        return skipped, pending
+        self.embeddings.detach()
+        self.batch_bytes.stop()
 
     def set_batch(self, batch: Any, namespace: str, batch_idx: int | None = None) -> None:
-        """``key="index"``: take the sample indices of the next forward from ``batch["index"]``.
-
-        ``namespace`` names the loader (``f"{stage}{dataloader_idx}"``); ``batch_idx`` its position
-        in the loader's current pass (0 starts a new pass). An index key names a sample, so an
-        index seen twice in one batch or one pass means two samples share a key and one would be
-        served the other's activations: :class:`ValueError` (checked from the first batch, cache
-        on or not yet, so a bad index fails in the first step).
-        """
-        if not isinstance(batch, dict) or "index" not in batch:
-            raise ValueError(
-                "cache_key='index' needs dict batches with an 'index' entry (the dataset index of each sample); "
-                f"got a {type(batch).__name__} batch. Add the index in your Dataset/collate_fn, or use cache_key='content'."
-            )
-        keys = index_keys(batch["index"], f"{self.namespace}{namespace}")
-        raw = batch["index"]
-        self._check_unique(raw.reshape(-1).tolist() if isinstance(raw, Tensor) else list(raw), namespace, batch_idx)
-        serving = (self.store is not None or self._pending is not None) and self.enabled and self._verdict is None
-        self._index_keys = keys if serving else None
-
-    def _check_unique(self, indices: list[int], loader: str, batch_idx: int | None) -> None:
-        """Refuse an index repeated in the batch, or already seen in this pass over ``loader``.
-
-        The pass's indices are kept as a set of ints (reset when ``batch_idx == 0``): validation
-        may run several times per training epoch, each run a new pass. Without ``batch_idx`` only
-        the batch is checked.
-        """
-        fix = (
-            "Index keys must name one sample each: put each sample's own position in the Dataset in 'index' "
-            "(not, e.g., i % n), or use cache_key='content' (also when the sampler repeats samples on purpose: "
-            "sampling with replacement, weighted sampling)."
-        )
-        unique = set(indices)
-        if len(unique) != len(indices):
-            repeated = sorted({i for i in indices if indices.count(i) > 1})
-            self._refuse(ValueError(
-                f"cache_key='index': batch {batch_idx} of the {loader} loader holds dataset index(es) "
-                f"{repeated[:5]} more than once. {fix}"
-            ))
-            return
-        if batch_idx is None:
-            return
-        seen = self._seen_indices.setdefault(loader, set())
-        if batch_idx == 0:
-            seen.clear()
-        again = seen & unique
-        if again:
-            self._refuse(ValueError(
-                f"cache_key='index': batch {batch_idx} of the {loader} loader holds dataset index(es) "
-                f"{sorted(again)[:5]}, already seen earlier in this pass over the loader. {fix}"
-            ))
-            return
-        seen |= unique
+        """``key="index"``: take the sample indices of the next forward from ``batch["index"]``
+        (:meth:`BatchIndices.read`: checked from the first batch, cache on or not yet)."""
+        keys = self.indices.read(batch, f"{self.namespace}{namespace}", namespace, batch_idx, self.verdicts.refuse)
+        serving = (self.store is not None or self.boundaries.deferred is not None) and self.enabled and self.verdicts.pending is None
+        self.indices.next = keys if serving else None
 
     def keys_for(self, hidden: Tensor, calls: Sequence[BlockArgs], pending: Pending | None) -> list[str] | None:
         """Keys of what enters the stack (its input and every block's arguments), or ``None`` when
         they cannot be exact.
 
-        ``pending``: the embeddings' recorded call when its inputs name ``hidden`` (:meth:`arrived`), else ``None``.
+        ``pending``: the embeddings' recorded call when its inputs name ``hidden`` (:meth:`EmbeddingsWatch.arrived`), else ``None``.
         """
         batch = hidden.shape[0]
-        if self._verdict is not None:
-            return None  # a refusal waits for the other ranks (defer_verdicts): compute, never guess
+        if self.verdicts.pending is not None:
+            return None  # a refusal waits for the other ranks (Verdicts.defer): compute, never guess
         if self.key == "index":
-            keys, self._index_keys = self._index_keys, None
+            keys, self.indices.next = self.indices.next, None
             if keys is None or len(keys) != batch:
                 raise ValueError(
                     f"cache_key='index': the forward got {batch} samples but the batch's 'index' entry had "
                     f"{None if keys is None else len(keys)}. Each forward must see its batch's samples once, in order."
                 )
             return with_block_arguments(keys, calls, hidden.device)
-        source: Any = (pending[0], pending[1]) if pending is not None else hidden
+        source: Any = (pending.args, pending.kwargs) if pending is not None else hidden
         try:
             return content_keys(source, shared_once(calls, batch), batch_size=batch)
         except TypeError:
             return None  # an argument we cannot hash reliably: compute, never guess
 
-    # ------------------------------------------------------------------ boundaries
+    # ------------------------------------------------------------------ boundaries (cache/boundaries.py)
+
+    @property
+    def store(self) -> ActivationStore | None:
+        """The current boundary's store (``None`` while no boundary is cached, or one is deferred)."""
+        return self.boundaries.current
+
+    @property
+    def advanced(self) -> int:
+        """Entries this process advanced into the current store since it opened."""
+        return self.boundaries.advanced
 
     def move_boundary(
-        self, stack: BlockStack, num_frozen: int, include_pre: bool, device: torch.device, shard: tuple[int, int],
-        advance: bool = True, lazy: bool = False,
+        self, stack: BlockStack, num_frozen: int, include_pre: bool, device: torch.device, shard: tuple[int, int], lazy: bool = False,
     ) -> None:
-        """Open the store for boundary ``num_frozen`` now, advancing the previous one's entries (one process).
-
-        ``lazy``: advance each entry when it is looked up next (:meth:`from_older`), not all of them now.
-        The work is the same for the entries used again, and it lands where they are used: a training
-        batch pays for its own samples, validation for the validation entries, and an entry never
-        read again costs nothing. The earlier stores stay open (their memory counts against the
-        budget) until the fit ends.
-        """
-        previous = self.store
-        self._pending = None
-        if self._previous is not None:
-            self._previous.close()
-            self._previous = None
-        if previous is None and num_frozen and self.mode and self.order_pending():
-            # What the prefix is (which modules run before the stack) is known after the first training forward:
-            # checked and opened at the first lookup after it (current_store).
-            self._pending, self._unchecked = (stack, num_frozen, include_pre, device), True
-            return
-        if not self._cacheable(stack, num_frozen, include_pre):
-            self.store = None
-            self._drop_older()
-            if previous is not None:
-                previous.clear(disk=True)
-            return
-        self.store = self._open(stack, num_frozen, include_pre)
-        if previous is not None and previous.boundary < num_frozen and advance and lazy:
-            self._older.insert(0, previous)  # newest first: an entry is advanced from the latest boundary that has it
-            self._share_budget()
-            return
-        if previous is not None and previous.boundary < num_frozen and advance:
-            with torch.no_grad(), self.forward_context():
-                self.advanced = advance_store(
-                    previous, self.store, run_blocks(stack.blocks[previous.boundary : num_frozen]),
-                    device=device, shard=shard,
-                )
-            if shard[0] == 0:
-                previous.clear(disk=True)  # kept if another run on the same weights still uses it
-            else:
-                previous.close()
-
-    def from_older(self, keys: Sequence[str], *, dtype: torch.dtype, device: torch.device) -> list[tuple[int, Tensor, Tensor]]:
-        """Entries for ``keys`` (missing at the current boundary) held at earlier boundaries, newest first.
-
-        Returns ``(boundary, found, activations)`` per earlier store that had some: ``found`` a CPU
-        bool mask over ``keys`` (each key found once, at its latest boundary), ``activations`` the
-        stacked entries there. The caller runs them through the blocks from that boundary on and
-        stores them at the current one; they leave the earlier store's memory now.
-        """
-        if not self._older:
-            return []
-        left = torch.ones(len(keys), dtype=torch.bool)
-        found: list[tuple[int, Tensor, Tensor]] = []
-        for older in self._older:
-            if not bool(left.any()):
-                break
-            wanted = [k for k, want in zip(keys, left.tolist()) if want]
-            in_memory = [older.in_memory(k) for k in wanted]
-            hit_mask, hits = older.lookup(wanted, dtype=dtype, device=device)
-            if not bool(hit_mask.any()):
-                continue
-            if self.store is not None:  # the current store missed them; the cache as a whole did not
-                from_memory = sum(m for m, hit in zip(in_memory, hit_mask.tolist()) if hit)
-                self.store.count_as_hits(from_memory, int(hit_mask.sum()) - from_memory)
-            mask = torch.zeros(len(keys), dtype=torch.bool)
-            mask[left.nonzero().flatten()[hit_mask]] = True
-            left &= ~mask
-            older.discard([k for k, hit in zip(wanted, hit_mask.tolist()) if hit])
-            found.append((older.boundary, mask, hits))
-        self.advanced += sum(int(m.sum()) for _, m, _ in found)
-        self._share_budget()
-        return found
-
-    def _share_budget(self) -> None:
-        """Entries of earlier boundaries still in memory count against the one budget."""
-        if self.store is not None:
-            self.store.reserved = sum(older.bytes_in_memory for older in self._older)
-
-    def _drop_older(self) -> None:
-        """The earlier boundaries' stores, with entries never read again: gone (their directories too)."""
-        for older in self._older:
-            older.clear(disk=True)
-        self._older = []
-
-    def close(self) -> None:
-        """End of the fit: let go of the earlier boundaries' entries (the current store stays for validate/test)."""
-        self._drop_older()
-        if self.store is not None:
-            self.store.reserved = 0
+        """One process: open the store for boundary ``num_frozen`` now (:meth:`Boundaries.move`)."""
+        order_pending = bool(num_frozen and self.mode and self.order_pending())
+        self.boundaries.move(stack, num_frozen, include_pre, device, shard, lazy=lazy, order_pending=order_pending)
 
     def defer_boundary(self, stack: BlockStack, num_frozen: int, include_pre: bool, device: torch.device) -> None:
-        """Several processes: check boundary ``num_frozen`` now, open its store later.
+        """Several processes: check boundary ``num_frozen`` now, open its store at :meth:`sync_boundary`."""
+        self.boundaries.defer(stack, num_frozen, include_pre, device)
 
-        The store's directory is named by a fingerprint of the frozen weights, and a replica that
-        AutoDP adds receives those weights only after the new plan is applied: the store opens at
-        :meth:`sync_boundary` (every rank, right after the transition) or, failing that, at the
-        first forward (:meth:`current_store`). The current store is kept until then, so that its
-        entries can be advanced.
-        """
-        if self._pending is not None and self._pending[1] == num_frozen and self.store is None:
-            return
-        if self.store is not None and self.store.boundary == num_frozen:
-            self._pending = None
-            return
-        old, self.store = self.store, None
-        if old is not None:
-            if old.boundary < num_frozen:
-                if self._previous is not None:
-                    self._previous.close()
-                self._previous = old
-            else:
-                old.close()
-        self._where = (stack, device)
-        self._pending = (stack, num_frozen, include_pre, device) if self._cacheable(stack, num_frozen, include_pre) else None
+    def sync_boundary(self, group: Any, node: int = 0) -> int:
+        """Every rank, same order: open the deferred store and advance the previous boundary's entries together."""
+        return self.boundaries.sync(group, node)
 
     def serves(self, num_frozen: int) -> bool:
         """Whether boundary ``num_frozen`` is cached (its store open, or deferred)."""
-        if self.store is not None and self.store.boundary == num_frozen:
-            return True
-        return self._pending is not None and self._pending[1] == num_frozen
+        return self.boundaries.serves(num_frozen)
 
-    def current_store(self, num_frozen: int) -> ActivationStore | None:
-        """The store of boundary ``num_frozen``, opening a deferred one (cold) if it is still pending."""
-        if self.store is None and self._pending is not None and self._pending[1] == num_frozen:
-            self._open_pending()
-        store = self.store
-        return store if store is not None and store.boundary == num_frozen else None
-
-    def sync_boundary(self, group: Any, node: int = 0) -> int:
-        """Every rank, same order: open the deferred store and advance the previous boundary's entries together.
-
-        Called on *all* ranks of ``group`` (shadow ranks too) after the transition sent new
-        replicas their weights. Each rank that held the previous boundary's store advances its
-        shard of the entries (``shard_of(key, n)`` over the ``n`` such ranks of its node, which see
-        the same ``cache_dir``) into the new store; with ``write_through`` they land on disk.
-        Then every rank closes the previous store (releasing its lock on the directory) and a
-        barrier: nobody reads the new boundary before every shard is written, so replicas that
-        join now hit entries written by the others instead of re-warming. Finally one of the
-        advancing ranks deletes the previous boundary's directory, unless another run on the same
-        frozen weights still holds it open (it is then that run's to delete).
-        Returns the number of entries this rank advanced.
-        """
-        import torch.distributed as dist
-
-        previous, self._previous = self._previous, None
-        if self._pending is not None:
-            self._open_pending()
-        store = self.store
-        advancing = (
-            previous is not None and store is not None and self._where is not None and previous.boundary < store.boundary
-        )
-        mine = torch.tensor(
-            [node, previous.boundary, store.boundary] if advancing else [-1, -1, -1],  # type: ignore[union-attr]
-            dtype=torch.int64,
-        )
-        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, mine, group=group)
-        advanced = 0
-        first = False
-        if advancing:
-            # Shard among the ranks that advance the same boundaries into the same node's directory.
-            peers = [r for r, theirs in enumerate(gathered) if bool(torch.equal(theirs, mine))]
-            me = dist.get_rank(group)
-            first = peers[0] == me
-            stack, device = self._where  # type: ignore[misc]
-            with torch.no_grad(), self.forward_context():
-                advanced = advance_store(
-                    previous, store, run_blocks(stack.blocks[previous.boundary : store.boundary]),  # type: ignore[union-attr]
-                    device=device, shard=(peers.index(me), len(peers)),
-                )
-            self.advanced = advanced
-        if previous is not None:
-            # Every rank lets go of the old directory before the barrier; after it, one deletes it
-            # (its exclusive lock would fail while any store of the node still held it).
-            previous.close()
-        dist.barrier(group=group)
-        if previous is not None and first:
-            previous.clear(disk=True)
-        return advanced
-
-    def _open_pending(self) -> None:
-        assert self._pending is not None
-        stack, num_frozen, include_pre, _ = self._pending
-        self._pending = None
-        if self._unchecked:
-            self._unchecked = False
-            if not self._cacheable(stack, num_frozen, include_pre):
-                return
-        self.store = self._open(stack, num_frozen, include_pre)
+    def close(self) -> None:
+        """End of the fit: let go of the earlier boundaries' entries (the current store stays for validate/test)."""
+        self.boundaries.close()
 
     def _cacheable(self, stack: BlockStack, num_frozen: int, include_pre: bool) -> bool:
         """Whether the prefix up to ``num_frozen`` may be cached; raises (``True``) or turns off (``"auto"``)."""
@@ -674,24 +293,16 @@ class AutoCache:
         store = ActivationStore(
             self.cache_dir, prefix_fingerprint(stack, num_frozen, include_pre, extra=f"{self.fingerprint_extra}|format={ENTRY_FORMAT}"),
             num_frozen, self.memory_budget,
-            storage_dtype=self.storage_dtype, write_through=self.write_through, warn=self._store_warning,
+            write_through=self.write_through, warn=self._store_warning,
             strict=False,  # cache_dir was checked before training: a disk failing later stops disk writes only
         )
-        self._verified = False
-        self.advanced = 0
-        self.batches_looked_up = self.batches_served = 0  # per boundary, like the new store's hits
+        self.first_hit.reset()
+        self.counters.new_boundary()  # per boundary, like the new store's hits
         if self.mode == "auto":
             self.enabled = True  # measured again at this boundary
         return store
 
     # ------------------------------------------------------------------ checks and decisions
-
-    def _prefix_convolves(self) -> bool:
-        """Whether the frozen blocks of the current boundary hold a convolution (cuDNN's TF32 then counts)."""
-        if self._where is None or self.store is None:
-            return True  # unknown: the looser tolerance, never a false alarm
-        blocks = self._where[0].blocks[: self.store.boundary]
-        return any(isinstance(m, torch.nn.modules.conv._ConvNd) for block in blocks for m in block.modules())
 
     def after_hits(
         self, rows: Callable[[Tensor], Tensor], calls: Sequence[BlockArgs], hit_mask: Tensor,
@@ -701,20 +312,12 @@ class AutoCache:
 
         ``rows(mask)``: the input of the frozen blocks for the rows in ``mask``.
         """
-        if not self._verified and self.key == "content":
-            self._verified = True
-            with torch.no_grad():
-                fresh = prefix(rows(hit_mask), select_rows(calls, hit_mask, batch))
-            cached = boundary[hit_mask.to(boundary.device)]
-            math_dtype = _fp32_math_dtype(fresh.device, convolutions=self._prefix_convolves())
-            rtol, atol = verification_tolerance(fresh.dtype, cached.dtype, _autocast_dtype(fresh.device), math_dtype)
-            # equal_nan: a NaN computed the same way both times is the same value (a NaN input feature).
-            if not torch.allclose(fresh.float(), cached.float(), rtol=rtol, atol=atol, equal_nan=True):
-                self._refuse(StaleCacheError(
-                    "AutoCache returned an activation that differs from recomputing the frozen prefix: something "
-                    "other than the embeddings' inputs and the blocks' arguments feeds the frozen blocks (a trainable "
-                    "module before the stack, or randomness in the forward). Turn caching off (cache=False)."
-                ))
+        if self.key == "content" and not self.first_hit.done:
+            where, store = self.boundaries.where, self.boundaries.current
+            blocks = where[0].blocks[: store.boundary] if where is not None and store is not None else None
+            stale = self.first_hit.check(rows, calls, hit_mask, boundary, prefix, blocks)
+            if stale is not None:
+                self.verdicts.refuse(stale)
                 return
         if self.mode == "auto" and hit_mask.all() and self.compute_time is not None:
             lookup_per_sample = total / batch
@@ -732,94 +335,43 @@ class AutoCache:
         entries were stored). Content keys that still miss then name other tensors than the stored
         ones: warned once, with the usual cause (batches padded to their own longest sequence).
         """
+        measured = self._period.rate(self.store)
+        if measured is None:
+            return None
+        rate, lookups = measured
         store = self.store
-        if store is None:
-            self._period = None
-            return None
-        stats = store.stats()
-        before = self._period
-        periods = before[3] + 1 if before is not None and before[0] is store else 0
-        self._period = (store, stats.hits, stats.misses, periods)
-        if before is None or periods < 2:
-            return None
-        lookups = stats.hits + stats.misses - before[1] - before[2]
-        if lookups == 0:
-            return None
-        rate = (stats.hits - before[1]) / lookups
-        if self.key == "content" and rate < _LOW_HIT_RATE and not self._low_hits_warned:
-            self._low_hits_warned = True
+        assert store is not None
+        if self.key == "content" and rate < _LOW_HIT_RATE:
             if self.input_augmented is not None:
-                _warn(
-                    f"AutoCache: only {rate:.0%} of {lookups} lookups hit in an epoch after the entries of boundary "
-                    f"{store.boundary} were stored: {self.input_augmented}. Turn the augmentation off to cache, or use "
-                    "cache=False. Results are exact; only the speed-up is lost (autocache/period_hit_rate)."
+                cause = (
+                    f"{self.input_augmented}. Turn the augmentation off to cache, or use cache=False. Results are exact; "
+                    "only the speed-up is lost (autocache/period_hit_rate)."
                 )
-                return rate
-            _warn(
+            else:
+                cause = (
+                    "Content keys name the exact tensor that enters the frozen blocks, so "
+                    "a sample that arrives as another tensor misses: most often the batches are padded to their own "
+                    "longest sequence (a sample's length then depends on its batch-mates). Pad to fixed lengths or to "
+                    "length buckets (the example's data.bucket_tokens), or use cache_key='index'. (A random augmentation "
+                    "or masking of the input misses by design.) Results are exact; only the speed-up is lost "
+                    "(autocache/period_hit_rate)."
+                )
+            separator = ": " if self.input_augmented is not None else ". "
+            self._said(
+                "low hits",
                 f"AutoCache: only {rate:.0%} of {lookups} lookups hit in an epoch after the entries of boundary "
-                f"{store.boundary} were stored. Content keys name the exact tensor that enters the frozen blocks, so "
-                "a sample that arrives as another tensor misses: most often the batches are padded to their own "
-                "longest sequence (a sample's length then depends on its batch-mates). Pad to fixed lengths or to "
-                "length buckets (the example's data.bucket_tokens), or use cache_key='index'. (A random augmentation "
-                "or masking of the input misses by design.) Results are exact; only the speed-up is lost "
-                "(autocache/period_hit_rate)."
+                f"{store.boundary} were stored{separator}{cause}",
             )
         return rate
 
     def stats(self) -> dict[str, float]:
-        """Hits, misses and bytes of the current store, for the logger."""
-        can_engage = float(self.never_engages is None)
-        if self.store is None:
-            return {"autocache/enabled": 0.0, "autocache/batches_bypassed": float(self.batches_skipped), "autocache/can_engage": can_engage}
-        metrics = self.store.stats().as_metrics("autocache/")
-        metrics["autocache/can_engage"] = can_engage
-        metrics["autocache/enabled"] = float(self.enabled)
-        metrics["autocache/boundary"] = float(self.store.boundary)
-        metrics["autocache/advanced"] = float(self.advanced)
-        metrics["autocache/embeddings_skipped"] = float(self.embeddings_skipped)
-        metrics["autocache/batches_served"] = float(self.batches_served)
-        metrics["autocache/batches_bypassed"] = float(self.batches_skipped)
-        looked = self.batches_looked_up
-        metrics["autocache/served_fraction"] = self.batches_served / looked if looked else 0.0
-        return metrics
+        """Hits, misses and bytes of the current store and the batch counters, for the logger."""
+        return cache_metrics(self.store, self.counters, enabled=self.enabled, advanced=self.advanced, can_engage=self.never_engages is None)
 
 
-def verification_tolerance(*dtypes: torch.dtype | None) -> tuple[float, float]:
-    """``(rtol, atol)`` for comparing a cached activation with a recomputed one.
-
-    The two were computed for batches of other sizes, and a GPU picks its kernels (and summation
-    order) by shape: in fp32 they agree to ~1e-4, under bf16/fp16 (autocast or ``*-true``) or TF32
-    matmuls only to a few units in the last place of the lowest precision in play. A cache fed by something other
-    than its keys differs by far more.
-    """
-    eps = max((torch.finfo(d).eps for d in dtypes if d is not None and d.is_floating_point), default=0.0)
-    if eps <= torch.finfo(torch.float32).eps:
-        return 1e-3, 1e-4
-    return 4 * eps, 4 * eps
-
-
-#: Stands for TF32 (a 10-bit mantissa, like float16's) in the tolerance: fp32 matmuls and convolutions in TF32.
-_TF32 = torch.float16
-
-
-def _fp32_math_dtype(device: torch.device, convolutions: bool = False) -> torch.dtype | None:
-    """The precision the frozen prefix's fp32 math really runs at: ``torch.set_float32_matmul_precision("high")``
-    (which Lightning suggests on every Ampere/Hopper GPU) means TF32 matmuls, ``"medium"`` bf16.
-    ``convolutions``: whether the prefix runs any; only then does ``cudnn.allow_tf32`` (True by
-    default on CUDA) count: Transformer blocks run matmuls only, and counting it for them would
-    loosen every fp32 check on CUDA about 40x. ``None``: full fp32."""
-    precision = torch.get_float32_matmul_precision()
-    if precision == "medium":
-        return torch.bfloat16
-    if precision == "high":
-        return _TF32
-    if device.type == "cuda" and (torch.backends.cuda.matmul.allow_tf32 or (convolutions and torch.backends.cudnn.allow_tf32)):
-        return _TF32
-    return None
-
-
-def _autocast_dtype(device: torch.device) -> torch.dtype | None:
-    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+def _warn_from_rank_zero(message: str, stacklevel: int) -> None:
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        warnings.warn(message, stacklevel=stacklevel + 1)
 
 
 def _warn(message: str) -> None:

@@ -1,11 +1,15 @@
 """The cached stack: what runs in place of the block stack when AutoCache serves the frozen prefix.
 
-Per batch: keys, lookups, the frozen blocks only for the misses, then the active blocks on the
-merged boundary activations. :class:`~lightning_pipetransformer.cache.autocache.AutoCache` owns the store.
+Per batch it decides whether the cache may serve (the first training forward, a trainable input,
+observing hooks and unkeyable arguments all run the frozen blocks as without a cache), hands a
+batch it serves to :class:`~lightning_pipetransformer.cache.batch.CachedBatch` (look up, run what
+missed, store), and runs the active blocks on the boundary it returns.
+:class:`~lightning_pipetransformer.cache.autocache.AutoCache` owns the stores and the decisions.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -13,15 +17,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pipetransformer.cache.advance import (
-    cached_prefix,
-    pack_block_inputs,
-    select_rows,
-)
+from lightning_pipetransformer.cache.arguments import pack_block_inputs
+from lightning_pipetransformer.cache.batch import CachedBatch, StackInput
 from lightning_pipetransformer.cache.prefix import run_blocks
 from lightning_pipetransformer.pipe.microbatch import tensors_in
 from lightning_pipetransformer.stack.execution import graph_leaves
-from lightning_pipetransformer.stack.input_grad import as_marked_input, gradient_leaf, needs_no_gradient
+from lightning_pipetransformer.stack.input_grad import as_marked_input, gradient_leaf
 from lightning_pipetransformer.stack.interception import BlockArgs, StackCall
 
 if TYPE_CHECKING:
@@ -55,40 +56,31 @@ class CachedStack:
 
     def run(self, call: StackCall) -> Any:
         cache, frozen = self.cache, self.num_frozen
-        hidden, prefix_calls = call.hidden, call.calls[:frozen]
-        # ``hidden`` is a placeholder when the embeddings were skipped: ``rows`` runs them for
-        # the rows that need real values (misses, verified hits), ``full`` for all rows.
-        skipped, pending = cache.arrived(hidden)
-        # The input requires grad only because a hook marked it (enable_input_require_grads under gradient
-        # checkpointing or PEFT), with no parameter behind it: the frozen prefix needs no graph and can be
-        # served; the boundary is marked again for the active blocks (stack/input_grad.py).
-        grad_free = torch.is_grad_enabled() and hidden.requires_grad and (skipped is not None or needs_no_gradient(hidden))
-        source = hidden.detach() if grad_free and skipped is None else hidden
-        rows: Callable[[Tensor], Tensor] = skipped.rows if skipped is not None else (lambda m: source[m.to(source.device)])
+        skipped, pending = cache.embeddings.arrived(call.hidden)
+        given = StackInput.of(call.hidden, skipped)
+        boundary = self._boundary(call, given, pending)
+        return self.active(call.part(frozen, hidden=as_marked_input(boundary) if given.grad_free else boundary))
 
-        def full() -> Tensor:
-            # Never the placeholder: where the cache stands aside, the real embeddings run.
-            return skipped.rows() if skipped is not None else source
-
-        def active(boundary: Tensor) -> Any:
-            return self.active(call.part(frozen, hidden=as_marked_input(boundary) if grad_free else boundary))
-
+    def _boundary(self, call: StackCall, given: StackInput, pending: Any) -> Tensor:
+        """The boundary activations: served by the cache where it may, computed as without it elsewhere."""
+        cache, frozen = self.cache, self.num_frozen
+        hidden, prefix_calls = given.hidden, call.calls[:frozen]
         if frozen and cache.order_pending():
             # The first training forward, whose call order decides what the prefix is (stack/execution.py):
             # computed as without the cache (with its graph, should something before the stack still train).
-            cache.batches_skipped += 1
-            return active(self._prefix(full(), prefix_calls))
-        store = cache.current_store(frozen)
+            cache.counters.skipped += 1
+            return self._prefix(given.full(), prefix_calls)
+        store = cache.boundaries.store_for(frozen)
         if torch.is_grad_enabled() and frozen:
             trainable = (
-                cache.describe_input_gradient(gradient_leaf(hidden)) if hidden.requires_grad and not grad_free
+                cache.describe_input_gradient(gradient_leaf(hidden)) if hidden.requires_grad and not given.grad_free
                 else first_trainable(prefix_calls, cache.parameter_names)
             )
             if trainable is not None:
                 # Something the frozen blocks read still trains: the gradient must flow through them,
                 # and their output changes with it, so there is nothing to cache.
                 cache.cannot_serve(trainable)
-                return active(self._prefix(full(), prefix_calls))
+                return self._prefix(given.full(), prefix_calls)
         if call.observed:
             # Hooks observe the blocks (stack/observers.py): served rows would not run the frozen blocks,
             # so they would miss those blocks' calls. Every block runs on the whole batch instead.
@@ -96,9 +88,9 @@ class CachedStack:
                 f"{call.observed[0].describe()} observes the blocks, and the frozen blocks do not run for cached rows "
                 "(transformers records output_hidden_states, output_attentions and output_router_logits with such hooks)"
             )
-            return active(self._prefix_plain(full(), prefix_calls))
+            return self._prefix_plain(given.full(), prefix_calls)
         if store is None or not cache.enabled:
-            return active(self._prefix_plain(full(), prefix_calls))
+            return self._prefix_plain(given.full(), prefix_calls)
         batch = hidden.shape[0]
         # Keys cover every block's arguments, not only the frozen ones': they must stay the same when
         # the boundary moves, so that advanced entries are found (a change in an active block's
@@ -111,52 +103,32 @@ class CachedStack:
             cache.skip_once(f"a block argument cannot be stored per sample ({err})")
             keys = None
         if keys is None:
-            return active(self._prefix_plain(full(), prefix_calls))
-        timing: dict[str, float] = {}
-        from_older = [0]  # rows an earlier boundary's entries answered (a lazy advance): served by the cache too
+            return self._prefix_plain(given.full(), prefix_calls)
+        return self._serve(store, keys, extras, given, prefix_calls)
+
+    def _serve(self, store: Any, keys: list[str], extras: dict[str, Tensor], given: StackInput, calls: Sequence[BlockArgs]) -> Tensor:
+        """Look up, run what missed, store (:class:`CachedBatch`); then count and check what the store returned."""
+        cache, hidden = self.cache, given.hidden
         shape_in = tuple(hidden.shape[1:])
-
-        def compute(miss: Tensor) -> Tensor:
-            # Misses held at an earlier boundary (lazy advance) run only the blocks from there on, with
-            # this pass's own arguments (the keys cover them, so they are the entry's); the rest from the input.
-            at = torch.cumsum(miss, 0) - 1  # a batch row's position among the misses
-            parts: list[tuple[Tensor, Tensor]] = []
-            left = miss.clone()
-            miss_rows = miss.nonzero().flatten()
-            for boundary, found, hits in cache.from_older([keys[i] for i in miss_rows.tolist()], dtype=hidden.dtype, device=hidden.device):
-                batch_rows = torch.zeros_like(miss)
-                batch_rows[miss_rows[found]] = True
-                with torch.no_grad():
-                    parts.append((batch_rows, run_blocks(self.blocks[boundary:frozen])(hits, select_rows(prefix_calls[boundary:], batch_rows, batch))))
-                left &= ~batch_rows
-                from_older[0] += int(found.sum())
-            if bool(left.any()):
-                start = time.perf_counter()
-                h = rows(left)
-                with torch.no_grad():
-                    parts.append((left, self._prefix(h, select_rows(prefix_calls, left, batch))))
-                timing["compute"] = (time.perf_counter() - start) / max(1, h.shape[0])
-            if len(parts) == 1:
-                out = parts[0][1]
-            else:
-                out = torch.empty((int(miss.sum()), *parts[0][1].shape[1:]), dtype=parts[0][1].dtype, device=parts[0][1].device)
-                for batch_rows, values in parts:
-                    out[at[batch_rows].to(out.device)] = values
-            self._boundary_shapes[shape_in] = tuple(out.shape[1:])
-            return out
-
-        start = time.perf_counter()
-        boundary, hit_mask = cached_prefix(
-            store, keys, compute, extras=extras,
+        served = CachedBatch(
+            store, keys, rows=given.rows, calls=calls, extras=extras, blocks=self.blocks[: self.num_frozen], prefix=self._prefix,
+            older=functools.partial(cache.boundaries.older, dtype=hidden.dtype, device=hidden.device) if cache.boundaries.holds_older else None,
             sample_shape=self._boundary_shapes.get(shape_in, shape_in), dtype=hidden.dtype, device=hidden.device,
         )
+        start = time.perf_counter()
+        boundary = served.boundary()
         total = time.perf_counter() - start
-        if "compute" in timing:
-            cache.compute_time = timing["compute"]
-        cache.served(int(hit_mask.sum()) + from_older[0], batch)
-        if bool(hit_mask.any()):
-            cache.after_hits(rows, prefix_calls, hit_mask, boundary, self._prefix, total, batch)
-        return active(boundary)
+        if served.computed_shape is not None:
+            self._boundary_shapes[shape_in] = served.computed_shape
+        if served.compute_seconds is not None:
+            cache.compute_time = served.compute_seconds
+        batch = hidden.shape[0]
+        hit_mask = served.hit_mask
+        assert hit_mask is not None
+        cache.counters.count_lookup(served.served, batch)
+        if served.hits:
+            cache.after_hits(given.rows, calls, hit_mask, boundary, self._prefix, total, batch)
+        return boundary
 
     def _prefix_plain(self, hidden: Tensor, calls: Sequence[BlockArgs]) -> Tensor:
         if self.num_frozen == 0:

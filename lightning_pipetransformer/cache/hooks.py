@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipetransformer.cache.autocache import AutoCache
+from lightning_pipetransformer.cache.budget import check_batch_fits
 from lightning_pipetransformer.cache.folders import default_cache_dir
 from lightning_pipetransformer.cache.store import probe_cache_dir
 from lightning_pipetransformer.config import CacheConfig
@@ -72,7 +73,7 @@ def make_autocache(
         )
     if include_pre:
         cache.attach(stack, module)
-    cache.watch_batch_bytes(stack.blocks[0])  # checked at the first training step
+    cache.batch_bytes.watch(stack.blocks[0])  # checked at the first training step
     augmented = input_augmentation(module)
     if augmented is not None:
         cache.input_augmented = augmented
@@ -99,14 +100,14 @@ def check_budget(cache: AutoCache, control_group: Any) -> None:
     """Once, after the first training forward (before any update): a ``cache_memory`` too small
     for one batch fails now, not at the first store, which may come epochs later. Every rank
     takes part (an idle rank measured nothing), so all of them raise together."""
-    needed = cache.measured_batch_bytes()
+    needed = cache.batch_bytes.take()
     if needed is None:  # checked already (every rank measured since the same set-up)
         return
     if control_group is not None:
         largest = torch.tensor(needed, dtype=torch.int64)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=control_group)
         needed = int(largest)
-    cache.check_budget(needed)
+    check_batch_fits(cache.memory_budget, needed)
 
 
 def index_keys_from(cache: AutoCache, args: tuple[Any, ...], kwargs: dict[str, Any], stage: str) -> None:

@@ -38,11 +38,13 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
+
+from lightning_pipetransformer.cache.arguments import leaves as nested_leaves
 
 __all__ = [
     "CacheKey",
@@ -157,18 +159,6 @@ def _salt(*parts: object) -> int:
     return _signed(int.from_bytes(digest, "little"))
 
 
-def _leaves(value: Any, path: str) -> Iterator[tuple[str, Any]]:
-    """Leaves of a nested batch with a stable path; dict keys in sorted order (collate order may vary)."""
-    if isinstance(value, Mapping):
-        for key in sorted(value, key=str):
-            yield from _leaves(value[key], f"{path}.{key}")
-    elif isinstance(value, (tuple, list)):
-        for i, item in enumerate(value):
-            yield from _leaves(item, f"{path}[{i}]")
-    else:
-        yield path, value
-
-
 def content_keys(*values: Any, batch_size: int | None = None) -> list[str]:
     """One 32-hex-digit content key per sample of a batch.
 
@@ -184,7 +174,7 @@ def content_keys(*values: Any, batch_size: int | None = None) -> list[str]:
             reliably: pass only what enters the frozen prefix).
         ValueError: no tensor to take the batch size from.
     """
-    leaves = list(_leaves(values, "batch"))
+    leaves = list(nested_leaves(values, "batch"))
     tensors = [(p, v) for p, v in leaves if isinstance(v, Tensor)]
     if batch_size is None:
         first = next((v for _, v in tensors if v.dim() > 0), None)
@@ -215,7 +205,8 @@ def content_keys(*values: Any, batch_size: int | None = None) -> list[str]:
     total = torch.stack([h.to(device) for h in per_row]).sum(dim=0)  # [B, 2]
     for h in shared:
         total = total + h.to(device)
-    total = total + torch.tensor([host_salt, _signed(host_salt * 3 + 1)], dtype=torch.int64, device=device)
+    # Python scalars, not a tensor made from host data: that would be a copy to the device in every step.
+    total = torch.stack((total[:, 0] + host_salt, total[:, 1] + _signed(host_salt * 3 + 1)), dim=1)
     # Final mix so keys are uniform even when only salts differ; one transfer per batch.
     final = torch.stack((_mix_a(total[:, 0] ^ total[:, 1]), _mix_b(total[:, 1] + _SEED_A)), dim=1).cpu()
     return [f"{a & _M64:016x}{b & _M64:016x}" for a, b in final.tolist()]

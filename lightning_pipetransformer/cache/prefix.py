@@ -1,33 +1,52 @@
 """The frozen prefix, one batch at a time: what AutoCache and the cached stack both use.
 
-Running the frozen blocks (:func:`run_blocks`), the keys' view of the blocks' arguments
-(:func:`shared_once`, :func:`with_block_arguments`), the record of the embeddings' last call
-(:class:`InputRecorder`, :data:`Pending`) and the error raised when a cached activation is stale.
+Running the frozen blocks (:func:`run_blocks`), the index keys' view of the blocks' arguments
+(:func:`with_block_arguments`), the error raised when a cached activation is stale and how
+refusals reach every rank (:class:`Verdicts`).
 :mod:`~lightning_pipetransformer.cache.autocache` and :mod:`~lightning_pipetransformer.cache.cached_stack`
 import this module; it imports neither.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from lightning_pipetransformer.cache.embedding_skip import input_versions, version_of
+from lightning_pipetransformer.cache.arguments import shared_once
 from lightning_pipetransformer.cache.keys import content_keys
-from lightning_pipetransformer.pipe.microbatch import per_sample_view
 from lightning_pipetransformer.stack.interception import BlockArgs, call_block, hidden_of
 
-__all__ = ["InputRecorder", "Pending", "StaleCacheError", "run_blocks", "shared_once", "with_block_arguments"]
-
-#: What the recorder saw at the embeddings' last call: inputs, output, the output's and the inputs' version counters.
-Pending = tuple[tuple[Any, ...], dict[str, Any], Any, "int | None", "tuple[int | None, ...]"]
-
+__all__ = ["StaleCacheError", "Verdicts", "run_blocks", "with_block_arguments"]
 
 class StaleCacheError(RuntimeError):
     """A cached activation differs from the recomputed one: caching cannot be exact for this model."""
+
+
+class Verdicts:
+    """The cache's refusals (a stale activation, a repeated index): raised now, or kept for the step's end.
+
+    With several processes (``defer``), a verdict one rank alone reaches must not skip the
+    collectives the others are in (DDP's buffer broadcast in the forward): the step finishes,
+    computing without the cache, and the strategy raises it on every rank together (:meth:`take`).
+    """
+
+    def __init__(self) -> None:
+        self.defer = False
+        #: The first refusal kept during this step; the cache computes, never guesses, while one waits.
+        self.pending: Exception | None = None
+
+    def refuse(self, error: Exception) -> None:
+        if not self.defer:
+            raise error
+        if self.pending is None:
+            self.pending = error
+
+    def take(self) -> Exception | None:
+        """The refusal kept during this step, if any (and forget it)."""
+        verdict, self.pending = self.pending, None
+        return verdict
 
 
 def run_blocks(blocks: Sequence[nn.Module]) -> Callable[[Tensor, Sequence[BlockArgs]], Tensor]:
@@ -39,29 +58,6 @@ def run_blocks(blocks: Sequence[nn.Module]) -> Callable[[Tensor, Sequence[BlockA
         return hidden
 
     return run
-
-
-def shared_once(calls: Sequence[BlockArgs], batch: int) -> Any:
-    """``calls`` with every repeat of a tensor (one mask object for every block) replaced by a reference.
-
-    Content keys hash what is left: each distinct tensor once, and which block gets which. A
-    batch-major folded argument (BLOOM's alibi) is hashed per sample (:func:`per_sample_view`).
-    """
-    seen: dict[int, int] = {}
-
-    def ref(value: Any, key: int | str = 0) -> Any:
-        if isinstance(value, Tensor):
-            if id(value) in seen:
-                return f"@{seen[id(value)]}"
-            seen[id(value)] = len(seen)
-            return per_sample_view(key, value, batch)
-        if isinstance(value, Mapping):
-            return {k: ref(v, k) for k, v in value.items()}
-        if isinstance(value, (tuple, list)):
-            return [ref(v, key) for v in value]
-        return value
-
-    return [ref(call) for call in calls]
 
 
 def with_block_arguments(keys: list[str], calls: Sequence[BlockArgs], device: torch.device) -> list[str] | None:
@@ -77,30 +73,3 @@ def with_block_arguments(keys: list[str], calls: Sequence[BlockArgs], device: to
     except TypeError:
         return None  # an argument we cannot hash reliably: compute, never guess
     return [f"{key}-{extra}" for key, extra in zip(keys, extras)]
-
-
-class InputRecorder:
-    """A forward hook on the first module before the stack: its last inputs, output and the output's version.
-
-    The inputs stand for the hidden state only if that very output tensor, unmodified, is what
-    reaches the stack (checked by identity and version counter in
-    :meth:`~lightning_pipetransformer.cache.autocache.AutoCache.arrived`): a second embedding
-    added to it, an in-place change, or the module called again for another input, and the
-    hidden state itself is hashed instead.
-    """
-
-    def __init__(self, active: Callable[[], bool] = lambda: True) -> None:
-        self.pending: Pending | None = None
-        #: Whether a cached stack will take the record: otherwise nothing reads it, and keeping it would
-        #: hold the previous batch's embeddings output (on the GPU) until the next forward.
-        self.active = active
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        if not self.active():
-            self.pending = None
-            return
-        self.pending = (args, kwargs, output, version_of(output), input_versions(args, kwargs))
-
-    def take(self) -> Pending | None:
-        pending, self.pending = self.pending, None
-        return pending

@@ -1,7 +1,7 @@
 """The activation store: per sample key, the activation at the frozen boundary, in host memory then on disk.
 
 One :class:`ActivationStore` serves one frozen prefix, named by its fingerprint
-(:func:`~.cache_validity.prefix_fingerprint`) and boundary. Layout::
+(:func:`~lightning_pipetransformer.cache.validity.prefix_fingerprint`) and boundary. Layout::
 
     cache_dir/                                  (0700 when created here)
       <fingerprint>-b<boundary>-<storage>/      one directory per prefix (0700)
@@ -31,8 +31,9 @@ process, and hashing 3 MiB per batch would cost about as much as the lookup itse
 one bad step would otherwise be replayed every epoch under index keys.
 
 Several stores (runs, processes) may share one directory: each holds a shared ``flock`` on it
-while open, and :meth:`ActivationStore.clear` deletes it only under a non-blocking exclusive
-lock, so one run's boundary advance never deletes a directory another run still reads or writes.
+while open, and :meth:`ActivationStore.close` with ``delete=True`` deletes it only under a
+non-blocking exclusive lock (:mod:`~lightning_pipetransformer.cache.folders`), so one run's boundary
+advance never deletes a directory another run still reads or writes.
 A directory removed from outside is recreated at the next write (``stats().recreated``). A disk
 that is full (``ENOSPC``/``EDQUOT``) or refuses a write stops disk writes at this boundary with
 one warning (``stats().unwritten`` counts the entries not written): they are recomputed when
@@ -40,8 +41,9 @@ needed, exactly as without a cache.
 
 Storage dtype is the activation's own by default (exact). ``storage_dtype=torch.bfloat16`` or
 ``torch.float16`` halves memory and disk but is *lossy*: the active blocks then see rounded
-inputs and cache-on no longer equals cache-off bit for bit. Opt-in only. Extra per-sample tensors
-stored with an entry (the block inputs needed to advance it, see :mod:`.cache_advance`) are kept
+inputs and cache-on does not equal cache-off bit for bit: an option of the store alone (the strategy
+stores exact activations). Extra per-sample tensors
+stored with an entry (the block inputs needed to advance it, see :mod:`~lightning_pipetransformer.cache.arguments`) are kept
 in their own dtype.
 """
 
@@ -52,24 +54,22 @@ import errno
 import os
 import secrets
 import tempfile
-import warnings
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_save
 from torch import Tensor
 
+from lightning_pipetransformer.cache.budget import CacheConfigError, check_batch_fits
+from lightning_pipetransformer.cache.folders import LOCKING, lock_directory, remove_directory, unlock
 from lightning_pipetransformer.cache.keys import KEY_PATTERN
 from lightning_pipetransformer.cache.validity import FORMAT_VERSION
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - not POSIX: directories are shared without locks
-    fcntl = None  # type: ignore[assignment]
+from lightning_pipetransformer.warn_once import WarnOnce
 
 __all__ = [
     "ActivationStore",
@@ -78,7 +78,6 @@ __all__ = [
     "StoredEntry",
     "check_batch_fits",
     "checksum",
-    "merge_rows",
     "probe_cache_dir",
 ]
 
@@ -89,21 +88,6 @@ _EXTRA = "x."  # prefix of extra tensors' names inside a file
 _LOWER_PRECISION = (torch.bfloat16, torch.float16)
 _CHECKSUM = "crc32."  # header metadata: crc32.<tensor name> = the CRC-32 of that tensor's bytes
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-
-
-class CacheConfigError(ValueError):
-    """The cache cannot work as configured (directory not writable, budget below one batch)."""
-
-
-def check_batch_fits(memory_budget: int, nbytes: int) -> None:
-    """Raise :class:`CacheConfigError` if one batch of ``nbytes`` cannot fit in a positive ``memory_budget``."""
-    if 0 < memory_budget < nbytes:
-        raise CacheConfigError(
-            f"The cache's memory budget ({memory_budget:,} bytes: cache_memory= on the strategy, divided by the "
-            f"processes of a node, or memory_budget= on the store) is smaller than one batch of activations "
-            f"({nbytes:,} bytes). Raise it to at least {nbytes:,} bytes per process (a whole epoch needs batches x "
-            "that), or set it to 0 to keep the cache on disk only."
-        )
 
 
 def probe_cache_dir(cache_dir: str) -> None:
@@ -165,7 +149,7 @@ class StoredEntry:
 
 
 @dataclass
-class _MemEntry:
+class _Entry:
     hidden: Tensor  # in the storage dtype
     dtype: torch.dtype  # the original one, restored on lookup
     extras: dict[str, Tensor]
@@ -184,113 +168,6 @@ def checksum(tensor: Tensor) -> str:
     return f"{zlib.crc32(flat.view(torch.uint8).numpy()):08x}"
 
 
-#: Descriptors of the directory locks this process holds: closed in forked children (DataLoader
-#: workers), whose inherited copies would otherwise keep the lock after the store released it.
-_LOCK_FDS: set[int] = set()
-
-
-def _close_inherited_locks() -> None:
-    for fd in list(_LOCK_FDS):
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _LOCK_FDS.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_inherited_locks)
-
-
-def _same_file(path: Path, fd: int) -> bool:
-    try:
-        now = os.stat(path)
-    except FileNotFoundError:
-        return False
-    held = os.fstat(fd)
-    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
-
-
-def _lock_directory(directory: Path) -> int | None:
-    """Make ``directory`` (0700) if missing and hold a shared lock on it; return the lock's descriptor.
-
-    The shared lock is what stops another store's :meth:`ActivationStore.clear` from deleting the
-    directory while this one uses it. A deleter renames the directory away under its exclusive
-    lock, so a lock won after that is on a dead directory: the path then shows another inode (or
-    none), and this tries again with a fresh one. ``None`` without ``fcntl`` (no locking).
-    """
-    for _ in range(100):
-        try:
-            directory.mkdir(mode=0o700)
-            os.chmod(directory, 0o700)  # mkdir's mode is masked by the umask
-        except FileExistsError:
-            pass
-        if fcntl is None:
-            return None
-        try:
-            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        except FileNotFoundError:
-            continue  # removed between mkdir and open
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            if _same_file(directory, fd):
-                _LOCK_FDS.add(fd)
-                return fd
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)
-    raise OSError(errno.EAGAIN, f"{directory} was removed each time it was made", str(directory))
-
-
-def _unlock(fd: int | None) -> None:
-    if fd is not None and fd in _LOCK_FDS:
-        _LOCK_FDS.discard(fd)
-        os.close(fd)  # releases the flock (this process's last reference to it)
-
-
-def _remove_directory(directory: Path) -> bool:
-    """Delete ``directory`` unless a store holds it open; ``True`` if it is gone.
-
-    Takes the exclusive lock without waiting: a shared lock held by any store (this process's
-    or another run's) means it is in use, and it is left for its last user to delete.
-    """
-    if fcntl is None:
-        fd = None
-    else:
-        try:
-            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        except FileNotFoundError:
-            return True
-    try:
-        if fd is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return False
-            if not _same_file(directory, fd):
-                return False  # replaced meanwhile by a directory someone else made: not ours to delete
-        # Renamed first: openers from now on make a fresh directory, never one being emptied.
-        grave = directory.with_name(f".{directory.name}.removed-{os.getpid()}-{secrets.token_hex(4)}")
-        try:
-            os.rename(directory, grave)
-        except FileNotFoundError:
-            return True
-        for name in os.listdir(grave):
-            try:
-                os.unlink(grave / name)
-            except FileNotFoundError:
-                pass
-        try:
-            grave.rmdir()
-        except OSError:  # a writer without a lock put a file in meanwhile: a hidden leftover, harmless
-            pass
-        return True
-    finally:
-        if fd is not None:
-            os.close(fd)
-
-
 def _finite(row: Tensor) -> bool:
     """Whether every element of one sample's activation is finite.
 
@@ -305,10 +182,6 @@ def _finite(row: Tensor) -> bool:
     wide = torch.float32 if row.is_floating_point() and row.element_size() < 4 else None
     total = row.sum(dtype=wide).item()  # tested in Python: a 0-d torch.isfinite alone took ~50 us
     return cmath.isfinite(total) or bool(torch.isfinite(row).all())
-
-
-def _default_warn(reason: str, message: str) -> None:
-    warnings.warn(message, stacklevel=4)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -328,23 +201,23 @@ class ActivationStore:
 
     Args:
         cache_dir: directory shared by the node's processes; created (0700) if missing.
-        fingerprint: the frozen prefix's :func:`~.cache_validity.prefix_fingerprint`.
+        fingerprint: the frozen prefix's :func:`~lightning_pipetransformer.cache.validity.prefix_fingerprint`.
         boundary: the number of frozen blocks F the activations come out of.
         memory_budget: host bytes for entries (activations + extras) held in memory; ``0``
             keeps everything on disk. A positive budget below one batch raises at the first
-            :meth:`store` (see :meth:`check_batch_fits` to fail earlier).
+            :meth:`store` (see :func:`check_batch_fits` to fail earlier).
         storage_dtype: ``None`` stores the activation's dtype (exact); ``torch.bfloat16`` or
             ``torch.float16`` is a lossy, opt-in halving of the bytes.
         write_through: also write entries kept in memory to disk, so other processes see them.
-        warn: ``warn(reason, message)``, called the first time something stops the store from
-            working fully (``reason``: ``"disk"`` full, directory ``"recreated"``, ``"nonfinite"``
-            activations); default ``warnings.warn(message)``. A caller with several stores (one per
-            boundary) can use ``reason`` to warn once in all.
+        warn: ``warn(reason, message)``, called each time something stops the store from working
+            fully (``reason``: ``"disk"`` full, directory ``"recreated"``, ``"nonfinite"``
+            activations): the caller decides what to say once (AutoCache: once per run, over the
+            stores of all its boundaries). Default: each reason said once by this store.
         strict: whether a directory that cannot be made or written (other than a full disk) is a
             :class:`CacheConfigError`; ``False``: disk writes stop, with the warning, as for a full disk.
 
-    The store holds a shared lock on its directory from construction until :meth:`close` or
-    :meth:`clear` (or garbage collection): while it does, no other store deletes that directory.
+    The store holds a shared lock on its directory from construction until :meth:`close`
+    (or garbage collection): while it does, no other store deletes that directory.
 
     Raises:
         CacheConfigError: ``cache_dir`` cannot be created or written (with ``strict``), or a bad
@@ -383,15 +256,15 @@ class ActivationStore:
         storage = _dtype_name(storage_dtype) if storage_dtype is not None else "native"
         self.root = Path(cache_dir)
         self.directory = self.root / f"{fingerprint}-b{boundary}-{storage}"
-        self._mem: dict[str, _MemEntry] = {}
+        self._mem: dict[str, _Entry] = {}
         self._mem_bytes = 0
-        #: Bytes of the budget that other stores of this cache still hold in memory (entries of an earlier
-        #: boundary not advanced yet): new entries go to memory only within what is left.
-        self.reserved = 0
+        self._reserved = 0  # see reserve()
         self._bad: set[str] = set()  # keys whose file was rejected: the next store overwrites it
         self._stats = CacheStats()
-        self._warn = warn or _default_warn
-        self._warned: set[str] = set()
+        if warn is None:
+            said = WarnOnce()
+            warn = lambda reason, message: said(reason, message, stacklevel=4)  # noqa: E731
+        self._warn = warn
         #: Why disk writes stopped at this boundary (a full disk), or ``None`` while they work.
         self._disk_off: str | None = None
         self.strict = strict
@@ -425,12 +298,12 @@ class ActivationStore:
 
     def _open_directory(self) -> None:
         """(Re)make ``cache_dir`` and this store's directory, and hold the shared lock on the latter."""
-        _unlock(self._lock)
+        unlock(self._lock)
         self._lock = None
         if not self.root.exists():
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.chmod(self.root, 0o700)  # mkdir's mode is masked by the umask
-        self._lock = _lock_directory(self.directory)
+        self._lock = lock_directory(self.directory)
 
     def _relock(self) -> None:
         try:
@@ -438,25 +311,21 @@ class ActivationStore:
         except OSError as err:
             self._stop_disk(err)
 
-    def _warn_once(self, reason: str, message: str) -> None:
-        if reason not in self._warned:
-            self._warned.add(reason)
-            self._warn(reason, message)
-
     def _stop_disk(self, err: OSError) -> None:
         """Disk full (or a write refused): keep to memory at this boundary; warn once."""
         self._disk_off = f"{type(err).__name__}: {err}"
         self._stats.disk_failures += 1
-        self._warn_once(
+        self._warn(
             "disk",
             f"AutoCache stopped writing to {self.directory} ({self._disk_off}). Entries that do not fit the memory "
             "budget are recomputed from now on at this boundary (exact, only slower; counted in autocache_diagnostics/unwritten). "
             "Free space in cache_dir (or make it writable again) or raise cache_memory.",
         )
 
-    def check_batch_fits(self, nbytes: int) -> None:
-        """Raise :class:`CacheConfigError` if one batch of ``nbytes`` cannot fit in a positive budget."""
-        check_batch_fits(self.memory_budget, nbytes)
+    def reserve(self, nbytes: int) -> None:
+        """Keep ``nbytes`` of the budget for entries other stores still hold in memory (an earlier
+        boundary's, not advanced yet): new entries go to memory only within what is left."""
+        self._reserved = nbytes
 
     # ------------------------------------------------------------------ the batch API
 
@@ -489,7 +358,7 @@ class ActivationStore:
                 if found is None:
                     self._stats.misses += 1
                     continue
-                row, original, where = found[0], found[1], "disk"
+                row, original, where = found.hidden, found.dtype, "disk"
             if want is None:
                 want = tuple(row.shape)
             if tuple(row.shape) != want:
@@ -523,7 +392,7 @@ class ActivationStore:
         Keys already held (in memory, or on disk by any process) are skipped. ``extras`` are
         per-sample tensors kept with the entry in their own dtype (e.g. the attention mask the
         next blocks need, to advance the entry later). ``check_fits``: refuse a batch larger than
-        a positive budget (:meth:`check_batch_fits`); off for groups that are not a training batch.
+        a positive budget (:func:`check_batch_fits`); off for groups that are not a training batch.
         """
         _check_keys(keys)
         extras = dict(extras or {})
@@ -541,8 +410,8 @@ class ActivationStore:
         host = activations.detach().to("cpu", dtype=self.storage_dtype or original)
         host_extras = {n: t.detach().to("cpu") for n, t in extras.items()}
         if check_fits:
-            self.check_batch_fits(host.nbytes + sum(t.nbytes for t in host_extras.values()))
-        if self._lock is None and fcntl is not None and self._disk_off is None:
+            check_batch_fits(self.memory_budget, host.nbytes + sum(t.nbytes for t in host_extras.values()))
+        if self._lock is None and LOCKING and self._disk_off is None:
             self._relock()  # closed earlier and used again: hold the directory while writing into it
         for i, key in enumerate(keys):
             if key in self._mem:
@@ -554,9 +423,9 @@ class ActivationStore:
             hidden = host[i].clone()
             row_extras = {n: t[i].clone() for n, t in host_extras.items()}
             nbytes = hidden.nbytes + sum(t.nbytes for t in row_extras.values())
-            in_memory = self.memory_budget > 0 and self._mem_bytes + nbytes <= self.memory_budget - self.reserved
+            in_memory = self.memory_budget > 0 and self._mem_bytes + nbytes <= self.memory_budget - self._reserved
             if in_memory:
-                self._mem[key] = _MemEntry(hidden, original, row_extras, nbytes)
+                self._mem[key] = _Entry(hidden, original, row_extras, nbytes)
                 self._mem_bytes += nbytes
             written = (not in_memory or self.write_through) and self._write(key, hidden, original, row_extras)
             if in_memory or written:
@@ -565,7 +434,7 @@ class ActivationStore:
     def _skip_nonfinite(self, key: str) -> None:
         """Never keep a NaN/inf activation: replayed from the cache, one bad step would recur every epoch."""
         self._stats.nonfinite += 1
-        self._warn_once(
+        self._warn(
             "nonfinite",
             f"AutoCache did not store a non-finite (NaN/inf) activation at boundary {self.boundary} (key {key}): such "
             "samples are recomputed each time they come (counted in autocache/nonfinite). Check the inputs and the "
@@ -584,8 +453,7 @@ class ActivationStore:
         found = self._read(key, with_extras=True)
         if found is None:
             return None
-        hidden, original, extras = found
-        return StoredEntry(hidden.to(original), extras)
+        return StoredEntry(found.hidden.to(found.dtype), found.extras)
 
     def keys(self) -> list[str]:
         """Every key this process can read: its memory and the directory (all processes' files)."""
@@ -645,51 +513,35 @@ class ActivationStore:
         snap.files_on_disk, snap.bytes_on_disk = files, size
         return snap
 
-    def close(self) -> None:
-        """Drop the memory entries and release the directory's lock (its files stay for other stores).
+    def close(self, delete: bool | Literal["if_empty"] = False) -> bool:
+        """Let go of this store: drop its memory entries and release the directory's lock (its files stay
+        for other stores); returns whether the directory is gone (``True`` when nothing was asked).
 
-        The store stays usable: a later write takes the lock again.
+        ``delete=True``: also delete this prefix's directory, unless another store (another run on
+        the same frozen weights, a process of this node that has not closed its store yet) holds its
+        lock: it is then left for the last one to delete. With several processes, close every store
+        before one of them deletes (the strategy's barrier). ``delete="if_empty"`` (the end of a
+        fit): the memory entries stay readable (validate/test after fit) and the directory goes only
+        if it holds no entry file. The store stays usable: a later write takes the lock again (and
+        makes the directory again).
         """
-        self._mem.clear()
-        self._mem_bytes = 0
-        _unlock(self._lock)
+        if delete != "if_empty":
+            self._mem.clear()
+            self._mem_bytes = 0
+        unlock(self._lock)
         self._lock = None
-
-    def remove_directory_if_empty(self) -> bool:
-        """End of a fit: let go of this store's directory and delete it if it holds no entry file.
-
-        The entries in memory stay readable (and counted in :meth:`stats`); a later write would make
-        the directory again. Another store still using the directory (another process of the node,
-        another run) keeps it: it is left for that one. Returns whether the directory is gone.
-        """
-        _unlock(self._lock)
-        self._lock = None
-        try:
-            if any(item.name.endswith(_SUFFIX) for item in os.scandir(self.directory)):
-                return False
-        except FileNotFoundError:
-            return True
-        return _remove_directory(self.directory)
-
-    def clear(self, disk: bool = False) -> bool:
-        """Drop the memory entries; with ``disk=True`` also delete this prefix's directory if no store uses it.
-
-        The directory goes only if no other store (another run on the same frozen weights, a
-        process of this node that has not closed its store yet) holds its lock: it is then left
-        for the last one to delete. With several processes, close every store before one of them
-        deletes (the strategy's barrier). Returns whether the directory is gone (``True`` for
-        ``disk=False``: nothing was asked).
-        """
-        self._mem.clear()
-        self._mem_bytes = 0
-        if not disk:
-            return True
-        self.close()
-        return _remove_directory(self.directory)
+        if delete == "if_empty":
+            try:
+                if any(item.name.endswith(_SUFFIX) for item in os.scandir(self.directory)):
+                    return False
+            except FileNotFoundError:
+                return True
+        return remove_directory(self.directory) if delete else True
 
     def __del__(self) -> None:
+        # Not a way to let go (that is close()): a store dropped without it must not keep its lock.
         try:
-            _unlock(self._lock)
+            unlock(self._lock)
         except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to release
             pass
 
@@ -713,11 +565,7 @@ class ActivationStore:
             return True  # written by another process (same fingerprint: same bytes)
         tensors = {_HIDDEN: hidden.contiguous(), **{_EXTRA + n: t.contiguous() for n, t in extras.items()}}
         metadata = {
-            "format": _FORMAT,
-            "version": str(FORMAT_VERSION),
-            "fingerprint": self.fingerprint,
-            "boundary": str(self.boundary),
-            "key": key,
+            **self._header(key),
             "dtype": _dtype_name(original),
             **{_CHECKSUM + name: checksum(t) for name, t in tensors.items()},
         }
@@ -761,28 +609,33 @@ class ActivationStore:
         except OSError:
             return False
         self._stats.recreated += 1
-        self._warn_once(
+        self._warn(
             "recreated",
             f"AutoCache's directory {self.directory} was removed while in use ({err.strerror}); it was made again. "
             "The entries that were in it are recomputed when next needed (exact). Do not clean cache_dir during a run.",
         )
         return True
 
-    def _read(self, key: str, with_extras: bool) -> tuple | None:
-        """``(hidden in storage dtype, original dtype[, extras])`` from disk, or ``None`` (missing, rejected or corrupt)."""
+    def _header(self, key: str) -> dict[str, str]:
+        """What a file's metadata says about where it belongs: written with every entry, matched on every read."""
+        return {
+            "format": _FORMAT,
+            "version": str(FORMAT_VERSION),
+            "fingerprint": self.fingerprint,
+            "boundary": str(self.boundary),
+            "key": key,
+        }
+
+    def _read(self, key: str, with_extras: bool) -> _Entry | None:
+        """The entry from disk (activation in the storage dtype; extras only ``with_extras``), or ``None``
+        (missing, rejected or corrupt)."""
         path = self._path(key)
         if not path.exists():
             return None
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 meta = f.metadata() or {}
-                expected = {
-                    "format": _FORMAT,
-                    "version": str(FORMAT_VERSION),
-                    "fingerprint": self.fingerprint,
-                    "boundary": str(self.boundary),
-                    "key": key,
-                }
+                expected = self._header(key)
                 if any(meta.get(k) != v for k, v in expected.items()):
                     raise ValueError(f"metadata {meta} does not match {expected}")
                 original = getattr(torch, meta.get("dtype", ""), None)
@@ -805,27 +658,5 @@ class ActivationStore:
             self._stats.rejected += 1
             self._bad.add(key)
             return None
-        if not with_extras:
-            return hidden, original
-        return hidden, original, {n[len(_EXTRA) :]: t for n, t in tensors.items() if n != _HIDDEN}
-
-
-def merge_rows(hit_mask: Tensor, hits: Tensor, computed: Tensor) -> Tensor:
-    """The full batch: rows of ``hits`` where ``hit_mask`` is true, rows of ``computed`` elsewhere, in order.
-
-    ``hits`` (``[hit_mask.sum(), ...]``) and ``computed`` (``[(~hit_mask).sum(), ...]``) may be
-    empty; the result is on ``computed``'s device and dtype (or ``hits``' when all hit).
-    """
-    n_hit = int(hit_mask.sum())
-    n_miss = hit_mask.numel() - n_hit
-    if hits.shape[0] != n_hit or computed.shape[0] != n_miss:
-        raise ValueError(f"merge_rows: {n_hit} hits and {n_miss} misses, got {hits.shape[0]} and {computed.shape[0]} rows.")
-    if n_miss == 0:
-        return hits
-    if n_hit == 0:
-        return computed
-    mask = hit_mask.to(computed.device)
-    out = computed.new_empty((hit_mask.numel(), *computed.shape[1:]))
-    out[mask] = hits.to(device=computed.device, dtype=computed.dtype)
-    out[~mask] = computed
-    return out
+        extras = {n[len(_EXTRA) :]: t for n, t in tensors.items() if n != _HIDDEN}
+        return _Entry(hidden, original, extras, hidden.nbytes + sum(t.nbytes for t in extras.values()))

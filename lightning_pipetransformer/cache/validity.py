@@ -8,7 +8,7 @@ into 32 hex digits; the store keeps one directory per fingerprint and checks it 
 file it reads, so an entry from another boundary, model or configuration is never returned.
 
 Hashing weights: CPU tensors go through BLAKE2b over their bytes (~1 GB/s); tensors on an
-accelerator are hashed on the device (:func:`~.cache_keys.tensor_digest`), so only 16 bytes per
+accelerator are hashed on the device (:func:`~lightning_pipetransformer.cache.keys.tensor_digest`), so only 16 bytes per
 tensor cross to the host. Either way the fingerprint takes one pass over the frozen weights per
 boundary move, which is nothing next to an epoch.
 

@@ -225,7 +225,7 @@ def test_first_hit_check_treats_the_same_nan_as_equal(tmp_path):
     boundary = prefix(hidden, [])
     hit = torch.ones(3, dtype=torch.bool)
     cache.after_hits(lambda m: hidden[m], [], hit, boundary, prefix, 0.0, 3)  # before: StaleCacheError
-    cache._verified = False
+    cache.first_hit.reset()
     stale = boundary.clone()
     stale[2] += 1
     with pytest.raises(StaleCacheError):
@@ -354,7 +354,7 @@ def test_a_forked_child_does_not_keep_the_directory_locked(tmp_path):
         os._exit(0)
     try:
         assert os.read(to_parent[0], 1) == b"r"
-        assert store.clear(disk=True) and not store.directory.exists()
+        assert store.close(delete=True) and not store.directory.exists()
     finally:
         os.write(to_child[1], b"x")
         os.waitpid(pid, 0)

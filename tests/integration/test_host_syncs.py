@@ -70,3 +70,82 @@ def test_a_steady_state_pipelined_step_makes_the_host_wait_for_nothing(monkeypat
     trainer.fit(Classifier("bert"), data_for("bert", n=48))
     assert trainer.global_step == 6 and sum(counted_passes) == 4  # the pipeline ran the steps counted
     assert seen == [], seen
+
+
+def _cached_bert(tmp_path, key: str):
+    """A tiny BERT with AutoCache installed over its first 2 of 3 blocks (the cache's unit-test set-up)."""
+    from lightning_pipetransformer.cache.autocache import AutoCache
+    from tests.helpers.models import tiny_bert
+    from tests.unit.cache.test_autocache import install
+
+    torch.manual_seed(0)
+    model = tiny_bert(3)
+    cache = AutoCache(True, str(tmp_path), 10**7, key=key)
+    install(model, cache, 2)
+    return model, cache
+
+
+def _counted_cached_steps(monkeypatch, model, cache, batches, indices=None):
+    """The host waits counted in the cached stack's pass (keys, lookup, misses, merge) of each batch."""
+    from lightning_pipetransformer.cache.cached_stack import CachedStack
+
+    counts: list[list[str]] = []
+    run = CachedStack.run
+
+    def counted(self, call):
+        seen: list[str] = []
+        counts.append(seen)
+        with SyncCounter(seen):
+            return run(self, call)
+
+    monkeypatch.setattr(CachedStack, "run", counted)
+    for i, (ids, mask) in enumerate(batches):
+        if indices is not None:
+            cache.set_batch({"index": indices[i]}, "train0", i)
+        model(input_ids=ids, attention_mask=mask).logits.sum().backward()
+    return counts
+
+
+def test_a_served_cached_step_reads_only_its_keys_back(tmp_path, monkeypatch):
+    """Content keys: a batch the store answers in full waits for the host once, to read its keys
+    (the store is a host dictionary keyed by them: ``.cpu()``, then a ``.tolist()`` of that host
+    copy); the hit mask is host data read once (``tolist``). A batch with misses adds what running
+    them needs; none of it may creep into the served step."""
+    from tests.unit.cache.test_autocache import batch
+
+    model, cache = _cached_bert(tmp_path, "content")
+    first, second = batch(0), batch(1)
+    mixed = tuple(torch.cat([a[:3], b[3:]]) for a, b in zip(first, batch(2)))
+    counts = _counted_cached_steps(monkeypatch, model, cache, [first, second, first, second, mixed])
+    assert cache.store.stats().hits == 6 + 6 + 3  # engaged: batches 3 and 4 served in full, 3 rows of the last
+    served = counts[3]  # the first hit's one-off check ran at batch 3 (counts[2])
+    assert served == ["cpu", "tolist", "tolist"], served
+    assert len(counts[4]) > len(served)  # misses cost more (their rows run, are checked finite, stored, merged)
+
+
+def test_a_served_cached_step_with_index_keys_reads_its_indices_once(tmp_path, monkeypatch):
+    """Index keys: the batch's indices are read once (they name the entries), then the blocks'
+    arguments hashed into the keys once (a changed mask must miss); nothing else."""
+    from lightning_pipetransformer.cache.cached_stack import CachedStack
+    from tests.unit.cache.test_autocache import batch
+
+    model, cache = _cached_bert(tmp_path, "index")
+    ids, mask = batch(0)
+    counts: list[list[str]] = []
+    run = CachedStack.run
+
+    def counted(self, call):
+        seen: list[str] = []
+        counts.append(seen)
+        with SyncCounter(seen):
+            return run(self, call)
+
+    monkeypatch.setattr(CachedStack, "run", counted)
+    for _ in range(3):
+        given: list[str] = []
+        with SyncCounter(given):
+            cache.set_batch({"index": torch.arange(6)}, "train0", None)
+        model(input_ids=ids, attention_mask=mask).logits.sum().backward()
+    assert cache.store.stats().hits == 12  # engaged: the second and third batches were served
+    assert given == ["tolist"], given
+    assert counts[-1] == ["cpu", "tolist", "tolist"], counts[-1]

@@ -366,7 +366,7 @@ def test_the_input_recorder_holds_nothing_while_the_cache_does_not_serve(tmp_pat
 
     class Check(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            seen.append((trainer.current_epoch, trainer.strategy.autocache._recorder.pending is None))
+            seen.append((trainer.current_epoch, trainer.strategy.autocache.embeddings.recorder.pending is None))
 
     strategy = PipeTransformerStrategy(cache=True, cache_dir=str(tmp_path))
     cpu_trainer(strategy, [AutoFreeze(schedule={1: 2}), Check()], max_epochs=2).fit(Classifier("bert"), data_for("bert"))

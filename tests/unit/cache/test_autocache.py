@@ -68,18 +68,18 @@ def test_cached_equals_uncached_over_epochs_and_boundary_moves(tmp_path, budget)
     word_rows = count_rows(cached.bert.embeddings.word_embeddings)  # runs only inside the real embeddings
     for seed in (0, 1):  # epoch 1: all misses; the first forward shows the embeddings' output reaches the stack
         assert_same_step(plain, cached, *batch(seed))
-    assert word_rows == [6, 6] and cache.embeddings_skipped == 1  # batch 1 skipped them, then ran them for its 6 misses
+    assert word_rows == [6, 6] and cache.counters.embeddings_skipped == 1  # batch 1 skipped them, then ran them for its 6 misses
     word_rows.clear()
     for seed in (0, 1):  # epoch 2: all hit; the embeddings run only for the one-off verification of the first hits
         assert_same_step(plain, cached, *batch(seed))
-    assert word_rows == [6] and cache.embeddings_skipped == 3
+    assert word_rows == [6] and cache.counters.embeddings_skipped == 3
     assert cache.store.stats().hits == 12 and cache.store.stats().misses == 12
 
     # Move the boundary 1 -> 3: entries are advanced, not recomputed from the input.
     apply_freeze(find_block_stack(plain), 3, include_pre=True)
     remove_pipeline(stack.container)
     _, runner = install(cached, cache, 3)
-    cache.verified_modes = {True}  # attach() starts unverified; this model was verified above (training mode)
+    cache.embeddings.verified_modes = {True}  # attach() starts unverified; this model was verified above (training mode)
     computed = []
     original = runner._prefix
     runner._prefix = lambda *a, **k: computed.append(a[0].shape[0]) or original(*a, **k)
@@ -130,14 +130,6 @@ def test_dropout_in_frozen_prefix_is_refused_or_turns_cache_off(tmp_path):
     with pytest.warns(UserWarning, match="turned off"):
         auto.move_boundary(stack, 2, True, torch.device("cpu"), (0, 1))
     assert auto.store is None and not auto.enabled
-
-
-def test_active_balance_drops_emptied_stages():
-    from lightning_pipetransformer.pipe.partition import active_balance
-
-    assert active_balance((3, 1), 3) == ((1,), (1,))
-    assert active_balance((2, 2, 2), 3) == ((1, 2), (1, 2))
-    assert active_balance((4,), 0) == ((4,), (0,))
 
 
 def test_unwritable_cache_dir_is_a_clear_error(tmp_path):

@@ -52,7 +52,7 @@ def test_half_hit_batch_runs_the_frozen_blocks_for_the_misses_only(bert_with_cac
         out = model(input_ids=mixed, attention_mask=mask).logits
     # The embeddings run once, on the whole batch (they are cheap; see Skipped.rows); the frozen
     # blocks only for the 3 new samples.
-    assert word_rows == [6] and prefix_rows == [3] and cache.embeddings_skipped == 1
+    assert word_rows == [6] and prefix_rows == [3] and cache.counters.embeddings_skipped == 1
     remove_pipeline(find_block_stack(model).container)
     cache.detach()
     with torch.no_grad():
@@ -64,9 +64,9 @@ def test_embeddings_called_outside_the_model_forward_are_real(bert_with_cache):
     ids, mask = batch(0)
     model(input_ids=ids, attention_mask=mask)
     model(input_ids=ids, attention_mask=mask)
-    assert cache.embeddings_skipped == 1
+    assert cache.counters.embeddings_skipped == 1
     direct = model.bert.embeddings(input_ids=ids)  # a user's own call: not inside BertModel.forward
-    assert torch.isfinite(direct).all() and cache.embeddings_skipped == 1
+    assert torch.isfinite(direct).all() and cache.counters.embeddings_skipped == 1
 
 
 def test_vit_skips_patch_embeddings_exactly(tmp_path):
@@ -75,7 +75,7 @@ def test_vit_skips_patch_embeddings_exactly(tmp_path):
     for _ in range(3):
         expected = plain(pixel_values=images).logits
         torch.testing.assert_close(cached(pixel_values=images).logits, expected, rtol=1e-5, atol=1e-6)
-    assert cache.embeddings_skipped == 2
+    assert cache.counters.embeddings_skipped == 2
 
 
 class Rescaled(nn.Module):
@@ -118,7 +118,7 @@ def test_placeholder_that_does_not_reach_the_stack_raises(tmp_path, change):
     ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(0))
     model(ids)  # the output reaches the stack unchanged: skipping is armed
     model(ids)
-    assert cache.embeddings_skipped == 1
+    assert cache.counters.embeddings_skipped == 1
     setattr(model, change, True)
     with pytest.raises(SkipError, match="cache_skip_embeddings=False"):
         model(ids)
@@ -133,7 +133,7 @@ def test_skipping_off_runs_the_embeddings_every_time(tmp_path):
     ids, mask = batch(0)
     for _ in range(3):
         model(input_ids=ids, attention_mask=mask)
-    assert word_rows == [6, 6, 6] and cache.embeddings_skipped == 0
+    assert word_rows == [6, 6, 6] and cache.counters.embeddings_skipped == 0
     cache.detach()
     assert "forward" not in model.bert.embeddings.__dict__
 
@@ -145,7 +145,7 @@ def test_in_place_change_after_the_embeddings_is_never_skipped_and_stays_exact(t
     a, b = (torch.randint(0, VOCAB, (4, SEQ), generator=g) for _ in range(2))
     for ids in (a, b, a, b):
         torch.testing.assert_close(model(ids), plain(ids))
-    assert not cache.verified_modes and cache.embeddings_skipped == 0
+    assert not cache.embeddings.verified_modes and cache.counters.embeddings_skipped == 0
     assert cache.store.stats().hits == 8  # keyed on the hidden state itself, which is exact
 
 
@@ -166,7 +166,7 @@ def test_trainable_inputs_embeds_keep_their_gradient(tmp_path):
         actual = soft_prompt_grads(cached, soft, ids, mask)
         assert actual is not None
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
-    assert cache.embeddings_skipped == 0
+    assert cache.counters.embeddings_skipped == 0
 
 
 def test_output_made_to_require_grad_by_a_hook_is_never_skipped(tmp_path):
@@ -178,7 +178,7 @@ def test_output_made_to_require_grad_by_a_hook_is_never_skipped(tmp_path):
     ids, mask = batch(0)
     for _ in range(3):
         model(input_ids=ids, attention_mask=mask).logits.sum().backward()
-    assert cache.embeddings_skipped == 0
+    assert cache.counters.embeddings_skipped == 0
 
 
 def test_validation_under_inference_mode_skips_and_is_exact(bert_with_cache):
@@ -190,7 +190,7 @@ def test_validation_under_inference_mode_skips_and_is_exact(bert_with_cache):
         # Real (a new signature: no grad; its entries keyed by the inputs, shown to name the hidden
         # state above), then skipped and all hits (verified once), then skipped again.
         outputs = [model(input_ids=other, attention_mask=mask).logits for _ in range(3)]
-    assert cache.embeddings_skipped == 2 and cache.store.stats().hits == 12
+    assert cache.counters.embeddings_skipped == 2 and cache.store.stats().hits == 12
     remove_pipeline(find_block_stack(model).container)
     cache.detach()
     with torch.inference_mode():
@@ -207,7 +207,7 @@ def test_keys_come_from_the_skipped_call_not_a_later_one(tmp_path):
     model(b)  # skipped, stores b
     model.peek = b  # the embeddings run again (for real, on b) between the skipped call on a and the stack
     torch.testing.assert_close(model(a), plain(a))  # a's entry, never b's
-    assert cache.embeddings_skipped == 2
+    assert cache.counters.embeddings_skipped == 2
 
 
 class SharedPositionEmbeddings(nn.Module):
@@ -253,7 +253,7 @@ def test_rows_of_a_half_hit_batch_keep_shared_inputs_whole(tmp_path):
         model(a, positions)  # skipped, all hits, verified
         out = model(b, positions)  # skipped; the real embeddings run for the miss
         torch.testing.assert_close(out, plain(b, positions), rtol=1e-5, atol=1e-6)
-    assert cache.embeddings_skipped == 2
+    assert cache.counters.embeddings_skipped == 2
 
 
 class DropoutAfterEmbeddings(nn.Module):
@@ -280,8 +280,8 @@ def test_skipping_shown_safe_in_eval_mode_is_not_used_in_training_mode(tmp_path)
     with torch.no_grad():  # Trainer(inference_mode=False) validation: versions tracked, dropout is the identity
         model(ids)
         model(ids)
-    assert cache.verified_modes == {False} and cache.embeddings_skipped == 1
+    assert cache.embeddings.verified_modes == {False} and cache.counters.embeddings_skipped == 1
     model.train()
     for _ in range(2):  # the dropout makes a new tensor: never skipped here, and no SkipError
         model(ids).sum().backward()
-    assert cache.embeddings_skipped == 1
+    assert cache.counters.embeddings_skipped == 1

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_pipetransformer.pipe.partition import (
+    active_balance,
     boundaries,
     compress_pipe_len,
     optimal_partition,
@@ -135,3 +136,9 @@ def test_paper_greedy_bad_input() -> None:
         paper_greedy_partition([1, 2], 1, num_frozen=3)
     with pytest.raises(ValueError, match="frozen_cost"):
         paper_greedy_partition([1, 2], 1, frozen_cost=2.0)
+
+
+def test_active_balance_drops_emptied_stages():
+    assert active_balance((3, 1), 3) == ((1,), (1,))
+    assert active_balance((2, 2, 2), 3) == ((1, 2), (1, 2))
+    assert active_balance((4,), 0) == ((4,), (0,))

@@ -1,4 +1,5 @@
-"""Cache in the forward pass (hits + misses) equals no cache; a boundary advance equals computing from scratch."""
+"""Boundary moves (cache/advance.py): an advance equals computing from scratch, and the cache in the forward
+pass (hits + misses) equals no cache before and after it."""
 
 from __future__ import annotations
 
@@ -8,14 +9,9 @@ import pytest
 import torch
 from transformers import BertConfig, BertModel
 
-from lightning_pipetransformer.cache.advance import (
-    advance_store,
-    cached_prefix,
-    pack_block_inputs,
-    select_rows,
-    shard_of,
-    unpack_block_inputs,
-)
+from lightning_pipetransformer.cache.advance import advance_store, shard_of
+from lightning_pipetransformer.cache.arguments import pack_block_inputs, select_rows
+from lightning_pipetransformer.cache.batch import CachedBatch
 from lightning_pipetransformer.cache.keys import content_keys
 from lightning_pipetransformer.cache.prefix import run_blocks
 from lightning_pipetransformer.cache.store import ActivationStore
@@ -63,16 +59,15 @@ class CachedStack:
         hidden, frozen = call.hidden, self.num_frozen
         batch = hidden.shape[0]
 
-        def compute(miss: torch.Tensor) -> torch.Tensor:
-            h, calls = select_rows((hidden, call.calls[:frozen]), miss, batch)
-            self.computed += h.shape[0]
-            with torch.no_grad():
-                return run_blocks(list(self.blocks[:frozen]))(h, calls)
+        def rows(miss: torch.Tensor) -> torch.Tensor:
+            self.computed += int(miss.sum())
+            return select_rows(hidden, miss, batch)
 
-        boundary, _ = cached_prefix(
-            self.store, self.keys, compute, extras=pack_block_inputs(call.calls[frozen:], frozen, batch),
+        boundary = CachedBatch(
+            self.store, self.keys, rows=rows, calls=call.calls[:frozen], extras=pack_block_inputs(call.calls[frozen:], frozen, batch),
+            blocks=self.blocks[:frozen], prefix=run_blocks(list(self.blocks[:frozen])),
             sample_shape=hidden.shape[1:], dtype=hidden.dtype, device=hidden.device,
-        )
+        ).boundary()
         return run_blocks(list(self.blocks[frozen:]))(boundary, call.calls[frozen:])
 
 
@@ -174,33 +169,7 @@ def test_sharded_advance_covers_every_entry_once(tmp_path):
     torch.testing.assert_close(hits, src.lookup(keys)[1] * 2 + 2)
 
 
-def test_block_inputs_round_trip_and_refusals(tmp_path):
-    mask, window = torch.ones(4, 1, 3, 3, dtype=torch.bool), torch.zeros(4, 1, 3, 3, dtype=torch.bool)
-    cos_sin = (torch.randn(1, 3, 2), torch.randn(1, 3, 2))
-    calls = [
-        ((mask, None, torch.zeros(1, 3)), {"is_causal": True, "scale": 0.5, "rotary": cos_sin, "dims": (2, 3)}),
-        ((window, None, torch.zeros(1, 3)), {"is_causal": True, "scale": 0.5, "rotary": cos_sin, "dims": (1, 1), "empty": ()}),
-        ((mask,), {"extra": {"a": None, "b": [1.5]}}),
-    ]
-    extras = pack_block_inputs(calls, 4, 4)
-    assert sum(name.startswith("t.") for name in extras) == 6  # mask, window, two zeros(1, 3), cos, sin: each once
-    (a4, k4), (a5, k5), (a6, k6) = unpack_block_inputs(extras, [4, 5, 6])
-    assert torch.equal(a4[0], mask) and a4[1] is None and a4[2].shape == (4, 3)  # broadcast row kept per sample
-    assert torch.equal(a5[0], window) and torch.equal(a6[0], mask)
-    assert k4["is_causal"] is True and k4["scale"] == 0.5 and k4["dims"] == (2, 3) and k5["dims"] == (1, 1)
-    assert isinstance(k4["rotary"], tuple) and torch.equal(k4["rotary"][0], cos_sin[0].expand(4, 3, 2))
-    assert k5["empty"] == () and k6 == {"extra": {"a": None, "b": [1.5]}}
-    ((only_args, _),) = unpack_block_inputs(extras, [5])  # any subset of the stored blocks
-    assert torch.equal(only_args[0], window)
-    with pytest.raises(ValueError, match="no inputs for block 3"):
-        unpack_block_inputs(extras, [3])
-    # The argument is named as the model passes it, with its type (not the entry's internal path).
-    with pytest.raises(TypeError, match=r"block 0's argument 1 is a tensor of shape \(7,\), neither \[batch=4"):
-        pack_block_inputs([((torch.zeros(7),), {})], 0, 4)
-    with pytest.raises(TypeError, match=r"block 2's argument resolution is a torch.Size"):
-        pack_block_inputs([((), {"resolution": torch.Size([4, 4])})], 2, 4)
-    with pytest.raises(TypeError, match=r"block 0's argument 1 \[1\] is a builtins.object"):
-        pack_block_inputs([(((None, object()),), {})], 0, 4)
+def test_advance_refuses_entries_without_block_inputs_and_going_back(tmp_path):
     src = ActivationStore(tmp_path, "a" * 32, 1, memory_budget=0)
     src.store(["x"], torch.zeros(1, 2))  # no block inputs recorded
     with pytest.raises(ValueError, match="without its block inputs"):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_pipetransformer.cache.keys import content_keys
-from lightning_pipetransformer.cache.store import ActivationStore, CacheConfigError, merge_rows
+from lightning_pipetransformer.cache.store import ActivationStore, CacheConfigError
 
 FP = "0123456789abcdef0123456789abcdef"
 ROW = (4, 8)  # one sample's activation: 32 fp32 = 128 bytes
@@ -151,16 +151,6 @@ def test_shape_mismatch_is_a_miss_and_bad_keys_are_refused(tmp_path):
         store.store(keys, acts[:1])
 
 
-def test_merge_rows():
-    hit = torch.tensor([True, False, True, False])
-    hits = torch.tensor([[1.0], [3.0]])
-    computed = torch.tensor([[2.0], [4.0]])
-    assert merge_rows(hit, hits, computed).flatten().tolist() == [1.0, 2.0, 3.0, 4.0]
-    assert merge_rows(torch.zeros(2, dtype=torch.bool), torch.empty(0, 1), computed) is computed
-    with pytest.raises(ValueError):
-        merge_rows(hit, hits, computed[:1])
-
-
 _WRITER = textwrap.dedent(
     """
     import sys, types, torch
@@ -178,7 +168,7 @@ _WRITER = textwrap.dedent(
         g = torch.Generator().manual_seed(0)
         acts = torch.randn(16, 4, 8, generator=g)
         store.store([f"k{{i}}" for i in range(16)], acts)
-        store.clear()  # forget memory, write again: exercises concurrent os.replace
+        store.close()  # forget memory, write again: exercises concurrent os.replace
     # Then read what the other process wrote.
     hit, hits = store.lookup([f"k{{i}}" for i in range(16)])
     assert hit.all(), hit
@@ -221,10 +211,10 @@ def test_bytes_reserved_by_another_store_count_against_the_budget(tmp_path):
     """Lazy advance: an earlier boundary's entries still in memory share the one budget with the new store's."""
     one = 4 * 8 * 4  # a [4, 8] fp32 activation
     store = ActivationStore(tmp_path, FP, 2, memory_budget=4 * one)
-    store.reserved = 3 * one
+    store.reserve(3 * one)
     store.store(["a", "b"], torch.randn(2, 4, 8), check_fits=False)
     assert store.in_memory("a") and not store.in_memory("b") and store.on_disk("b")
     assert store.bytes_in_memory == one
-    store.reserved = 0
+    store.reserve(0)
     store.store(["c", "d"], torch.randn(2, 4, 8), check_fits=False)
     assert store.in_memory("c") and store.in_memory("d") and store.bytes_in_memory == 3 * one
