@@ -32,23 +32,12 @@ once), the self-check and the call-order watch likewise, the micro-batch split a
 the pipeline (:func:`map_tensors` with a ``memo=`` per stage: a tensor passed whole goes to each
 stage once; :func:`tensor_paths` for its broadcast outputs) and ``runners.to_device``.
 
-The cache's own walkers map onto it as follows:
-
-=====================================  ==============================================================
-``cache.keys._leaves``                 :func:`leaves_with_paths`; the row hashes are summed, so leaf
-                                       order does not matter, but the path text enters each salt:
-                                       :func:`path_str` writes ``['k']``, ``[0]`` and ``.field`` (a
-                                       named tuple by field) where it writes ``.k`` and ``[0]``, so
-                                       keys change once on the switch
-``cache.advance.select_rows``          :func:`map_tensors_with_paths` with ``memo=`` (a tensor shared
-                                       by every block cut once; the path's keys name a folded argument)
-``cache.prefix.shared_once``           :func:`leaves_with_paths` (a repeat is a leaf already seen)
-``pipe.microbatch.tensors_in``         :func:`tensors` (``cache.cached_stack`` still imports the former)
-``cache.advance.pack_block_inputs``    keeps its own walk: an entry on disk is rebuilt from names,
-                                       without Python types, so it accepts only plain tuples, lists
-                                       and dicts on purpose; :func:`containers` tells which types a
-                                       tree holds
-=====================================  ==============================================================
+The cache walks with it too (:mod:`~lightning_pipetransformer.cache.arguments`): its content keys
+hash :func:`leaves_with_paths` (the path text enters each leaf's salt), its row selection and its
+shared-tensor references use :func:`map_tensors_with_paths` (a keyword's path names a batch-major
+folded argument). Only ``pack_block_inputs`` keeps its own walk: an entry on disk is rebuilt from
+names, without Python types, so it accepts only plain tuples, lists and dicts on purpose
+(:func:`containers` tells which types a tree holds).
 """
 
 from __future__ import annotations

@@ -42,8 +42,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor
 
+from lightning_pipetransformer import tree
 from lightning_pipetransformer.pipe.microbatch import per_sample_view
 from lightning_pipetransformer.stack.interception import BlockArgs
 
@@ -67,15 +69,13 @@ INPUTS_MARKER = "m.inputs"
 
 
 def leaves(value: Any, path: str) -> Iterator[tuple[str, Any]]:
-    """Leaves of a nested batch with a stable path; dict keys in sorted order (collate order may vary)."""
-    if isinstance(value, Mapping):
-        for key in sorted(value, key=str):
-            yield from leaves(value[key], f"{path}.{key}")
-    elif isinstance(value, (tuple, list)):
-        for i, item in enumerate(value):
-            yield from leaves(item, f"{path}[{i}]")
-    else:
-        yield path, value
+    """Leaves of a nested batch with their paths under ``path`` (the one rule of :mod:`~lightning_pipetransformer.tree`).
+
+    A content key sums per-row hashes salted by these paths, so the order of the leaves (collate order
+    of a dict may vary) does not change a key; the paths do.
+    """
+    for where, leaf in tree.leaves_with_paths(value):
+        yield f"{path}{tree.path_str(where)}", leaf
 
 
 def shared_once(calls: Sequence[BlockArgs], batch: int) -> Any:
@@ -86,19 +86,22 @@ def shared_once(calls: Sequence[BlockArgs], batch: int) -> Any:
     """
     seen: dict[int, int] = {}
 
-    def ref(value: Any, key: int | str = 0) -> Any:
-        if isinstance(value, Tensor):
-            if id(value) in seen:
-                return f"@{seen[id(value)]}"
-            seen[id(value)] = len(seen)
-            return per_sample_view(key, value, batch)
-        if isinstance(value, Mapping):
-            return {k: ref(v, k) for k, v in value.items()}
-        if isinstance(value, (tuple, list)):
-            return [ref(v, key) for v in value]
-        return value
+    def ref(path: tree.Path, value: Tensor) -> Any:
+        if id(value) in seen:
+            return f"@{seen[id(value)]}"
+        seen[id(value)] = len(seen)
+        return per_sample_view(_argument_name(path), value, batch)
 
-    return [ref(call) for call in calls]
+    return [tree.map_tensors_with_paths(ref, call) for call in calls]
+
+
+def _argument_name(path: tree.Path) -> int | str:
+    """The keyword a tensor was passed under (the last mapping key on its path), else 0: what
+    :func:`per_sample_view` asks to tell a batch-major folded argument."""
+    for entry in reversed(path):
+        if isinstance(entry, pytree.MappingKey):
+            return entry.key
+    return 0
 
 
 def _readable(path: str) -> str:
@@ -259,31 +262,18 @@ def _build(node: Any) -> Any:
 
 
 def select_rows(value: Any, mask: Tensor, batch_size: int) -> Any:
-    """``value`` (nested tuples/lists/dicts) with every ``[batch_size, ...]`` tensor cut to the rows in ``mask``.
+    """``value`` (nested arguments) with every ``[batch_size, ...]`` tensor cut to the rows in ``mask``.
 
     A tensor that appears several times (one mask for every block) is cut once; a batch-major
     folded keyword argument (:func:`~lightning_pipetransformer.pipe.microbatch.per_sample_view`) is cut by sample.
     """
-    memo: dict[int, Tensor] = {}
 
-    def cut(v: Any) -> Any:
-        if isinstance(v, Tensor):
-            if v.dim() > 0 and v.shape[0] == batch_size:
-                if id(v) not in memo:
-                    memo[id(v)] = v[mask.to(v.device)]
-                return memo[id(v)]
-            return v
-        if isinstance(v, Mapping):
-            return {k: cut_folded(k, x) if per_sample_view(k, x, batch_size) is not x else cut(x) for k, x in v.items()}
-        if isinstance(v, tuple) and hasattr(v, "_fields"):
-            return type(v)(*(cut(x) for x in v))
-        if isinstance(v, (tuple, list)):
-            return type(v)(cut(x) for x in v)
+    def cut(path: tree.Path, v: Tensor) -> Tensor:
+        folded = per_sample_view(_argument_name(path), v, batch_size) if path and isinstance(path[-1], pytree.MappingKey) else v
+        if folded is not v:
+            return folded[mask.to(v.device)].flatten(0, 1)
+        if v.dim() > 0 and v.shape[0] == batch_size:
+            return v[mask.to(v.device)]
         return v
 
-    def cut_folded(key: str, v: Tensor) -> Tensor:
-        if id(v) not in memo:
-            memo[id(v)] = per_sample_view(key, v, batch_size)[mask.to(v.device)].flatten(0, 1)
-        return memo[id(v)]
-
-    return cut(value)
+    return tree.map_tensors_with_paths(cut, value, memo={})

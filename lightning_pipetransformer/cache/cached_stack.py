@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from lightning_pipetransformer import tree
 from lightning_pipetransformer.cache.arguments import pack_block_inputs
 from lightning_pipetransformer.cache.batch import CachedBatch, StackInput
 from lightning_pipetransformer.cache.prefix import run_blocks
-from lightning_pipetransformer.pipe.microbatch import tensors_in
 from lightning_pipetransformer.stack.execution import graph_leaves
 from lightning_pipetransformer.stack.input_grad import as_marked_input, gradient_leaf
 from lightning_pipetransformer.stack.interception import BlockArgs, StackCall
@@ -34,7 +34,7 @@ def first_trainable(calls: Sequence[BlockArgs], parameter_names: Mapping[int, st
     reaches when ``parameter_names`` knows them (``None``: no argument requires grad)."""
     for index, (args, kwargs) in enumerate(calls):
         for name, value in [*((f"argument {i + 1}", a) for i, a in enumerate(args)), *((f"argument {k}", v) for k, v in kwargs.items())]:
-            trainable = [t for t in tensors_in(value) if t.requires_grad]
+            trainable = [t for t in tree.tensors(value) if t.requires_grad]
             if trainable:
                 found = [parameter_names[id(p)] for p in graph_leaves(trainable) if parameter_names and id(p) in parameter_names]
                 source = f", computed from {', '.join(sorted(set(found))[:3])}" if found else ""

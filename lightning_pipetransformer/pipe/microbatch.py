@@ -203,11 +203,6 @@ def _copies(pieces: Sequence[Tensor], n: int) -> tuple[Tensor, ...]:
     return tuple(pieces) if n == 1 else tuple(p.clone() for p in pieces)
 
 
-def tensors_in(obj: Any) -> list[Tensor]:
-    """Every tensor in ``obj`` (:func:`~lightning_pipetransformer.tree.tensors`; kept for the cache's callers)."""
-    return tree.tensors(obj)
-
-
 def gather(outputs: Sequence[Any], sizes: Sequence[int], broadcast: Collection[tree.Path] = ()) -> Any:
     """Join the per-micro-batch outputs into one output of the same structure.
 

@@ -11,9 +11,8 @@ from transformers import DynamicCache
 from transformers.modeling_outputs import BaseModelOutput
 
 from lightning_pipetransformer import tree
-from lightning_pipetransformer.cache.advance import select_rows
-from lightning_pipetransformer.cache.keys import _leaves as key_leaves
-from lightning_pipetransformer.cache.prefix import shared_once
+from lightning_pipetransformer.cache.arguments import leaves as key_leaves
+from lightning_pipetransformer.cache.arguments import select_rows, shared_once
 
 Pair = namedtuple("Pair", "hidden aux")
 Seq, Map = pytree.SequenceKey, pytree.MappingKey
@@ -119,14 +118,15 @@ def test_specs_compare_structure_not_leaves():
 
 
 def test_the_cache_walkers_reach_the_same_tensors():
-    """keys, row selection and shared_once still walk by hand (their module switches separately):
-    on the tricky inputs they must reach exactly the tensors the tree reaches, or a key would miss a
-    tensor that the micro-batch split cuts."""
+    """The cache's keys, row selection and shared_once walk with the tree: on the tricky inputs they
+    reach exactly the tensors the micro-batch split reaches, and a row selection keeps the containers'
+    types (a named tuple stays one), or a key would miss a tensor that the split cuts."""
     value, shared, other = tricky()
     value = value[:-1]  # select_rows and keys: a cache object never reaches them
     reached = sorted(id(t) for t in tree.tensors(value))
     assert sorted(id(v) for _, v in key_leaves(value, "batch") if isinstance(v, torch.Tensor)) == reached
     cut = select_rows(value, torch.tensor([True, False, True, False]), 4)
     assert len(tree.tensors(cut)) == len(reached) and all(t.shape[0] == 2 for t in tree.tensors(cut))
+    assert tree.flatten(cut)[1] == tree.flatten(value)[1]  # the same structure and types, fewer rows
     once = shared_once([((value,), {})], 4)
     assert len(tree.tensors(once)) == len({id(t) for t in tree.tensors(value)})  # repeats become references
