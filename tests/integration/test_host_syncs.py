@@ -85,8 +85,8 @@ def _cached_bert(tmp_path, key: str):
     return model, cache
 
 
-def _counted_cached_steps(monkeypatch, model, cache, batches, indices=None):
-    """The host waits counted in the cached stack's pass (keys, lookup, misses, merge) of each batch."""
+def _count_cached_passes(monkeypatch) -> list[list[str]]:
+    """From now on, the host waits of each cached stack's pass (keys, lookup, misses, merge), one list a pass."""
     from lightning_pipetransformer.cache.cached_stack import CachedStack
 
     counts: list[list[str]] = []
@@ -99,6 +99,12 @@ def _counted_cached_steps(monkeypatch, model, cache, batches, indices=None):
             return run(self, call)
 
     monkeypatch.setattr(CachedStack, "run", counted)
+    return counts
+
+
+def _counted_cached_steps(monkeypatch, model, cache, batches, indices=None):
+    """The host waits counted in the cached stack's pass of each batch."""
+    counts = _count_cached_passes(monkeypatch)
     for i, (ids, mask) in enumerate(batches):
         if indices is not None:
             cache.set_batch({"index": indices[i]}, "train0", i)
@@ -126,21 +132,11 @@ def test_a_served_cached_step_reads_only_its_keys_back(tmp_path, monkeypatch):
 def test_a_served_cached_step_with_index_keys_reads_its_indices_once(tmp_path, monkeypatch):
     """Index keys: the batch's indices are read once (they name the entries), then the blocks'
     arguments hashed into the keys once (a changed mask must miss); nothing else."""
-    from lightning_pipetransformer.cache.cached_stack import CachedStack
     from tests.unit.cache.test_autocache import batch
 
     model, cache = _cached_bert(tmp_path, "index")
     ids, mask = batch(0)
-    counts: list[list[str]] = []
-    run = CachedStack.run
-
-    def counted(self, call):
-        seen: list[str] = []
-        counts.append(seen)
-        with SyncCounter(seen):
-            return run(self, call)
-
-    monkeypatch.setattr(CachedStack, "run", counted)
+    counts = _count_cached_passes(monkeypatch)
     for _ in range(3):
         given: list[str] = []
         with SyncCounter(given):
