@@ -29,10 +29,10 @@ from transformers import BertConfig, BertForSequenceClassification
 import lightning_pipetransformer
 from lightning_pipetransformer.cache.autocache import AutoCache
 from lightning_pipetransformer.freeze.apply import apply_freeze
-from lightning_pipetransformer.pipe.pipeline import install_pipeline
 from lightning_pipetransformer.pipe.planner import Plan
 from lightning_pipetransformer.runners import cached_runner
 from lightning_pipetransformer.stack.discovery import find_block_stack
+from lightning_pipetransformer.stack.interception import install_pipeline
 
 PACKAGE = Path(lightning_pipetransformer.__file__).parent
 #: Frames Python 3.11 makes for comprehensions: part of the function that holds them, not functions of their own.
@@ -144,6 +144,8 @@ def main() -> None:
     for pair, count in sorted(pairs.items(), key=lambda kv: (-kv[1], kv[0])):
         print(f"  {pair}: {count}")
     print(f"calls between package files: {cross_file}")
+    into_tree = sum(1 for file, _, caller in calls if caller is not None and file != caller and file == "tree.py")
+    print(f"  of those, into tree.py (the one walker of nested arguments): {into_tree}")
 
 
 if __name__ == "__main__":
