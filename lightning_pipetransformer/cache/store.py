@@ -261,10 +261,14 @@ class ActivationStore:
         self._reserved = 0  # see reserve()
         self._bad: set[str] = set()  # keys whose file was rejected: the next store overwrites it
         self._stats = CacheStats()
-        if warn is None:
-            said = WarnOnce()
-            warn = lambda reason, message: said(reason, message, stacklevel=4)  # noqa: E731
-        self._warn = warn
+        # Once per reason and store, whoever listens: a batch of 10,000 NaN rows is one warning.
+        said = WarnOnce() if warn is None else WarnOnce(lambda message, stacklevel: None)
+
+        def warn_once(reason: str, message: str) -> None:
+            if said(reason, message, stacklevel=4) and warn is not None:
+                warn(reason, message)
+
+        self._warn = warn_once
         #: Why disk writes stopped at this boundary (a full disk), or ``None`` while they work.
         self._disk_off: str | None = None
         self.strict = strict

@@ -200,7 +200,8 @@ def graph_leaves(values: Sequence[Any]) -> list[Tensor]:
     """The leaf tensors (parameters) the gradient of the tensors in ``values`` reaches, within a bounded walk."""
     roots: list[Any] = []
     leaves: list[Tensor] = []
-    for value in tree.tensors(list(values)):
+    # Pushed last to first: the walk pops the first argument (the hidden state) first, within the bound.
+    for value in reversed(tree.tensors(list(values))):
         if value.requires_grad and value.grad_fn is None:
             leaves.append(value)  # a parameter handed to the block as it is (DeBERTa's rel_embeddings.weight)
         elif value.requires_grad:

@@ -218,3 +218,13 @@ def test_bytes_reserved_by_another_store_count_against_the_budget(tmp_path):
     store.reserve(0)
     store.store(["c", "d"], torch.randn(2, 4, 8), check_fits=False)
     assert store.in_memory("c") and store.in_memory("d") and store.bytes_in_memory == 3 * one
+
+
+def test_a_listener_hears_each_reason_once_per_store(tmp_path):
+    # Whoever listens (AutoCache, a direct user): a batch of NaN rows, then another, is one warning.
+    heard: list[str] = []
+    store = ActivationStore(tmp_path, FP, 1, memory_budget=10**6, warn=lambda r, m: heard.append(r))
+    bad = torch.full((3, 4), float("nan"))
+    store.store(["a", "b", "c"], bad)
+    store.store(["d", "e"], bad[:2])
+    assert heard == ["nonfinite"] and store.stats().nonfinite == 5
