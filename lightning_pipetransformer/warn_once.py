@@ -34,6 +34,3 @@ class WarnOnce:
         self._said.add(reason)
         self._emit(message, stacklevel + 1)
         return True
-
-    def said(self, reason: Hashable) -> bool:
-        return reason in self._said

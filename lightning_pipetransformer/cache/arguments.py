@@ -269,7 +269,8 @@ def select_rows(value: Any, mask: Tensor, batch_size: int) -> Any:
     """
 
     def cut(path: tree.Path, v: Tensor) -> Tensor:
-        folded = per_sample_view(_argument_name(path), v, batch_size) if path and isinstance(path[-1], pytree.MappingKey) else v
+        # Only a keyword's own value is a folded argument; an element nested inside it is cut by rows.
+        folded = per_sample_view(path[-1].key, v, batch_size) if path and isinstance(path[-1], pytree.MappingKey) else v
         if folded is not v:
             return folded[mask.to(v.device)].flatten(0, 1)
         if v.dim() > 0 and v.shape[0] == batch_size:
