@@ -432,7 +432,10 @@ class PipeTransformerStrategy(ProcessLayout):
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         if idle.is_idle_batch(batch):
             return batch  # nothing to move, and the user's transfer hooks must not see a placeholder
-        return super().batch_to_device(batch, device, dataloader_idx)
+        moved = super().batch_to_device(batch, device, dataloader_idx)
+        if self.autocache is not None and self.config.cache.key == "index":
+            self.autocache.indices.remember(batch, moved)  # index keys read on the host, without a wait
+        return moved
 
     # ------------------------------------------------------------------ the loop: train start, batches, steps
 

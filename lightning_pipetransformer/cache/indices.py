@@ -4,10 +4,14 @@ An index key names a sample, so an index seen twice in one batch or in one pass 
 means two samples share a key and one would be served the other's activations. The check runs
 from the first batch on (cache on or not yet), so a bad index fails in the first step, not at the
 first freeze.
+
+The indices are read on the host: :meth:`BatchIndices.remember` takes them from the loader's batch
+before it goes to the device, so that :meth:`BatchIndices.read` need not wait for the device copy.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +30,32 @@ class BatchIndices:
         self.next: list[str] | None = None
         #: Per loader (``f"{stage}{dataloader_idx}"``): the indices of its current pass.
         self._seen: dict[str, set[int]] = {}
+        #: The last batch's indices as the loader gave them (host ints), by the device tensor made from them,
+        #: its version counter then, and the ints (:meth:`remember`).
+        self._host: tuple[weakref.ref[Tensor], int, list[int]] | None = None
+
+    def remember(self, before: Any, after: Any) -> None:
+        """The indices of a batch the loader gave (``before``, on the host) by the device copy ``after`` holds.
+
+        Reading them from the device copy would make the host wait for the GPU in every step;
+        the loader's tensor is host memory, read without a wait. :meth:`read` uses them only for
+        that very device tensor, unmodified since (its version counter).
+        """
+        self._host = None
+        raw = before.get("index") if isinstance(before, dict) else None
+        moved = after.get("index") if isinstance(after, dict) else None
+        if not (isinstance(raw, Tensor) and isinstance(moved, Tensor)) or raw.device.type != "cpu":
+            return
+        if raw.is_floating_point() or raw.is_complex() or raw.shape != moved.shape:
+            return  # read() says what is wrong with them
+        self._host = (weakref.ref(moved), moved._version, raw.reshape(-1).tolist())
+
+    def _host_copy(self, raw: Tensor) -> list[int] | None:
+        """The host ints :meth:`remember` kept for ``raw``, if ``raw`` is that device tensor and unchanged."""
+        if self._host is None:
+            return None
+        ref, version, values = self._host
+        return values if ref() is raw and raw._version == version else None
 
     def read(
         self, batch: Any, namespace: str, loader: str, batch_idx: int | None, refuse: Callable[[Exception], None],
@@ -41,7 +71,9 @@ class BatchIndices:
             )
         raw = batch["index"]
         if isinstance(raw, Tensor) and not (raw.is_floating_point() or raw.is_complex()):
-            raw = raw.reshape(-1).tolist()  # read once: on a GPU, the step's one wait for its indices
+            # The loader's host copy when the batch came through the strategy; else read once (a wait on a GPU).
+            host = self._host_copy(raw)
+            raw = host if host is not None else raw.reshape(-1).tolist()
         keys = index_keys(raw, namespace)  # says what is wrong with indices that are not ints
         error = self._repeated(list(raw), loader, batch_idx)
         if error is not None:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from lightning_pipetransformer import tree
 from lightning_pipetransformer.cache.arguments import shared_once
 from lightning_pipetransformer.cache.keys import content_keys
 from lightning_pipetransformer.stack.interception import BlockArgs, call_block, hidden_of
@@ -67,7 +68,10 @@ def with_block_arguments(keys: list[str], calls: Sequence[BlockArgs], device: to
     may still change (a shuffled batch, other padding). Hashed in, a changed mask misses instead
     of pairing the active blocks' mask with a boundary computed under another.
     """
-    rows = torch.zeros(len(keys), 1, dtype=torch.uint8, device=device)  # a row per sample, even with no per-sample argument
+    # A row per sample, even with no per-sample argument; on the host when no argument is a tensor,
+    # so that such keys are made without waiting for the device.
+    on = device if tree.tensors(calls) else torch.device("cpu")
+    rows = torch.zeros(len(keys), 1, dtype=torch.uint8, device=on)
     try:
         extras = content_keys(rows, shared_once(calls, len(keys)), batch_size=len(keys))
     except TypeError:

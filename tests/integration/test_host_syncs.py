@@ -10,7 +10,11 @@ data without a device is no sync (it stays on the CPU); with ``device=`` it is a
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 import torch
+import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from lightning_pipetransformer import PipeTransformerStrategy, runners
@@ -85,63 +89,141 @@ def _cached_bert(tmp_path, key: str):
     return model, cache
 
 
-def _count_cached_passes(monkeypatch) -> list[list[str]]:
-    """From now on, the host waits of each cached stack's pass (keys, lookup, misses, merge), one list a pass."""
+class OnDevice(TorchFunctionMode):
+    """The host waits a GPU would make: reads of tensors that would live on it, on a CPU machine.
+
+    ``roots`` stand for what is on the GPU (the batch's device copy, the model's parameters);
+    every tensor an op computes from one of them is on the GPU too. A read (``.cpu()``,
+    ``.tolist()``, ...) of such a tensor is counted; a read of host data (the loader's own tensor,
+    the store's hit mask) is not: it makes no wait. Not modelled: the store's entries copied to
+    the device (``.to`` a CPU target here); nothing reads them in a served step.
+    """
+
+    def __init__(self, seen: list[str], *roots: object) -> None:
+        super().__init__()
+        self.seen = seen
+        self._on: dict[int, weakref.ref] = {}
+        for root in roots:
+            if isinstance(root, torch.Tensor):
+                self._tag(root)
+
+    def _tag(self, tensor: torch.Tensor) -> None:
+        self._on[id(tensor)] = weakref.ref(tensor)
+
+    def holds(self, tensor: object) -> bool:
+        ref = self._on.get(id(tensor))
+        return isinstance(tensor, torch.Tensor) and ref is not None and ref() is tensor
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in SYNCING and args and self.holds(args[0]):
+            self.seen.append(getattr(func, "__name__", str(func)))
+            out = func(*args, **kwargs)
+            # What a read returns is host data: on a GPU ``.cpu()`` makes a new tensor, here it returns itself.
+            return out.clone() if out is args[0] else out
+        out = func(*args, **kwargs)
+        if any(self.holds(t) for t in pytree.tree_leaves((args, kwargs))):
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self._tag(t)
+        return out
+
+
+def _count_cached_passes(monkeypatch, model) -> tuple[list[list[str]], list[torch.Tensor]]:
+    """From now on, the host waits of each cached stack's pass (keys, lookup, misses, merge), one list a
+    pass, counted by :class:`OnDevice`; the second list takes the tensors that stand for the device
+    copy of the next batch (with the model's parameters and buffers)."""
     from lightning_pipetransformer.cache.cached_stack import CachedStack
 
     counts: list[list[str]] = []
+    on_device: list[torch.Tensor] = []
     run = CachedStack.run
 
     def counted(self, call):
         seen: list[str] = []
         counts.append(seen)
-        with SyncCounter(seen):
+        with OnDevice(seen, call.hidden, *pytree.tree_leaves(call.calls), *model.parameters(), *model.buffers(), *on_device):
             return run(self, call)
 
     monkeypatch.setattr(CachedStack, "run", counted)
-    return counts
+    return counts, on_device
 
 
-def _counted_cached_steps(monkeypatch, model, cache, batches, indices=None):
-    """The host waits counted in the cached stack's pass of each batch."""
-    counts = _count_cached_passes(monkeypatch)
-    for i, (ids, mask) in enumerate(batches):
-        if indices is not None:
-            cache.set_batch({"index": indices[i]}, "train0", i)
-        model(input_ids=ids, attention_mask=mask).logits.sum().backward()
-    return counts
+def _device_copy(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What ``batch_to_device`` makes of the loader's tensors: new tensors (here on the CPU too)."""
+    return tuple(t.clone() for t in tensors)
 
 
-def test_a_served_cached_step_reads_only_its_keys_back(tmp_path, monkeypatch):
-    """Content keys: a batch the store answers in full waits for the host once, to read its keys
-    (the store is a host dictionary keyed by them: ``.cpu()``, then a ``.tolist()`` of that host
-    copy); the hit mask is host data read once (``tolist``). A batch with misses adds what running
-    them needs; none of it may creep into the served step."""
+def test_a_served_cached_step_waits_once_for_its_content_keys(tmp_path, monkeypatch):
+    """Content keys: a batch the store answers in full waits for the device once, to read its keys
+    (the store is a host dictionary keyed by them, and they fingerprint what the model computed
+    on the device: its 4-D attention mask); the hit mask is host data. A batch with misses adds
+    what running them needs; none of it may creep into the served step."""
     from tests.unit.cache.test_autocache import batch
 
     model, cache = _cached_bert(tmp_path, "content")
+    counts, on_device = _count_cached_passes(monkeypatch, model)
     first, second = batch(0), batch(1)
     mixed = tuple(torch.cat([a[:3], b[3:]]) for a, b in zip(first, batch(2)))
-    counts = _counted_cached_steps(monkeypatch, model, cache, [first, second, first, second, mixed])
+    for host in [first, second, first, second, mixed]:
+        ids, mask = _device_copy(*host)
+        on_device[:] = [ids, mask]
+        model(input_ids=ids, attention_mask=mask).logits.sum().backward()
     assert cache.store.stats().hits == 6 + 6 + 3  # engaged: batches 3 and 4 served in full, 3 rows of the last
     served = counts[3]  # the first hit's one-off check ran at batch 3 (counts[2])
-    assert served == ["cpu", "tolist", "tolist"], served
+    assert served == ["cpu"], served
     assert len(counts[4]) > len(served)  # misses cost more (their rows run, are checked finite, stored, merged)
 
 
-def test_a_served_cached_step_with_index_keys_reads_its_indices_once(tmp_path, monkeypatch):
-    """Index keys: the batch's indices are read once (they name the entries), then the blocks'
-    arguments hashed into the keys once (a changed mask must miss); nothing else."""
+def _index_steps(tmp_path, monkeypatch, with_mask: bool) -> tuple[list[list[str]], list[list[str]], Any]:
+    """Three steps of one batch with index keys, as the strategy hands them over: the loader's batch
+    remembered before its device copy; the host waits of each ``set_batch`` and each cached pass."""
     from tests.unit.cache.test_autocache import batch
 
     model, cache = _cached_bert(tmp_path, "index")
-    ids, mask = batch(0)
-    counts = _count_cached_passes(monkeypatch)
+    counts, on_device = _count_cached_passes(monkeypatch, model)
+    given: list[list[str]] = []
     for _ in range(3):
-        given: list[str] = []
-        with SyncCounter(given):
-            cache.set_batch({"index": torch.arange(6)}, "train0", None)
-        model(input_ids=ids, attention_mask=mask).logits.sum().backward()
+        ids, mask = batch(0)
+        loader_batch = {"input_ids": ids, "attention_mask": mask, "index": torch.arange(6)}
+        device_batch = dict(zip(loader_batch, _device_copy(*loader_batch.values())))
+        cache.indices.remember(loader_batch, device_batch)
+        given.append([])
+        with OnDevice(given[-1], *device_batch.values()):
+            cache.set_batch(device_batch, "train0", None)
+        on_device[:] = list(device_batch.values())
+        kwargs = {"attention_mask": device_batch["attention_mask"]} if with_mask else {}
+        model(input_ids=device_batch["input_ids"], **kwargs).logits.sum().backward()
+    return given, counts, cache
+
+
+def test_a_served_step_with_index_keys_reads_its_indices_on_the_host(tmp_path, monkeypatch):
+    """Index keys: the indices come from the loader's host tensor (no wait); the blocks' arguments
+    are hashed into the keys (a changed mask must miss), and the mask the model built on the
+    device is read once for that; nothing else."""
+    given, counts, cache = _index_steps(tmp_path, monkeypatch, with_mask=True)
     assert cache.store.stats().hits == 12  # engaged: the second and third batches were served
-    assert given == ["tolist"], given
-    assert counts[-1] == ["cpu", "tolist", "tolist"], counts[-1]
+    assert given == [[], [], []], given
+    assert counts[-1] == ["cpu"], counts[-1]
+
+
+def test_a_served_step_with_index_keys_and_no_block_argument_makes_the_host_wait_for_nothing(tmp_path, monkeypatch):
+    """Without an attention mask the blocks get no tensor besides the hidden state: the keys are made
+    on the host alone, and a served step makes no host wait at all."""
+    given, counts, cache = _index_steps(tmp_path, monkeypatch, with_mask=False)
+    assert cache.store.stats().hits == 12  # engaged
+    assert given == [[], [], []] and counts[-1] == [], (given, counts[-1])
+
+
+def test_indices_read_from_a_device_copy_the_loader_did_not_give_are_read_there(tmp_path):
+    """No remembered host copy (a batch moved by other code, or changed in place since): the indices
+    are read from the tensor the forward gets, never from a stale host copy."""
+    model, cache = _cached_bert(tmp_path, "index")
+    loader_batch = {"index": torch.arange(6)}
+    device_batch = {"index": loader_batch["index"].clone()}
+    cache.indices.remember(loader_batch, device_batch)
+    device_batch["index"].add_(10)  # changed in place after the copy: the host ints are stale
+    seen: list[str] = []
+    with OnDevice(seen, device_batch["index"]):
+        keys = cache.indices.read(device_batch, "train0", "train0", None, cache.verdicts.refuse)
+    assert keys == [f"train0i{i}" for i in range(10, 16)] and seen == ["tolist"], (keys, seen)

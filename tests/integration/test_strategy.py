@@ -256,7 +256,7 @@ def fit_indexed(strategy, train, val=None, schedule=SCHEDULE, max_epochs=4):
     return module, trainer, losses.losses
 
 
-def test_index_cache_key_equals_cache_off(tmp_path):
+def test_index_cache_key_equals_cache_off(tmp_path, monkeypatch):
     # Shuffled training batches (index != position) and a validation set whose indices 0..23 name
     # other samples than training's 0..23: index keys are namespaced per loader. Classifier's
     # attention mask depends on the position in the batch, so shuffling changes a sample's mask:
@@ -269,7 +269,14 @@ def test_index_cache_key_equals_cache_off(tmp_path):
         module, trainer, losses = fit_indexed(strategy, *loaders())
         return module, trainer.strategy.cache_stats, losses
 
+    from lightning_pipetransformer.cache.indices import BatchIndices
+
+    host_reads: list[bool] = []
+    host_copy = BatchIndices._host_copy
+    monkeypatch.setattr(BatchIndices, "_host_copy", lambda self, raw: host_reads.append(host_copy(self, raw) is not None) or host_copy(self, raw))
     by_index, stats, index_losses = cached("index")
+    # Every batch's indices were read from the loader's host tensor the strategy remembered (no device wait).
+    assert len(host_reads) >= 12 and all(host_reads), host_reads
     _, content_stats, _ = cached("content")
     assert stats["autocache/boundary"] == 3 and stats["autocache/hits"] >= 24 + 24  # epochs 2-3, train + val
     assert (stats["autocache/hits"], stats["autocache/misses"]) == (content_stats["autocache/hits"], content_stats["autocache/misses"])

@@ -136,3 +136,16 @@ def test_index_keys():
     with pytest.raises(TypeError, match="integers"):
         index_keys(torch.tensor([1.0]))
     assert ck.DEFAULT_CACHE_KEY == "content"
+
+
+def test_index_keys_with_no_tensor_among_the_block_arguments_are_made_on_the_host():
+    """Nothing the blocks get is on the device: the keys' suffix is made on the host, whatever the
+    device, so a served step makes no host wait for it (a meta device proves no tensor went there)."""
+    from lightning_pipetransformer.cache.prefix import with_block_arguments
+
+    calls = [((None,), {"output_attentions": False}), ((None,), {"output_attentions": False})]
+    on_meta = with_block_arguments(["i0", "i1"], calls, torch.device("meta"))
+    on_host = with_block_arguments(["i0", "i1"], calls, torch.device("cpu"))
+    assert on_meta == on_host and on_meta is not None and on_meta[0] != on_meta[1]
+    changed = with_block_arguments(["i0", "i1"], [((None,), {"output_attentions": True})] * 2, torch.device("cpu"))
+    assert changed is not None and changed[0] != on_host[0]  # the arguments still enter the keys
