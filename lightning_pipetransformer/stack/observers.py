@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-__all__ = ["BlockHooks", "Observer", "block_modules", "find_observers", "sees_block_runs", "silenced"]
+__all__ = ["BlockHooks", "Observer", "block_modules", "find_observers", "replacing_hooks", "sees_block_runs", "silenced"]
 
 _MARK = "_pipetransformer_sees_block_runs"
 _OWN_PACKAGE = "lightning_pipetransformer"
@@ -184,3 +184,41 @@ def silenced(modules: Iterable[nn.Module], every: bool = False) -> Iterator[None
             hooks.clear()
             hooks.update(before)
             hooks.update(added)
+
+
+_REPLACING = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook"}
+
+
+@contextmanager
+def replacing_hooks(named_modules: Iterable[tuple[str, nn.Module]]) -> Iterator[list[str]]:
+    """Inside, the forward hooks and pre-hooks of these modules and the global ones (but this package's
+    own) note, in the list yielded, when they return a value: the module then gets or gives what the
+    hook returned. A run with the hooks :func:`silenced` (the self-check's reference) lacks that
+    effect, so its values say nothing about a pass in which one did. The hooks are back on exit.
+    """
+    found: list[str] = []
+    swapped: list[tuple[dict[Any, Any], Any, Any, Any]] = []
+
+    def noting(hook: Any, describe: str) -> Callable[..., Any]:
+        def noted(*args: Any, **kwargs: Any) -> Any:
+            result = hook(*args, **kwargs)
+            if result is not None and describe not in found:
+                found.append(describe)
+            return result
+
+        return noted
+
+    places = [(getattr(torch_module, f"_global{attr}"), f"global {kind}", "every module") for attr, kind in _REPLACING.items()]
+    places += [(hooks, kind, where) for where, m in named_modules for attr, kind in _REPLACING.items() if (hooks := m.__dict__.get(attr))]
+    for hooks, kind, where in places:
+        for key, hook in list(hooks.items()):
+            if not _is_own(hook):
+                wrapper = noting(hook, f"the {kind} {_hook_name(hook)} on {where}")
+                hooks[key] = wrapper
+                swapped.append((hooks, key, hook, wrapper))
+    try:
+        yield found
+    finally:
+        for hooks, key, hook, wrapper in swapped:
+            if hooks.get(key) is wrapper:
+                hooks[key] = hook
