@@ -431,3 +431,32 @@ def test_a_users_hook_that_changes_a_blocks_input_or_output_trains_as_in_the_pla
     assert seen.stats.deferred == seen.stats.observed == (EPOCHS * STEPS if strategy == "pipeline" else STEPS), seen.stats
     if strategy == "cache":
         assert made.cache_stats["autocache/batches_bypassed"] == STEPS, made.cache_stats
+
+
+class EmbeddingsObserved(FamilyModule):
+    """BERT with a user's forward hook on its embeddings, recording their output in training."""
+
+    def __init__(self) -> None:
+        super().__init__("bert")
+        self.seen: list[torch.Tensor] = []
+        self.model.bert.embeddings.register_forward_hook(lambda m, args, out: self.seen.append(out.detach().clone()) if self.training else None)
+
+
+def test_a_hook_on_the_embeddings_sees_their_output_while_the_cache_serves_the_blocks():
+    """Was: on cached batches the skipped embeddings showed the hook a NaN placeholder, silently."""
+    def fit3(module, strategy):  # epoch 1 stores, epoch 2 is served
+        cpu_trainer(strategy, [AutoFreeze(schedule=SCHEDULE)], max_epochs=3).fit(module, family_data("bert"))
+        return module
+
+    plain = fit3(EmbeddingsObserved(), "auto")
+    module = EmbeddingsObserved()
+    strategy = PipeTransformerStrategy(cache=True, cache_memory=10**8)
+    with pytest.warns(UserWarning, match=r"AutoCache runs BertEmbeddings for every batch.*forward hook .*<lambda> on BertEmbeddings"):
+        fit3(module, strategy)
+    assert len(module.seen) == len(plain.seen) == 3 * STEPS
+    for got, want in zip(module.seen, plain.seen):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert_same_weights(module, plain)
+    # Engaged: the frozen blocks were served (hits), only the embeddings ran (none skipped).
+    stats = strategy.cache_stats
+    assert stats["autocache/hits"] > 0 and stats.get("autocache/embeddings_skipped", 0) == 0, stats
