@@ -11,7 +11,9 @@ fire inside the blocks is an *observer*, unless
 - it is inactive now: a transformers recorder whose key is not being collected in this forward;
 - it is this package's own (its code lives in ``lightning_pipetransformer``);
 - it was marked with :func:`sees_block_runs`: it wants every real block run (micro-batches
-  included), e.g. to count them.
+  included), e.g. to count them;
+- it only marks an output as requiring grad (transformers' ``enable_input_require_grads()``, which
+  gradient checkpointing and PEFT install on the input embeddings): it reads no value.
 
 A pass with observers runs each block exactly once on the whole batch (the pipeline as one
 micro-batch, the cache standing aside), so they see what the plain loop shows them; the probe
@@ -96,8 +98,19 @@ def _transformers_recorder_active(hook: Any) -> bool | None:
     return bool(collected) and (key is None or key in collected)
 
 
+#: Hooks that only mark an output as requiring grad (``enable_input_require_grads()`` of transformers, used by
+#: gradient checkpointing and PEFT): they read no value, and the cache's placeholder is marked the same way.
+_MARKERS = {("transformers.", "make_inputs_require_grads"), ("peft.", "make_inputs_require_grad")}
+
+
+def _only_marks_input_grad(hook: Any) -> bool:
+    code = getattr(hook, "__code__", None)
+    module = getattr(hook, "__module__", None) or ""
+    return code is not None and any(module.startswith(package) and code.co_name == name for package, name in _MARKERS)
+
+
 def _observes(hook: Any) -> bool:
-    if getattr(getattr(hook, "__func__", hook), _MARK, False) or _is_own(hook):
+    if getattr(getattr(hook, "__func__", hook), _MARK, False) or _is_own(hook) or _only_marks_input_grad(hook):
         return False
     active = _transformers_recorder_active(hook)
     return True if active is None else active
