@@ -257,7 +257,7 @@ class PipeTransformerStrategy(ProcessLayout):
             lightning_internals.exclude_from_eval_mode_warning(trainer, self._is_frozen_module)
         # Unless AutoFreeze watches this very stack, what runs before it is read from the first training forward here.
         watched = autofreeze is not None and autofreeze.stack is stack
-        self._order_watch = OrderWatch(module, stack) if not watched and stack.provisional else None
+        self._order_watch = OrderWatch(module, stack, announce=rank_zero_info) if not watched and stack.provisional else None
         self._synced_boundary = None
         self._setup_model_and_optimizers(trainer, self._first_plan(trainer, autofreeze))
 

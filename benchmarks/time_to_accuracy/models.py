@@ -48,11 +48,10 @@ MODELS: dict[str, ModelSpec] = {
         blocks=12,
         # MPNet's encoder computes one relative-position bias (from `encoder.relative_attention_bias`, a
         # trainable embedding registered AFTER the block list) before the blocks and passes it to every
-        # block. Discovery by registration order would call it a module after the stack: it would stay
-        # trainable, its gradient would flow through every frozen block, and the frozen blocks' outputs
-        # (which depend on it) would change as it trains, so cached ones would go stale. So it is named
-        # here with the embeddings, frozen with them. Explicit until the package recognises a module that
-        # the blocks consume as part of the prefix by itself.
+        # block. Left after the stack it would stay trainable, its gradient would flow through every frozen
+        # block, and the frozen blocks' outputs (which depend on it) would change as it trains, so cached
+        # ones would go stale. AutoFreeze finds it from the call order; it is named here too, with the
+        # embeddings, so that the benchmark's split does not depend on that observation.
         pre=("model.mpnet.embeddings", "model.mpnet.encoder.relative_attention_bias"),
         lora_targets=("q", "v"),
         head_class="MPNetForSequenceClassification",

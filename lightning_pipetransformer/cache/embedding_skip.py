@@ -22,6 +22,10 @@ It skips only when all of these hold, otherwise the module runs normally:
 - the call happens inside the forward of the smallest module holding both the embeddings
   and the stack (``BertModel``), not in a user's own call of the embeddings, and it is the
   first call of the embeddings in that forward (later ones, if any, run for real);
+- no hook but this package's own observes the module or a module inside it (a user's forward hook
+  on the embeddings, global module hooks: :mod:`~lightning_pipetransformer.stack.observers`): it
+  would see the placeholder where the plain loop shows it the embeddings' output. The embeddings
+  then run for every batch (the blocks are still served), said once;
 - no parameter of the module requires grad, no tensor argument requires grad (a trainable
   soft prompt in ``inputs_embeds``), and an earlier real call with inputs of the same shapes,
   in the same grad and autocast mode, showed the output's shape and that its gradient reaches
@@ -45,7 +49,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pipetransformer.stack.input_grad import needs_no_gradient
+from lightning_pipetransformer.stack.observers import BlockHooks
 from lightning_pipetransformer.stack.placeholders import make_placeholder
+from lightning_pipetransformer.warn_once import WarnOnce
 
 __all__ = ["EmbeddingSkipper", "SkipError", "Skipped", "input_versions", "version_of"]
 
@@ -108,6 +114,9 @@ class EmbeddingSkipper:
         # parameter (requires_grad: a hook such as enable_input_require_grads marked them).
         self._shapes: dict[Any, tuple[torch.Size, torch.dtype, torch.device, bool]] = {}
         self._skipped: Skipped | None = None
+        name = type(module).__name__
+        self._observers = BlockHooks((f"{name}.{path}" if path else name, m) for path, m in module.named_modules())
+        self._say = WarnOnce()
         self._own_forward = module.__dict__.get("forward")
         self._real = module.forward
         module.forward = self._forward  # type: ignore[method-assign]
@@ -187,7 +196,7 @@ class EmbeddingSkipper:
         self._calls += 1
         signature = self._signature(args, kwargs) if self._depth > 0 else None
         known = self._shapes.get(signature) if signature is not None else None
-        if known is not None and first and self._frozen() and self.may_skip():
+        if known is not None and first and self._frozen() and self.may_skip() and not self._observed():
             shape, dtype, device, marked = known
             batch = signature[0]
             # Marked: every path that runs a block refuses it (stack/placeholders.py).
@@ -204,6 +213,19 @@ class EmbeddingSkipper:
         ):
             self._shapes[signature] = (output.shape[1:], output.dtype, output.device, output.requires_grad)
         return output
+
+    def _observed(self) -> bool:
+        """Whether a hook observes the embeddings now: they then run, so that it sees their real output."""
+        observers = self._observers.observers()
+        if observers:
+            self._say(
+                observers[0].describe(),
+                f"AutoCache runs {type(self.module).__name__} for every batch instead of skipping them on cached ones: "
+                f"{observers[0].describe()} observes them, and a skipped call would show it a NaN placeholder instead of "
+                "their output. The frozen blocks are still served. Remove the hook while training to skip them too.",
+                stacklevel=3,
+            )
+        return bool(observers)
 
     def _frozen(self) -> bool:
         return not any(p.requires_grad for p in self.module.parameters())

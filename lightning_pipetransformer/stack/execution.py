@@ -32,7 +32,7 @@ No Lightning imports: AutoFreeze drives it (the first training batch), under any
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -231,8 +231,14 @@ def _where(time: int, spans: Sequence[Sequence[int]]) -> str:
     return BETWEEN
 
 
-def split_by_order(stack: BlockStack, order: CallOrder) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
+def split_by_order(
+    stack: BlockStack, order: CallOrder, mixed_after: bool = False
+) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
     """``(pre, post)`` for ``stack`` from an observed ``order`` (see the module docstring).
+
+    ``mixed_after``: a module run both before and after the stack goes to ``post`` instead of
+    raising. Only for a run in which nothing freezes the prefix (no AutoFreeze): ``post`` is what
+    keeps training, which is what such a module does there anyway.
 
     Raises:
         CallOrderError: a module ran before the stack and also after it (or inside it).
@@ -244,7 +250,7 @@ def split_by_order(stack: BlockStack, order: CallOrder) -> tuple[list[tuple[str,
     for path, module in entries:
         where = order.relation(module)
         if BEFORE in where and where - {BEFORE}:
-            if not any(True for _ in module.parameters()):
+            if mixed_after or not any(True for _ in module.parameters()):
                 # Nothing to freeze (T5's one dropout, used on the embeddings and after the last block): it stays
                 # outside the prefix, so it keeps its training mode for its use after the stack.
                 post.append((path, module))
@@ -276,10 +282,16 @@ class OrderWatch:
     ``start()`` before a step's forward, ``finish()`` after it (before backward): True once the order
     is known (refined here, or by someone else meanwhile). A step that ran no block (an idle AutoDP
     rank's stand-in) tells nothing: the next one is watched.
+
+    Nothing in such a run freezes the prefix, so a module with parameters that runs both before and
+    after the stack is not refused: it stays outside the prefix (it trains, or stays as the user
+    froze it), and ``announce`` is told. A cache then keys on what reaches the first block, and
+    stands aside while that still trains.
     """
 
-    def __init__(self, root: nn.Module, stack: BlockStack) -> None:
+    def __init__(self, root: nn.Module, stack: BlockStack, announce: Callable[[str], None] | None = None) -> None:
         self.root, self.stack = root, stack
+        self.announce = announce
         self._observer: CallOrderObserver | None = None
 
     def start(self) -> None:
@@ -295,7 +307,14 @@ class OrderWatch:
             return True
         if not order.saw_stack:
             return False
-        self.stack.refine(*split_by_order(self.stack, order))
+        pre, post = split_by_order(self.stack, order, mixed_after=True)
+        mixed = [p for p, m in post if BEFORE in order.relation(m) and any(True for _ in m.parameters())]
+        self.stack.refine(pre, post)
+        if mixed and self.announce is not None:
+            self.announce(
+                f"PipeTransformer: {', '.join(mixed)} run(s) both before the block stack '{self.stack.path}' and after it: "
+                "kept outside the prefix (nothing in this run freezes the prefix; with AutoFreeze this is refused)."
+            )
         return True
 
     def remove(self) -> None:

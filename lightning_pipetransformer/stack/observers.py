@@ -11,7 +11,9 @@ fire inside the blocks is an *observer*, unless
 - it is inactive now: a transformers recorder whose key is not being collected in this forward;
 - it is this package's own (its code lives in ``lightning_pipetransformer``);
 - it was marked with :func:`sees_block_runs`: it wants every real block run (micro-batches
-  included), e.g. to count them.
+  included), e.g. to count them;
+- it only marks an output as requiring grad (transformers' ``enable_input_require_grads()``, which
+  gradient checkpointing and PEFT install on the input embeddings): it reads no value.
 
 A pass with observers runs each block exactly once on the whole batch (the pipeline as one
 micro-batch, the cache standing aside), so they see what the plain loop shows them; the probe
@@ -28,7 +30,7 @@ from typing import Any, TypeVar
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-__all__ = ["BlockHooks", "Observer", "block_modules", "find_observers", "sees_block_runs", "silenced"]
+__all__ = ["BlockHooks", "Observer", "block_modules", "find_observers", "replacing_hooks", "sees_block_runs", "silenced"]
 
 _MARK = "_pipetransformer_sees_block_runs"
 _OWN_PACKAGE = "lightning_pipetransformer"
@@ -96,8 +98,19 @@ def _transformers_recorder_active(hook: Any) -> bool | None:
     return bool(collected) and (key is None or key in collected)
 
 
+#: Hooks that only mark an output as requiring grad (``enable_input_require_grads()`` of transformers, used by
+#: gradient checkpointing and PEFT): they read no value, and the cache's placeholder is marked the same way.
+_MARKERS = {("transformers.", "make_inputs_require_grads"), ("peft.", "make_inputs_require_grad")}
+
+
+def _only_marks_input_grad(hook: Any) -> bool:
+    code = getattr(hook, "__code__", None)
+    module = getattr(hook, "__module__", None) or ""
+    return code is not None and any(module.startswith(package) and code.co_name == name for package, name in _MARKERS)
+
+
 def _observes(hook: Any) -> bool:
-    if getattr(getattr(hook, "__func__", hook), _MARK, False) or _is_own(hook):
+    if getattr(getattr(hook, "__func__", hook), _MARK, False) or _is_own(hook) or _only_marks_input_grad(hook):
         return False
     active = _transformers_recorder_active(hook)
     return True if active is None else active
@@ -184,3 +197,41 @@ def silenced(modules: Iterable[nn.Module], every: bool = False) -> Iterator[None
             hooks.clear()
             hooks.update(before)
             hooks.update(added)
+
+
+_REPLACING = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook"}
+
+
+@contextmanager
+def replacing_hooks(named_modules: Iterable[tuple[str, nn.Module]]) -> Iterator[list[str]]:
+    """Inside, the forward hooks and pre-hooks of these modules and the global ones (but this package's
+    own) note, in the list yielded, when they return a value: the module then gets or gives what the
+    hook returned. A run with the hooks :func:`silenced` (the self-check's reference) lacks that
+    effect, so its values say nothing about a pass in which one did. The hooks are back on exit.
+    """
+    found: list[str] = []
+    swapped: list[tuple[dict[Any, Any], Any, Any, Any]] = []
+
+    def noting(hook: Any, describe: str) -> Callable[..., Any]:
+        def noted(*args: Any, **kwargs: Any) -> Any:
+            result = hook(*args, **kwargs)
+            if result is not None and describe not in found:
+                found.append(describe)
+            return result
+
+        return noted
+
+    places = [(getattr(torch_module, f"_global{attr}"), f"global {kind}", "every module") for attr, kind in _REPLACING.items()]
+    places += [(hooks, kind, where) for where, m in named_modules for attr, kind in _REPLACING.items() if (hooks := m.__dict__.get(attr))]
+    for hooks, kind, where in places:
+        for key, hook in list(hooks.items()):
+            if not _is_own(hook):
+                wrapper = noting(hook, f"the {kind} {_hook_name(hook)} on {where}")
+                hooks[key] = wrapper
+                swapped.append((hooks, key, hook, wrapper))
+    try:
+        yield found
+    finally:
+        for hooks, key, hook, wrapper in swapped:
+            if hooks.get(key) is wrapper:
+                hooks[key] = hook

@@ -10,7 +10,9 @@ random state; buffers and random state are put back afterwards) and the two are 
 
 - the output's structure (a tensor, a tuple and its plain values) and every tensor in it: shape,
   dtype, and values within a tolerance for the dtype (values only when the blocks draw no random
-  numbers, e.g. dropout in training: its draws differ between micro-batches and a whole batch);
+  numbers, e.g. dropout in training: its draws differ between micro-batches and a whole batch, and
+  when no hook replaced a block's input or output: the plain run fires no hook, so that none fires
+  twice, and would lack that effect);
 - how often each hook that observes the blocks (:mod:`~.observers`) fired.
 
 A difference raises :class:`SelfCheckError` naming it, before the first optimizer step. The cost
@@ -44,7 +46,7 @@ from lightning_pipetransformer.stack.interception import (
     output_template,
     uncounted,
 )
-from lightning_pipetransformer.stack.observers import Observer, block_modules, silenced
+from lightning_pipetransformer.stack.observers import Observer, block_modules, replacing_hooks, silenced
 
 __all__ = ["SelfCheck", "SelfCheckError"]
 
@@ -73,7 +75,7 @@ class SelfCheck:
         # Copies, a tensor shared by several blocks copied once: the plain loop gets what the runner got.
         hidden, calls = tree.map_tensors(lambda v: v.detach().clone(), (call.hidden, call.calls), memo={})
         watched = self._watched(call.observed)
-        with _counting(watched) as fired:
+        with _counting(watched) as fired, replacing_hooks(self._modules) as replacing:
             out = runner.run(call)
         after = _Probe(blocks)
         before.restore()
@@ -83,7 +85,8 @@ class SelfCheck:
         draws = any(not torch.equal(a, b) for a, b in zip(_rng_states(blocks), rng))
         after.restore()
         largest: list[float] = []
-        differences = _differences(out, plain, values=not draws, largest=largest)
+        # A hook that replaced a block's input or output had no effect in the plain run (hooks silenced there).
+        differences = _differences(out, plain, values=not draws and not replacing, largest=largest)
         for key, name in watched.items():
             if fired[key] != expected[key]:
                 differences.append(f"{name} fired {fired[key]} time(s) where the plain loop fires it {expected[key]} time(s)")
@@ -98,6 +101,8 @@ class SelfCheck:
         if self.announce is not None:
             compared = (
                 "values not compared: the blocks draw random numbers (dropout in training)" if draws
+                else f"values not compared: {replacing[0]} returns what the module gets or gives, which the plain run "
+                "(hooks silenced, so that they fire once) does not repeat" if replacing
                 else f"values within {max(largest, default=0.0):.1e} of the plain loop's, relative to its largest magnitude"
             )
             hooks = f", {len(watched)} observed module(s) fired as often" if watched else ""

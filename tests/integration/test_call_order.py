@@ -255,3 +255,65 @@ def test_without_autofreeze_the_strategy_reads_the_call_order_itself():
     assert [p for p, _ in strategy.stack.pre] == ["model.roberta.embeddings"] and not strategy.stack.provisional
     stats = strategy.cache_stats
     assert stats["autocache/batches_bypassed"] == 1 and stats["autocache/misses"] == 2 * 6
+
+
+class EmbedsTwice(FamilyModule):
+    """BERT whose loss runs its embeddings again after the model (a regulariser on the embedded tokens)."""
+
+    def __init__(self):
+        super().__init__("bert")
+
+    def loss(self, batch):
+        x = batch[0]
+        return super().loss(batch) + 0.01 * self.model.bert.embeddings(input_ids=x).pow(2).mean()
+
+
+class OptimizerSteps(Callback):
+    def __init__(self):
+        self.count = 0
+
+    def on_before_optimizer_step(self, *_):
+        self.count += 1
+
+
+@pytest.mark.parametrize("strategy", ["auto", "pipeline"])
+def test_with_autofreeze_a_module_run_before_and_after_the_stack_is_refused_before_the_first_optimizer_step(strategy):
+    """Freezing it with the prefix would stop its use after the stack from training: AutoFreeze refuses, naming it."""
+    from lightning_pipetransformer.stack.discovery import BlockStackError
+
+    steps = OptimizerSteps()
+    made = "auto" if strategy == "auto" else PipeTransformerStrategy(pipe_len=2, chunks=2)
+    with pytest.raises(BlockStackError, match=r"'model.bert.embeddings' runs both before the block stack.*AutoFreeze\(pre="):
+        cpu_trainer(made, [AutoFreeze(schedule={1: 2}), steps], max_epochs=2).fit(EmbedsTwice(), family_data("bert"))
+    assert steps.count == 0
+
+
+@pytest.mark.parametrize("asked", [dict(pipe_len=2, chunks=2), dict(cache=True, cache_memory=10**8)])
+def test_without_autofreeze_a_module_run_before_and_after_the_stack_stays_outside_the_prefix(asked, caplog):
+    """Nothing freezes the prefix there, so nothing to refuse (was: refused, advising an AutoFreeze the run does not have).
+    With the cache, the embeddings and blocks 0-1 are frozen before fit (as PEFT leaves them)."""
+    cached = "cache" in asked
+
+    def made():
+        module = EmbedsTwice()
+        if cached:
+            for path in XLMR_FROZEN[:3]:
+                module.get_submodule(path.replace("roberta", "bert")).requires_grad_(False)
+        return module
+
+    reference = made()
+    cpu_trainer("auto", max_epochs=3).fit(reference, family_data("bert"))
+    module = made()
+    runs = ForwardRunsPerEpoch(module)
+    strategy = PipeTransformerStrategy(**asked)
+    with caplog.at_level("INFO"):
+        cpu_trainer(strategy, [runs], max_epochs=3).fit(module, family_data("bert"))
+    assert_same_weights(module, reference)
+    assert "model.bert.embeddings run(s) both before the block stack" in caplog.text
+    assert "model.bert.embeddings" in [p for p, _ in strategy.stack.post] and not strategy.stack.provisional
+    if not cached:  # engaged: two micro-batches per step (after the first step's probe)
+        assert runs.epochs == [[1 + 2 * STEPS] * 4] + [[2 * STEPS] * 4] * 2, runs.epochs
+        return
+    # Engaged: keyed on what reaches block 0, the frozen blocks 0-1 were served in the last epoch (they did not run).
+    assert strategy.cache_stats["autocache/hits"] > 0, strategy.cache_stats
+    assert runs.epochs[2][:2] == [0, 0] and runs.epochs[2][2:] == [STEPS, STEPS], runs.epochs

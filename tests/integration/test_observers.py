@@ -402,3 +402,61 @@ def test_the_self_check_passes_through_the_cache_and_costs_one_plain_pass():
     # Step 0's forward reads which modules run before the stack (AutoFreeze's call-order watch): its frozen
     # prefix runs without the cache, so the cache looks up the other steps' rows only.
     assert strategy.cache_stats["autocache/misses"] == (STEPS - 1) * BATCH
+
+
+class Steered(FamilyModule):
+    """BERT with a user's hook on block 1 that changes what the block gets (pre-hook) or gives (forward hook)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__("bert")
+        scale = torch.linspace(0.5, 2.0, 32)  # per feature: the next LayerNorm does not undo it
+        block = self.model.bert.encoder.layer[1]
+        if kind == "hook":
+            block.register_forward_hook(lambda m, args, out: out * scale if isinstance(out, torch.Tensor) else (out[0] * scale, *out[1:]))
+        else:
+            block.register_forward_pre_hook(lambda m, args, kwargs: ((args[0] * scale, *args[1:]), kwargs), with_kwargs=True)
+
+
+@pytest.mark.parametrize("kind", ["hook", "pre_hook"])
+@pytest.mark.parametrize("strategy", ["pipeline", "cache"])
+def test_a_users_hook_that_changes_a_blocks_input_or_output_trains_as_in_the_plain_loop(strategy, kind):
+    """Was: the first-batch self-check refused these exact runs (its plain run silences hooks, so lacked the change)."""
+    plain = fit(Steered(kind), "auto")
+    module = Steered(kind)
+    made = PipeTransformerStrategy(pipe_len=2, chunks=2) if strategy == "pipeline" else PipeTransformerStrategy(cache=True, cache_memory=10**8)
+    seen = Interception()
+    fit(module, made, [seen])
+    assert_same_weights(module, plain)
+    # Engaged: every pass went to the runner as an observed pass (one micro-batch; the cache standing aside once frozen).
+    assert seen.stats.deferred == seen.stats.observed == (EPOCHS * STEPS if strategy == "pipeline" else STEPS), seen.stats
+    if strategy == "cache":
+        assert made.cache_stats["autocache/batches_bypassed"] == STEPS, made.cache_stats
+
+
+class EmbeddingsObserved(FamilyModule):
+    """BERT with a user's forward hook on its embeddings, recording their output in training."""
+
+    def __init__(self) -> None:
+        super().__init__("bert")
+        self.seen: list[torch.Tensor] = []
+        self.model.bert.embeddings.register_forward_hook(lambda m, args, out: self.seen.append(out.detach().clone()) if self.training else None)
+
+
+def test_a_hook_on_the_embeddings_sees_their_output_while_the_cache_serves_the_blocks():
+    """Was: on cached batches the skipped embeddings showed the hook a NaN placeholder, silently."""
+    def fit3(module, strategy):  # epoch 1 stores, epoch 2 is served
+        cpu_trainer(strategy, [AutoFreeze(schedule=SCHEDULE)], max_epochs=3).fit(module, family_data("bert"))
+        return module
+
+    plain = fit3(EmbeddingsObserved(), "auto")
+    module = EmbeddingsObserved()
+    strategy = PipeTransformerStrategy(cache=True, cache_memory=10**8)
+    with pytest.warns(UserWarning, match=r"AutoCache runs BertEmbeddings for every batch.*forward hook .*<lambda> on BertEmbeddings"):
+        fit3(module, strategy)
+    assert len(module.seen) == len(plain.seen) == 3 * STEPS
+    for got, want in zip(module.seen, plain.seen):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert_same_weights(module, plain)
+    # Engaged: the frozen blocks were served (hits), only the embeddings ran (none skipped).
+    stats = strategy.cache_stats
+    assert stats["autocache/hits"] > 0 and stats.get("autocache/embeddings_skipped", 0) == 0, stats

@@ -138,6 +138,9 @@ def test_a_module_run_before_and_after_the_stack_is_refused_by_name():
     stack, order = observed(model, lambda: model(torch.randn(2, 4)))
     with pytest.raises(CallOrderError, match=r"'embed' runs both before the block stack 'blocks' and after it.*AutoFreeze\(pre=\['embed'\]\)"):
         split_by_order(stack, order)
+    # Where nothing freezes the prefix (no AutoFreeze), it stays outside it instead.
+    pre, post = split_by_order(stack, order, mixed_after=True)
+    assert paths(pre) == [] and paths(post) == ["embed"]
 
 
 def test_a_forward_that_runs_no_block_tells_nothing():

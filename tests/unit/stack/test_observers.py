@@ -52,6 +52,17 @@ def test_transformers_recorders_observe_only_while_they_record():
     assert find_observers(named) == []  # outside any forward
 
 
+def test_the_input_grad_hook_of_gradient_checkpointing_reads_nothing_and_is_no_observer():
+    """transformers' enable_input_require_grads() (gradient checkpointing, PEFT) only marks the embeddings' output."""
+    model = T.BertModel(T.BertConfig(vocab_size=20, hidden_size=8, num_hidden_layers=2, num_attention_heads=2, intermediate_size=16))
+    model.enable_input_require_grads()
+    embeddings = list(model.embeddings.named_modules())
+    assert any(m._forward_hooks for _, m in embeddings)  # what makes this test meaningful
+    assert find_observers(embeddings) == []
+    model.embeddings.register_forward_hook(lambda m, a, o: None)  # a user's hook still is one
+    assert [o.kind for o in find_observers(embeddings)] == ["forward hook"]
+
+
 def test_silenced_hooks_do_not_fire_and_come_back_in_order():
     stack = blocks()
     calls = []

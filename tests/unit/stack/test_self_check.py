@@ -95,3 +95,33 @@ def test_a_passed_check_says_so():
     blocks, said = stack(dropout=0.5), []
     SelfCheck(blocks, announce=said.append)(Pipeline(blocks, (2, 2), ["cpu", "cpu"], chunks=2), call(blocks))
     assert "values not compared: the blocks draw random numbers" in said[0], said
+
+
+@pytest.mark.parametrize("kind", ["forward hook", "forward pre-hook"])
+def test_a_hook_that_replaces_a_blocks_output_is_not_taken_for_a_difference(kind):
+    """The plain run silences the hooks (each must fire once): it lacks a replacing hook's effect, so values are not
+    compared (was: refused an exact pipeline). Structure and firing counts still are, and the hooks are back after."""
+    blocks, said = stack(), []
+    scale = torch.linspace(0.5, 2.0, 4)
+    if kind == "forward hook":
+        blocks[1].register_forward_hook(lambda m, a, o: o * scale)
+    else:
+        blocks[1].register_forward_pre_hook(lambda m, a: (a[0] * scale,))
+    blocks.eval()  # no batch statistics: only the hook could make a difference
+    observer = Observer(blocks[1], "block 1", kind, "scale")
+    c = call(blocks)
+    c = StackCall(c.hidden, c.calls, observed=(observer,))
+    out = SelfCheck(blocks, announce=said.append)(Pipeline(blocks, (2, 2), ["cpu", "cpu"], chunks=2), c)
+    assert len(said) == 1 and f"values not compared: the {kind} " in said[0] and "on block 1" in said[0], said
+    with torch.no_grad():  # the runner's output kept the hook's effect, and the hook is registered as before
+        want = c.hidden
+        for block in blocks:
+            want = block(want)
+    torch.testing.assert_close(out, want)
+    assert all(type(h).__name__ == "function" and h.__module__ == __name__ for b in blocks for h in [*b._forward_hooks.values(), *b._forward_pre_hooks.values()])
+    # A hook that returns nothing leaves the values compared.
+    blocks, said = stack(), []
+    blocks[1].register_forward_hook(lambda m, a, o: None)
+    blocks.eval()
+    SelfCheck(blocks, announce=said.append)(Pipeline(blocks, (2, 2), ["cpu", "cpu"], chunks=2), StackCall(c.hidden, c.calls, observed=(observer,)))
+    assert "values within" in said[0], said
