@@ -37,11 +37,14 @@ for ((i = 0; i < ${#args[@]}; i++)); do
 done
 rm -f "$BASE/timeline.json"
 if [ "${PIPETRANSFORMER_DEMO_BASELINE:-1}" != 0 ]; then
-    echo "demo: measuring plain fine-tuning first (strategy auto, no AutoFreeze, 24 steps of the same batches) ..."
+    echo "demo: first, plain fine-tuning as the speed reference (strategy auto,"
+    echo "      no AutoFreeze, 24 steps of the same batches) ..."
+    echo "      its log: $BASE/run.log"
     mkdir -p "$BASE"
     "$PY" examples/text_classification.py fit --config examples/configs/text_minilm_baseline.yaml \
         ${same_setting[@]+"${same_setting[@]}"} >"$BASE/run.log" 2>&1 \
-        || echo "demo: the plain fine-tuning reference failed (see $BASE/run.log); the demo goes on without it"
+        || { echo "demo: the plain fine-tuning reference failed (see $BASE/run.log);"
+             echo "      the demo goes on without it"; }
 fi
 
 "$PY" examples/text_classification.py fit --config examples/configs/text_minilm_pipetransformer.yaml "$@"
