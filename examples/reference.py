@@ -98,7 +98,8 @@ def report(demo_rows: list[dict[str, Any]], baseline_rows: list[dict[str, Any]],
     is: in a terminal of that width a longer line would wrap mid-word (dates and paths are not split)."""
     lines = ["'speed' in the table is samples/s over this run's epoch 0, not over plain fine-tuning."]
     lines += measured_lines(demo_rows, baseline_rows) + benchmark_lines()
-    return "\n".join(textwrap.fill(line, width, initial_indent="reference: ", subsequent_indent="  ", break_on_hyphens=False) for line in lines)
+    wrap = textwrap.TextWrapper(width, initial_indent="reference: ", subsequent_indent="  ", break_on_hyphens=False)
+    return "\n".join(wrap.fill(line) for line in lines)
 
 
 if __name__ == "__main__":
