@@ -51,7 +51,7 @@ def measured_lines(demo_rows: list[dict[str, Any]], baseline_rows: list[dict[str
     at_plain = samples / plain
     return [
         f"plain fine-tuning (strategy auto, no AutoFreeze, same data, batches and lengths), measured just now over "
-        f"{base.get('samples') or '?'} samples: {plain:.1f} samples/s (12 batches of varying lengths: an approximate figure).",
+        f"{base.get('samples') or '?'} samples: {plain:.1f} samples/s (its last epoch, a few batches of varying lengths: an approximate figure).",
         f"this run's samples/s over plain fine-tuning's, per epoch: {per_epoch}.",
         f"this run's training, validation excluded: {took:.0f} s; at plain fine-tuning's speed the same samples take "
         f"{at_plain:.0f} s ({at_plain / took:.2f}x). Accuracy is not compared here: see the benchmark below.",

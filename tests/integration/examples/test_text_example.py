@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -420,6 +421,8 @@ def test_baseline_run_and_the_reference_lines(tiny_assets: tuple[Path, Path], tm
 
     demo = [dict(base[0], epoch=0, samples_per_s=base[1]["samples_per_s"]), dict(base[1], epoch=1, samples_per_s=2 * base[1]["samples_per_s"])]
     lines = reference.measured_lines(demo, base)
+    # The samples it measured, and no count of batches (the rows do not hold one: "12 batches" was wrong for a smaller --data.train_size).
+    assert "measured just now over 32 samples: " in lines[0] and not re.search(r"\d+ batches", lines[0]), lines[0]
     assert "per epoch: 0: 1.00x, 1: 2.00x" in lines[1]
     bench = reference.benchmark_lines()[0]
     assert "(docs/benchmarks_25_3seeds.md, 2026-12-02; 3,000 snippets, 5 epochs" in bench
