@@ -18,6 +18,7 @@ import argparse
 import json
 import re
 import statistics
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,10 @@ RECORDS = ROOT / "docs" / "time_to_accuracy_25_fc.json"
 PAGE = ROOT / "docs" / "benchmarks_25_3seeds.md"
 FULL, OURS = "full fine-tuning", "freeze+cache a=1/3"
 
-__all__ = ["benchmark_lines", "measured_lines", "main"]
+#: The terminal width the printed lines are wrapped to (the demo's table fits it too).
+WIDTH = 80
+
+__all__ = ["WIDTH", "benchmark_lines", "main", "measured_lines", "report"]
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
@@ -47,7 +51,7 @@ def measured_lines(demo_rows: list[dict[str, Any]], baseline_rows: list[dict[str
     at_plain = samples / plain
     return [
         f"plain fine-tuning (strategy auto, no AutoFreeze, same data, batches and lengths), measured just now over "
-        f"{base.get('samples') or '?'} samples: {plain:.1f} samples/s (12 batches of varying lengths: an approximate figure).",
+        f"{base.get('samples') or '?'} samples: {plain:.1f} samples/s (its last epoch, a few batches of varying lengths: an approximate figure).",
         f"this run's samples/s over plain fine-tuning's, per epoch: {per_epoch}.",
         f"this run's training, validation excluded: {took:.0f} s; at plain fine-tuning's speed the same samples take "
         f"{at_plain:.0f} s ({at_plain / took:.2f}x). Accuracy is not compared here: see the benchmark below.",
@@ -86,9 +90,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     demo = _rows(args.demo)
     baseline = _rows(args.baseline) if args.baseline is not None and args.baseline.exists() else []
-    print("reference: 'speed' in the table is samples/s over this run's epoch 0, not over plain fine-tuning.")
-    for line in measured_lines(demo, baseline) + benchmark_lines():
-        print(f"reference: {line}")
+    print(report(demo, baseline))
+
+
+def report(demo_rows: list[dict[str, Any]], baseline_rows: list[dict[str, Any]], width: int = WIDTH) -> str:
+    """What the demo prints after its table, each statement wrapped to ``width`` columns, as the table
+    is: in a terminal of that width a longer line would wrap mid-word (dates and paths are not split)."""
+    lines = ["'speed' in the table is samples/s over this run's epoch 0, not over plain fine-tuning."]
+    lines += measured_lines(demo_rows, baseline_rows) + benchmark_lines()
+    wrap = textwrap.TextWrapper(width, initial_indent="reference: ", subsequent_indent="  ", break_on_hyphens=False)
+    return "\n".join(wrap.fill(line) for line in lines)
 
 
 if __name__ == "__main__":

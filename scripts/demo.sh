@@ -6,7 +6,7 @@
 # 1. Sets up .venv with what the demo needs only (.[examples,cli,plot]; not the test tools), and
 #    skips pip entirely when .venv is already set up for this pyproject.toml (scripts/setup.sh).
 # 2. Fetches the pinned weights and data (once; see examples/assets.py).
-# 3. Measures plain fine-tuning (strategy auto, no AutoFreeze) for 24 steps of the same batches:
+# 3. Measures plain fine-tuning (strategy auto, no AutoFreeze) for at most 24 steps of the same batches:
 #    the reference the demo's speed is compared with (PIPETRANSFORMER_DEMO_BASELINE=0 skips it).
 # 4. Runs the demo; PipeTransformerTimeline prints the per-epoch table (frozen blocks, pipe length,
 #    replicas, cache hits, samples/s, speed vs epoch 0, accuracy) and a summary, and writes
@@ -37,11 +37,14 @@ for ((i = 0; i < ${#args[@]}; i++)); do
 done
 rm -f "$BASE/timeline.json"
 if [ "${PIPETRANSFORMER_DEMO_BASELINE:-1}" != 0 ]; then
-    echo "demo: measuring plain fine-tuning first (strategy auto, no AutoFreeze, 24 steps of the same batches) ..."
+    echo "demo: first, plain fine-tuning as the speed reference (strategy auto,"
+    echo "      no AutoFreeze, at most 24 steps of the same batches) ..."
+    echo "      its log: $BASE/run.log"
     mkdir -p "$BASE"
     "$PY" examples/text_classification.py fit --config examples/configs/text_minilm_baseline.yaml \
         ${same_setting[@]+"${same_setting[@]}"} >"$BASE/run.log" 2>&1 \
-        || echo "demo: the plain fine-tuning reference failed (see $BASE/run.log); the demo goes on without it"
+        || { echo "demo: the plain fine-tuning reference failed (see $BASE/run.log);"
+             echo "      the demo goes on without it"; }
 fi
 
 "$PY" examples/text_classification.py fit --config examples/configs/text_minilm_pipetransformer.yaml "$@"

@@ -28,7 +28,8 @@ HASH=$("$VPY" -c "import hashlib, sys; print(hashlib.sha256(open('pyproject.toml
 if [ -z "${PIPETRANSFORMER_REINSTALL:-}" ] && [ -f "$STAMP" ] \
     && { grep -qx "$HASH $EXTRAS" "$STAMP" || grep -qx "$HASH dev" "$STAMP"; } \
     && "$VPY" -c "import torch, lightning" 2>/dev/null; then
-    echo "setup: .venv is up to date for this pyproject.toml ([$EXTRAS]); skipping pip (PIPETRANSFORMER_REINSTALL=1 to reinstall)"
+    echo "setup: .venv is set up for this pyproject.toml [$EXTRAS]: pip not run"
+    echo "       (PIPETRANSFORMER_REINSTALL=1 bash scripts/setup.sh to reinstall)"
     exit 0
 fi
 CPU_INDEX=https://download.pytorch.org/whl/cpu

@@ -441,7 +441,7 @@ class ActivationStore:
         self._warn(
             "nonfinite",
             f"AutoCache did not store a non-finite (NaN/inf) activation at boundary {self.boundary} (key {key}): such "
-            "samples are recomputed each time they come (counted in autocache/nonfinite). Check the inputs and the "
+            "samples are recomputed each time they come (counted in autocache_diagnostics/nonfinite). Check the inputs and the "
             "frozen blocks if this was not expected.",
         )
 

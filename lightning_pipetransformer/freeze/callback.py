@@ -541,8 +541,9 @@ class AutoFreeze(Callback):
         self.history.append((int(epoch), target))
         self.step_history.append((int(step), target))
         where = f"epoch {epoch}" + (f", step {step}" if self.freeze_interval is not None else "")
+        blocks = f"block {before}" if target - before == 1 else f"blocks {before}..{target - 1}"
         rank_zero_info(
-            f"AutoFreeze: {where}: froze blocks {before}..{target - 1} "
+            f"AutoFreeze: {where}: froze {blocks} "
             f"({target}/{self.num_blocks} frozen{', embeddings too' if self.freeze_embeddings else ''})."
         )
         return changed

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -63,15 +65,20 @@ def test_freeze_changes_the_result():
         assert_state_close(module.state_dict(), other)
 
 
-def test_geometric_rule_by_epoch_and_logging(tmp_path):
+def test_geometric_rule_by_epoch_and_logging(tmp_path, caplog):
     module = TextClassifier(num_layers=4)
     freeze = AutoFreeze(alpha=0.5, rule="schedule", min_active=1)
     from lightning.pytorch.loggers import CSVLogger
 
     trainer = cpu_trainer(callbacks=[freeze], max_epochs=4, logger=CSVLogger(tmp_path))
-    trainer.fit(module, loader(text_dataset(16)))
+    with caplog.at_level(logging.INFO):
+        trainer.fit(module, loader(text_dataset(16)))
     # L=4, alpha=1/2: 4(1-0.5^T) = 0, 2, 3, 3.5 -> 0, 2, 3, 4 capped at 3 by min_active=1.
     assert freeze.history == [(1, 2), (2, 3)]
+    # One line per freeze, naming the blocks as a reader counts them (one block is "block 2", not "blocks 2..2").
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("AutoFreeze: epoch")]
+    assert said == ["AutoFreeze: epoch 1: froze blocks 0..1 (2/4 frozen, embeddings too).",
+                    "AutoFreeze: epoch 2: froze block 2 (3/4 frozen, embeddings too)."], said  # fmt: skip
     metrics = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
     logged = [float(line.split(",")[0]) for line in metrics.splitlines()[1:] if line and line.split(",")[0]]
     assert logged == [0.0, 2.0, 3.0, 3.0]

@@ -8,6 +8,7 @@ boundary's entries, advanced on read (a lazy advance). The store counted those a
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -17,9 +18,8 @@ from lightning_pipetransformer.report import CACHE_DIAGNOSTICS, CACHE_METRICS
 from tests.helpers.families import FamilyModule, family_data
 from tests.helpers.loggers import Recorder
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
-
-
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
 
 
 def test_lazy_advance_counts_as_served_and_the_logged_metrics_are_split() -> None:
@@ -52,3 +52,16 @@ def test_every_logged_name_is_documented_in_the_user_guide() -> None:
     missing += [n for n in CACHE_DIAGNOSTICS if f"`{n}`" not in guide]
     missing += [n for n in ("pt/frozen", "pt/pipe", "pt/replicas", "pt/cache_hit_rate") if f"`{n}`" not in guide]
     assert not missing, f"docs/user-guide.md does not describe: {missing}"
+
+
+def test_docs_and_messages_name_each_counter_as_the_loggers_get_it() -> None:
+    """A diagnostic is logged as ``autocache_diagnostics/NAME``: a page or a warning that sends the reader
+    to ``autocache/NAME`` for one sends them to a metric their logger never received."""
+    texts = [*DOCS.glob("*.md"), ROOT / "README.md", *(ROOT / "lightning_pipetransformer").rglob("*.py")]
+    wrong = []
+    for path in texts:
+        text = path.read_text()
+        # In the package only names in prose (after "in " or "("): the code builds cache_stats keys, which keep "autocache/".
+        pattern = r"autocache/(\w+)" if path.suffix == ".md" else r"(?:\bin |\()`?autocache/(\w+)"
+        wrong += [f"{path.relative_to(ROOT)}: autocache/{name}" for name in re.findall(pattern, text) if name not in CACHE_METRICS]
+    assert not wrong, f"logged as autocache_diagnostics/..., not autocache/...: {wrong}"

@@ -93,6 +93,17 @@ def test_timeout_takes_a_timedelta_or_seconds(given, seconds) -> None:
     assert strategy._timeout == timedelta(seconds=seconds)  # what the process groups get
 
 
+def test_the_command_line_takes_a_timedelta_too() -> None:
+    """LightningCLI (jsonargparse) reads ``--trainer.strategy.timeout 0:05:00`` as a timedelta, which the strategy takes."""
+    jsonargparse = pytest.importorskip("jsonargparse")
+    parser = jsonargparse.ArgumentParser()
+    parser.add_class_arguments(PipeTransformerStrategy, "strategy")
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
+    for given, seconds in (("0:05:00", 300.0), ("90", 90.0)):
+        strategy = instantiate(parser.parse_args(["--strategy.timeout", given])).strategy
+        assert strategy.config.timeout == seconds and strategy._timeout == timedelta(seconds=seconds), given
+
+
 @pytest.mark.parametrize("bad", [0, -1, timedelta(0), True, "soon", float("inf")])
 def test_a_bad_timeout_is_refused_with_what_to_pass(bad) -> None:
     with pytest.raises(ValueError, match="timeout must be a positive number of seconds or a datetime.timedelta"):

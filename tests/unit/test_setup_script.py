@@ -65,3 +65,22 @@ def test_a_failed_install_leaves_no_stamp(repo: Path) -> None:
     python.write_text(python.read_text().replace("exit 0; fi", "exit 1; fi"))
     proc = subprocess.run(["bash", "scripts/setup.sh"], cwd=repo, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and not (repo / ".venv" / ".pipetransformer-setup").exists()
+
+
+def test_the_skip_says_so_in_80_columns(repo: Path) -> None:
+    setup(repo, "examples,cli,plot")
+    (repo / "pip.log").unlink()
+    env = {k: v for k, v in os.environ.items() if k != "PIPETRANSFORMER_REINSTALL"}
+    proc = subprocess.run(["bash", "scripts/setup.sh", "examples,cli,plot"], cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and not (repo / "pip.log").exists(), proc.stdout + proc.stderr  # skipped
+    lines = proc.stdout.splitlines()
+    assert "pip not run" in lines[0] and "PIPETRANSFORMER_REINSTALL=1" in proc.stdout
+    assert max(len(line) for line in lines) <= 80, lines
+
+
+def test_the_demo_installs_its_extras_only_and_the_tests_theirs() -> None:
+    """demo.sh asks setup.sh for the demo's extras (no pytest, mypy, ruff); test.sh for the default, dev."""
+    calls = {name: [line.split() for line in (ROOT / "scripts" / name).read_text().splitlines() if "scripts/setup.sh" in line
+                    and not line.lstrip().startswith("#")] for name in ("demo.sh", "test.sh")}  # fmt: skip
+    assert calls["demo.sh"] == [["bash", "scripts/setup.sh", "examples,cli,plot"]], calls
+    assert calls["test.sh"] == [["bash", "scripts/setup.sh"]], calls

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -420,7 +421,30 @@ def test_baseline_run_and_the_reference_lines(tiny_assets: tuple[Path, Path], tm
 
     demo = [dict(base[0], epoch=0, samples_per_s=base[1]["samples_per_s"]), dict(base[1], epoch=1, samples_per_s=2 * base[1]["samples_per_s"])]
     lines = reference.measured_lines(demo, base)
+    # The samples it measured, and no count of batches (the rows do not hold one: "12 batches" was wrong for a smaller --data.train_size).
+    assert "measured just now over 32 samples: " in lines[0] and not re.search(r"\d+ batches", lines[0]), lines[0]
     assert "per epoch: 0: 1.00x, 1: 2.00x" in lines[1]
     bench = reference.benchmark_lines()[0]
     assert "(docs/benchmarks_25_3seeds.md, 2026-12-02; 3,000 snippets, 5 epochs" in bench
     assert "full fine-tuning 399 s" in bench and "198 s (2.02x less)" in bench and "(-0.89 points)" in bench
+
+
+def test_the_reference_lines_fit_80_columns_and_keep_every_word(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """examples/reference.py prints after the demo's 80-column table: its statements wrap at 80 too,
+    without splitting a date or a path, and say the same as the unwrapped lines."""
+    import reference
+
+    row = dict(epoch=0, frozen="0/6", samples=1500, samples_per_s=50.0, train_s=30.0)
+    demo, base = tmp_path / "demo.json", tmp_path / "base.json"
+    demo.write_text(json.dumps({"rows": [row, dict(row, epoch=1, samples_per_s=100.0, train_s=15.0)]}))
+    base.write_text(json.dumps({"rows": [dict(row, frozen="-", samples=384, samples_per_s=40.0)]}))
+    reference.main([str(demo), str(base)])
+    printed = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in printed) <= reference.WIDTH, printed
+    statements = reference.measured_lines(json.loads(demo.read_text())["rows"], json.loads(base.read_text())["rows"])
+    statements += reference.benchmark_lines()
+    words = " ".join(" ".join(printed).split())
+    assert words.count("reference:") == len(statements) + 1  # one paragraph per statement, the speed's meaning first
+    assert all(" ".join(s.split()) in words for s in statements)
+    assert any("2026-12-02;" in line for line in printed)  # the date is not split at its hyphens
+    assert "per epoch: 0: 1.25x, 1: 2.50x" in words

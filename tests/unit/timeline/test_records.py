@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +76,21 @@ def test_a_row_without_epoch_0_has_no_speed(speed) -> None:
     cell = table.splitlines()[2].split()[3]
     assert cell == ("-" if speed is None else "1.00x")
     assert "no epoch-0 row" in " ".join(table.split())
+
+
+GUIDE = Path(__file__).resolve().parents[3] / "docs" / "user-guide.md"
+
+
+def test_the_user_guides_sample_table_and_summary_are_what_the_timeline_prints() -> None:
+    guide = GUIDE.read_text()
+    start = guide.index("```\nepoch  frozen") + 4
+    sample = guide[start : guide.index("```", start)].splitlines()
+    rows = [
+        row(0, 0, 1500, 30.0, pipe_len="1", replicas="1", speed_vs_epoch0=1.0, metric=0.541),
+        row(1, 2, 1500, 22.0, pipe_len="1", replicas="1", cache_hits="0/2500 (0%)", cache_hit_count=0, cache_lookups=2500,
+            speed_vs_epoch0=(1500 / 22.0) / 50.0, metric=0.813),
+    ]  # fmt: skip
+    assert format_table(rows, "val/acc").splitlines()[: len(sample)] == sample
+    # 3,000 samples at epoch 0's 1000/40 s take 120 s; they took 40 + 20 + 17 = 77 s.
+    summary = freeze_summary([row(0, 0, 1000, 40.0), row(1, 2, 1000, 20.0), row(2, 4, 1000, 17.0)], [(1, 2), (2, 4)], 6)
+    assert f'"{summary}"' in " ".join(guide.split()), summary
