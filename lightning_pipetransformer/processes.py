@@ -186,12 +186,23 @@ class ProcessLayout(ParallelStrategy):
         return trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
 
     def _stop_watch(self, finished: bool) -> None:
+        """Stop this rank's watch; at a normal end (``finished``) post that this rank finished, and on
+        rank 0 wait (bounded) for the others. A rank that failed after the last collective (at the
+        end of training) would otherwise leave rank 0, whose exit status is the job's under
+        Lightning's launcher, ending with success and naming nobody: rank 0 raises
+        :class:`~lightning_pipetransformer.dp.faults.PeerFailedAtEndError` then (its exception hooks
+        name the rank and end the children it launched)."""
         if self._watch is not None:
             self._watch.stop()
         if finished and self._board is not None:
             self._board.finish()
             if self.global_rank == 0:
-                self._board.wait_finished(timeout=10.0)
+                failed = self._board.wait_finished(timeout=10.0)
+                if failed:
+                    raise faults.PeerFailedAtEndError(
+                        f"rank {min(failed)} failed after the fit's last step on every rank, so the fit fails on "
+                        f"rank {self.global_rank} too."
+                    )
 
     def _ended_together(self, exception: BaseException) -> bool:
         """Whether every rank raised at the same point (a signal or a failure they agreed on): the others

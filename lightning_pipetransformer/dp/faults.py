@@ -22,6 +22,12 @@ class PeerFailedError(RuntimeError):
     """Another rank failed at the point every rank was at: this one stops too, naming that rank's error."""
 
 
+class PeerFailedAtEndError(RuntimeError):
+    """Another rank failed after the last collective of the fit, while this one finished: this one fails
+    too, so that the launcher's exit status (rank 0's) is not a success. Not raised together: the
+    failed rank runs its own exception hooks, and this one's skip the barriers it would not join."""
+
+
 @contextlib.contextmanager
 def signals_held(signums: Sequence[int] = (signal.SIGTERM,)) -> Iterator[None]:
     """Hold ``signums`` while every rank is inside the same collectives (a transition), then deliver them.
@@ -192,13 +198,21 @@ class FaultBoard:
         with contextlib.suppress(Exception):
             self._store.add("finished", 1)
 
-    def wait_finished(self, timeout: float) -> None:
+    def wait_finished(self, timeout: float) -> dict[int, str]:
         """Rank 0 hosts the store under Lightning's launcher: at a normal end it waits (bounded) for
-        every rank to finish, or a slower rank's watch would take the store's end for rank 0's death."""
+        every rank to finish, or a slower rank's watch would take the store's end for rank 0's death.
+
+        A rank that failed after its last collective (at the end of training) never finishes: the
+        wait ends as soon as a failure is posted, and returns the failures (by rank), for rank 0 to
+        fail too. Its exit status is the job's under Lightning's launcher.
+        """
         deadline = time.monotonic() + timeout
         with contextlib.suppress(Exception):
             while self._store.add("finished", 0) < self.world_size and time.monotonic() < deadline:
+                if self._store.add("posted", 0):
+                    return self.failures()
                 time.sleep(0.05)
+        return {}
 
 
 class PeerWatch(threading.Thread):

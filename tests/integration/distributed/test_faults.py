@@ -95,10 +95,12 @@ def test_sigterm_to_every_rank_stops_all_in_seconds_with_a_checkpoint_that_resum
     [
         (1, "step", 1, True),  # training_step, the cache off: raised together at the step's agreement
         (0, "backward", 1, True),  # rank 1 waits in DDP's all-reduce for a rank 0 that never comes (NCCL's rule)
+        (1, "optimizer", 1, True),  # after the all-reduce: rank 0 waits in the next step's collectives
         (0, "transition", 1, True),  # rank 1 waits for the weights rank 0 never sends
         (1, "callback", 0, False),  # a callback on the idle rank: rank 0's gloo error alone named nobody
         (1, "validation", 1, False),
         (0, "kill", 1, False),  # rank 0 SIGKILLed: its death was not named (the check raced the process's exit)
+        (1, "teardown", 2, True),  # at the end of training: rank 0 (the job's exit status) ended with success, naming nobody
     ],
 )
 def test_a_fault_on_one_rank_ends_every_rank_in_seconds_naming_it(tmp_path, fault_rank, where, epoch, hold):
@@ -129,6 +131,8 @@ def test_a_fault_on_one_rank_ends_every_rank_in_seconds_naming_it(tmp_path, faul
             time.sleep(0.2)
         gone_after = time.time() - faulted
         assert gone_after < BOUND
+        if fault_rank != 0:  # rank 0's exit status is the job's under Lightning's launcher: not a success
+            assert proc.wait(timeout=BOUND) != 0, "".join(output)[-5000:]
         assert where == "kill" or "InjectedFault" in (tmp_path / f"error{fault_rank}").read_text()
     finally:
         kill_session(proc.pid)

@@ -141,3 +141,17 @@ def test_each_trainer_call_in_a_process_gets_a_board_of_its_own():
     earlier.post("InjectedFault: from an earlier fit")
     later = faults.FaultBoard(dist.PrefixStore(f"pipetransformer/faults/{second}/", store), 0, 2)
     assert first != second and later.failures() == {}
+
+
+def test_rank_0_stops_waiting_for_the_others_to_finish_once_one_failed():
+    """A rank that failed after the last collective never finishes: rank 0 learns it at once, not after the wait's bound."""
+    rank0, rank1, rank2 = boards(world=3)
+    rank2.finish()
+    rank0.finish()
+    start = time.monotonic()
+    assert rank0.wait_finished(timeout=0.3) == {}  # rank 1 neither finished nor failed: the bound ends the wait
+    assert time.monotonic() - start >= 0.3
+    rank1.post("InjectedFault: at the end")
+    start = time.monotonic()
+    assert rank0.wait_finished(timeout=30.0) == {1: "InjectedFault: at the end"}
+    assert time.monotonic() - start < 5
