@@ -206,7 +206,8 @@ def main() -> None:
     parser.add_argument("--fault-epoch", type=int, default=1)
     parser.add_argument("--hold", action="store_true", help="the failed rank keeps its process open (NCCL's dead peer)")
     parser.add_argument("--cache", action="store_true", help="AutoCache on, the freezes {1: 1, 2: 2}")
-    parser.add_argument("--disk-fail-rank", type=int, default=None, help="this rank's cache disk fails after epoch 1")
+    parser.add_argument("--disk-fail-rank", default=None,
+                        help="this rank's cache disk fails after epoch 1 ('all': every rank's; -1: none, with the same freezes)")
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args()
@@ -222,7 +223,7 @@ def main() -> None:
         cache=args.cache, cache_dir=str(out / "cache"),
     )
     states = StepStates()
-    disk = DiskFails(out / "cache") if args.disk_fail_rank == rank else None
+    disk = DiskFails(out / "cache") if args.disk_fail_rank in ("all", str(rank)) else None
     schedule = {1: 1, 2: 2} if args.cache or args.disk_fail_rank is not None else {1: 2}
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=3,
