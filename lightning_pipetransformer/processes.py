@@ -267,13 +267,19 @@ class ProcessLayout(ParallelStrategy):
         """After this rank's exception hooks: let the others read a posted failure, then (on the launcher's
         rank) give the children it started a few seconds to end, and end the rest."""
         self._note_failure(exception)
-        if self._board is not None and self._posted:
-            self._board.wait_seen(timeout=3.0)
+        if self._board is not None:
+            self._board.handled()
+            if self._posted:
+                self._board.wait_seen(timeout=3.0)
         children = list(getattr(self._launcher, "procs", None) or [])
         if children:
             # Stopped together (an agreed signal or failure), every child runs its own exception hooks
-            # (Lightning's checkpoint): wait for them far longer than for a child that may never return.
-            killed = faults.end_children(children, grace=25.0 if self._ended_together(exception) else 10.0)
+            # (Lightning's checkpoint): wait for them far longer than for a child that may never return,
+            # and, once every rank ran them, 10 s for their teardown and exit.
+            handled = self._board.all_handled if self._board is not None else None
+            killed = faults.end_children(
+                children, grace=25.0 if self._ended_together(exception) else 10.0, handled=handled, exit_grace=10.0
+            )
             if killed:
                 print(f"[pipetransformer] rank 0: ended the ranks it launched that were still running (pids {killed}).",
                       file=sys.stderr, flush=True)

@@ -194,6 +194,18 @@ class FaultBoard:
             while self._store.add("seen", 0) < self.world_size - 1 and time.monotonic() < deadline:
                 time.sleep(0.05)
 
+    def handled(self) -> None:
+        """This rank ran its exception hooks (its checkpoint is written): the launcher's rank need not wait for it much longer."""
+        with contextlib.suppress(Exception):
+            self._store.add("handled", 1)
+
+    def all_handled(self) -> bool:
+        """Whether every rank said :meth:`handled`."""
+        try:
+            return self._store.add("handled", 0) >= self.world_size
+        except Exception:  # noqa: BLE001 - the store is gone: nothing to wait for
+            return True
+
     def finish(self) -> None:
         with contextlib.suppress(Exception):
             self._store.add("finished", 1)
@@ -283,10 +295,18 @@ class PeerWatch(threading.Thread):
         return None
 
 
-def end_children(children: Sequence[Any], grace: float) -> list[int]:
-    """Wait up to ``grace`` seconds for launched children (``Popen``) to exit, then SIGKILL the rest; their pids."""
+def end_children(children: Sequence[Any], grace: float, handled: Any = None, exit_grace: float = 10.0) -> list[int]:
+    """Wait up to ``grace`` seconds for launched children (``Popen``) to exit, then SIGKILL the rest; their pids.
+
+    ``handled()``: whether every child has run its exception hooks (what the long grace waits for);
+    from then on the children get only ``exit_grace`` more seconds to exit. A child stuck after its
+    hooks (in a collective, or in the user's code after the fit) then delays nothing for long.
+    """
     deadline = time.monotonic() + grace
     while any(c.poll() is None for c in children) and time.monotonic() < deadline:
+        if handled is not None and handled():
+            deadline = min(deadline, time.monotonic() + exit_grace)
+            handled = None
         time.sleep(0.1)
     killed = []
     for child in children:

@@ -8,6 +8,7 @@ joins. ``--devices 4`` runs the same at ``pipe_len=4`` (K 4 -> 2: two replicas, 
 
 - ``sigterm``: rank 0 sends SIGTERM to every rank's process at once in the middle of epoch 1, as
   SLURM and Kubernetes preempt a job (each rank gets it from outside, not from Lightning's launcher);
+- ``sigterm-validation``: the same, in epoch 1's validation (rank 0 at its first batch);
 - ``sigterm-transition``: the same, inside epoch 1's transition (rank 0 right before it sends the
   joining replica its weights: the others wait in collectives);
 - ``fault``: ``--fault-rank`` raises a ``RuntimeError`` at ``--fault-where`` (its step, its backward, the
@@ -134,6 +135,10 @@ class Module(TextClassifier):
         optimizer.step(closure=closure)
 
     def validation_step(self, batch, batch_idx):
+        trainer = self.trainer
+        if self.args.stop == "sigterm-validation" and trainer.global_rank == 0 and trainer.current_epoch == self.args.fault_epoch:
+            if batch_idx == 0:
+                signal_every_rank(OUT, trainer.world_size)
         if self.args.stop == "fault" and self.args.fault_where == "validation" and self.trainer.global_rank == self.args.fault_rank:
             if self.trainer.current_epoch == self.args.fault_epoch and batch_idx == 0:
                 raise fault(f"injected fault in validation_step on rank {self.trainer.global_rank}")
@@ -200,7 +205,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--stop", default="none", choices=["none", "sigterm", "sigterm-transition", "fault"])
+    parser.add_argument("--stop", default="none", choices=["none", "sigterm", "sigterm-transition", "sigterm-validation", "fault"])
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--fault-where", default="step", choices=["step", "backward", "optimizer", "transition", "validation", "callback", "teardown", "kill"])
     parser.add_argument("--fault-epoch", type=int, default=1)

@@ -155,3 +155,21 @@ def test_rank_0_stops_waiting_for_the_others_to_finish_once_one_failed():
     start = time.monotonic()
     assert rank0.wait_finished(timeout=30.0) == {1: "InjectedFault: at the end"}
     assert time.monotonic() - start < 5
+
+
+@pytest.mark.timeout(60)
+def test_end_children_waits_only_briefly_once_every_rank_ran_its_exception_hooks():
+    """A child stuck after its hooks (a held process, user code after the fit) must not hold the launcher for the whole grace."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    rank0, rank1 = boards()
+    start = time.monotonic()
+    assert faults.end_children([child], grace=0.5, handled=rank0.all_handled, exit_grace=0.1) == [child.pid]
+    assert time.monotonic() - start >= 0.5  # nobody said handled: the whole grace
+    child.wait(timeout=10)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    rank0.handled()
+    rank1.handled()
+    start = time.monotonic()
+    assert faults.end_children([child], grace=30.0, handled=rank0.all_handled, exit_grace=0.2) == [child.pid]
+    assert time.monotonic() - start < 5
+    assert child.wait(timeout=10) == -signal.SIGKILL
