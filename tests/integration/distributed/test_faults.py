@@ -48,10 +48,10 @@ def uninterrupted(tmp_path_factory) -> dict:
 
 
 @pytest.mark.timeout(3 * LAUNCH_TIMEOUT + 60)
-@pytest.mark.parametrize("stop", ["sigterm", "sigterm-transition"])
+@pytest.mark.parametrize("stop", ["sigterm", "sigterm-transition", "sigterm-validation"])
 def test_sigterm_to_every_rank_stops_all_in_seconds_with_a_checkpoint_that_resumes_equal(tmp_path, stop, uninterrupted):
-    # As SLURM and Kubernetes preempt: every rank signalled at once (mid-epoch, or inside the
-    # transition while the others wait in its collectives). Lightning 2.6's handler broadcast over
+    # As SLURM and Kubernetes preempt: every rank signalled at once (mid-epoch, inside the
+    # transition while the others wait in its collectives, or in validation). Lightning 2.6's handler broadcast over
     # the world group inside the handler and every rank hung until the collective timeout.
     stopped = tmp_path / "stopped"
     stopped.mkdir()
@@ -74,6 +74,7 @@ def test_sigterm_to_every_rank_stops_all_in_seconds_with_a_checkpoint_that_resum
     # What the checkpoint holds is the uninterrupted run's state at that step.
     step = saved["global_step"]
     assert (step == 8) == (stop == "sigterm-transition"), step  # inside the transition: before epoch 1's first batch
+    assert (step == 12) == (stop == "sigterm-validation"), step  # in validation: after epoch 1's last batch
     for key, value in uninterrupted["states"][step].items():
         torch.testing.assert_close(saved["state_dict"][key], value, rtol=1e-5, atol=1e-6, msg=key)
     # Resumed from it, the run ends as the uninterrupted one (mid-epoch, only as far as Lightning can
