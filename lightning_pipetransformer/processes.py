@@ -186,12 +186,23 @@ class ProcessLayout(ParallelStrategy):
         return trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
 
     def _stop_watch(self, finished: bool) -> None:
+        """Stop this rank's watch; at a normal end (``finished``) post that this rank finished, and on
+        rank 0 wait (bounded) for the others. A rank that failed after the last collective (at the
+        end of training) would otherwise leave rank 0, whose exit status is the job's under
+        Lightning's launcher, ending with success and naming nobody: rank 0 raises
+        :class:`~lightning_pipetransformer.dp.faults.PeerFailedAtEndError` then (its exception hooks
+        name the rank and end the children it launched)."""
         if self._watch is not None:
             self._watch.stop()
         if finished and self._board is not None:
             self._board.finish()
             if self.global_rank == 0:
-                self._board.wait_finished(timeout=10.0)
+                failed = self._board.wait_finished(timeout=10.0)
+                if failed:
+                    raise faults.PeerFailedAtEndError(
+                        f"rank {min(failed)} failed after the fit's last step on every rank, so the fit fails on "
+                        f"rank {self.global_rank} too."
+                    )
 
     def _ended_together(self, exception: BaseException) -> bool:
         """Whether every rank raised at the same point (a signal or a failure they agreed on): the others
@@ -256,13 +267,19 @@ class ProcessLayout(ParallelStrategy):
         """After this rank's exception hooks: let the others read a posted failure, then (on the launcher's
         rank) give the children it started a few seconds to end, and end the rest."""
         self._note_failure(exception)
-        if self._board is not None and self._posted:
-            self._board.wait_seen(timeout=3.0)
+        if self._board is not None:
+            self._board.handled()
+            if self._posted:
+                self._board.wait_seen(timeout=3.0)
         children = list(getattr(self._launcher, "procs", None) or [])
         if children:
             # Stopped together (an agreed signal or failure), every child runs its own exception hooks
-            # (Lightning's checkpoint): wait for them far longer than for a child that may never return.
-            killed = faults.end_children(children, grace=25.0 if self._ended_together(exception) else 10.0)
+            # (Lightning's checkpoint): wait for them far longer than for a child that may never return,
+            # and, once every rank ran them, 10 s for their teardown and exit.
+            handled = self._board.all_handled if self._board is not None else None
+            killed = faults.end_children(
+                children, grace=25.0 if self._ended_together(exception) else 10.0, handled=handled, exit_grace=10.0
+            )
             if killed:
                 print(f"[pipetransformer] rank 0: ended the ranks it launched that were still running (pids {killed}).",
                       file=sys.stderr, flush=True)

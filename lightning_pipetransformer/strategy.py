@@ -760,7 +760,8 @@ class PipeTransformerStrategy(ProcessLayout):
         trainer = module._trainer if module is not None else None
         if trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED:
             # This call's groups are freed (the next trainer call makes its own); after a failure
-            # they are left to the fault path, which may have aborted them.
+            # they are left as they are (a collective may still be pending on them, which a destroy
+            # could wait for); the process ends soon after.
             self._replicas.close()
         if module is not None and module._trainer is not None and module._trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
             assert self.model is not None

@@ -22,6 +22,12 @@ class PeerFailedError(RuntimeError):
     """Another rank failed at the point every rank was at: this one stops too, naming that rank's error."""
 
 
+class PeerFailedAtEndError(RuntimeError):
+    """Another rank failed after the last collective of the fit, while this one finished: this one fails
+    too, so that the launcher's exit status (rank 0's) is not a success. Not raised together: the
+    failed rank runs its own exception hooks, and this one's skip the barriers it would not join."""
+
+
 @contextlib.contextmanager
 def signals_held(signums: Sequence[int] = (signal.SIGTERM,)) -> Iterator[None]:
     """Hold ``signums`` while every rank is inside the same collectives (a transition), then deliver them.
@@ -188,17 +194,37 @@ class FaultBoard:
             while self._store.add("seen", 0) < self.world_size - 1 and time.monotonic() < deadline:
                 time.sleep(0.05)
 
+    def handled(self) -> None:
+        """This rank ran its exception hooks (its checkpoint is written): the launcher's rank need not wait for it much longer."""
+        with contextlib.suppress(Exception):
+            self._store.add("handled", 1)
+
+    def all_handled(self) -> bool:
+        """Whether every rank said :meth:`handled`."""
+        try:
+            return self._store.add("handled", 0) >= self.world_size
+        except Exception:  # noqa: BLE001 - the store is gone: nothing to wait for
+            return True
+
     def finish(self) -> None:
         with contextlib.suppress(Exception):
             self._store.add("finished", 1)
 
-    def wait_finished(self, timeout: float) -> None:
+    def wait_finished(self, timeout: float) -> dict[int, str]:
         """Rank 0 hosts the store under Lightning's launcher: at a normal end it waits (bounded) for
-        every rank to finish, or a slower rank's watch would take the store's end for rank 0's death."""
+        every rank to finish, or a slower rank's watch would take the store's end for rank 0's death.
+
+        A rank that failed after its last collective (at the end of training) never finishes: the
+        wait ends as soon as a failure is posted, and returns the failures (by rank), for rank 0 to
+        fail too. Its exit status is the job's under Lightning's launcher.
+        """
         deadline = time.monotonic() + timeout
         with contextlib.suppress(Exception):
             while self._store.add("finished", 0) < self.world_size and time.monotonic() < deadline:
+                if self._store.add("posted", 0):
+                    return self.failures()
                 time.sleep(0.05)
+        return {}
 
 
 class PeerWatch(threading.Thread):
@@ -269,10 +295,18 @@ class PeerWatch(threading.Thread):
         return None
 
 
-def end_children(children: Sequence[Any], grace: float) -> list[int]:
-    """Wait up to ``grace`` seconds for launched children (``Popen``) to exit, then SIGKILL the rest; their pids."""
+def end_children(children: Sequence[Any], grace: float, handled: Any = None, exit_grace: float = 10.0) -> list[int]:
+    """Wait up to ``grace`` seconds for launched children (``Popen``) to exit, then SIGKILL the rest; their pids.
+
+    ``handled()``: whether every child has run its exception hooks (what the long grace waits for);
+    from then on the children get only ``exit_grace`` more seconds to exit. A child stuck after its
+    hooks (in a collective, or in the user's code after the fit) then delays nothing for long.
+    """
     deadline = time.monotonic() + grace
     while any(c.poll() is None for c in children) and time.monotonic() < deadline:
+        if handled is not None and handled():
+            deadline = min(deadline, time.monotonic() + exit_grace)
+            handled = None
         time.sleep(0.1)
     killed = []
     for child in children:

@@ -48,10 +48,10 @@ def uninterrupted(tmp_path_factory) -> dict:
 
 
 @pytest.mark.timeout(3 * LAUNCH_TIMEOUT + 60)
-@pytest.mark.parametrize("stop", ["sigterm", "sigterm-transition"])
+@pytest.mark.parametrize("stop", ["sigterm", "sigterm-transition", "sigterm-validation"])
 def test_sigterm_to_every_rank_stops_all_in_seconds_with_a_checkpoint_that_resumes_equal(tmp_path, stop, uninterrupted):
-    # As SLURM and Kubernetes preempt: every rank signalled at once (mid-epoch, or inside the
-    # transition while the others wait in its collectives). Lightning 2.6's handler broadcast over
+    # As SLURM and Kubernetes preempt: every rank signalled at once (mid-epoch, inside the
+    # transition while the others wait in its collectives, or in validation). Lightning 2.6's handler broadcast over
     # the world group inside the handler and every rank hung until the collective timeout.
     stopped = tmp_path / "stopped"
     stopped.mkdir()
@@ -70,10 +70,13 @@ def test_sigterm_to_every_rank_stops_all_in_seconds_with_a_checkpoint_that_resum
     assert "timeout" not in proc.stdout.lower() and not (stopped / "rank0.pt").exists()
     ckpt = stopped / "ckpt" / "on_exception.ckpt"
     saved = torch.load(ckpt, weights_only=False)
-    assert saved["epoch"] == 1 and saved["pipetransformer"]["plan"]["active_ranks"] == [0, 1]
+    # In validation, Lightning stops at the end of epoch 1 (after its epoch-end hooks): the checkpoint counts it done.
+    assert saved["epoch"] == (2 if stop == "sigterm-validation" else 1)
+    assert saved["pipetransformer"]["plan"]["active_ranks"] == [0, 1]
     # What the checkpoint holds is the uninterrupted run's state at that step.
     step = saved["global_step"]
     assert (step == 8) == (stop == "sigterm-transition"), step  # inside the transition: before epoch 1's first batch
+    assert (step == 12) == (stop == "sigterm-validation"), step  # in validation: after epoch 1's last batch
     for key, value in uninterrupted["states"][step].items():
         torch.testing.assert_close(saved["state_dict"][key], value, rtol=1e-5, atol=1e-6, msg=key)
     # Resumed from it, the run ends as the uninterrupted one (mid-epoch, only as far as Lightning can
@@ -84,7 +87,7 @@ def test_sigterm_to_every_rank_stops_all_in_seconds_with_a_checkpoint_that_resum
     assert proc.returncode == 0, proc.stdout[-5000:]
     final = torch.load(resumed / "rank0.pt")
     assert final["global_step"] == uninterrupted["global_step"]
-    if stop == "sigterm-transition":
+    if stop != "sigterm":  # stopped at an epoch's edge: no batch of an epoch is repeated on resume
         for key, value in uninterrupted["state"].items():
             torch.testing.assert_close(final["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
 
@@ -95,10 +98,13 @@ def test_sigterm_to_every_rank_stops_all_in_seconds_with_a_checkpoint_that_resum
     [
         (1, "step", 1, True),  # training_step, the cache off: raised together at the step's agreement
         (0, "backward", 1, True),  # rank 1 waits in DDP's all-reduce for a rank 0 that never comes (NCCL's rule)
+        (1, "optimizer", 1, True),  # after the all-reduce: rank 0 waits in the next step's collectives
         (0, "transition", 1, True),  # rank 1 waits for the weights rank 0 never sends
         (1, "callback", 0, False),  # a callback on the idle rank: rank 0's gloo error alone named nobody
+        (0, "callback", 1, True),  # a callback on the launcher's rank while rank 1 is a replica
         (1, "validation", 1, False),
         (0, "kill", 1, False),  # rank 0 SIGKILLed: its death was not named (the check raced the process's exit)
+        (1, "teardown", 2, True),  # at the end of training: rank 0 (the job's exit status) ended with success, naming nobody
     ],
 )
 def test_a_fault_on_one_rank_ends_every_rank_in_seconds_naming_it(tmp_path, fault_rank, where, epoch, hold):
@@ -129,6 +135,8 @@ def test_a_fault_on_one_rank_ends_every_rank_in_seconds_naming_it(tmp_path, faul
             time.sleep(0.2)
         gone_after = time.time() - faulted
         assert gone_after < BOUND
+        if fault_rank != 0:  # rank 0's exit status is the job's under Lightning's launcher: not a success
+            assert proc.wait(timeout=BOUND) != 0, "".join(output)[-5000:]
         assert where == "kill" or "InjectedFault" in (tmp_path / f"error{fault_rank}").read_text()
     finally:
         kill_session(proc.pid)
@@ -148,37 +156,58 @@ def test_a_fault_on_one_rank_ends_every_rank_in_seconds_naming_it(tmp_path, faul
     print(f"{where} on rank {fault_rank}: every rank's fit ended {gone_after:.1f}s after the fault")
 
 
-@pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 60)
-def test_a_cache_disk_failing_on_one_rank_stops_its_disk_writes_never_training(tmp_path):
-    # Rank 1's cache directory turns read-only between the two freezes: the next boundary's
-    # directory cannot be made there. Before: CacheConfigError on that rank at the freeze.
-    (tmp_path / "off").mkdir()
-    off = launch_ranks(SCRIPT, tmp_path / "off", "--timeout", str(COLLECTIVE_TIMEOUT), "--disk-fail-rank", "-1", timeout=LAUNCH_TIMEOUT)
-    assert off.returncode == 0, off.stdout[-5000:]
-    (tmp_path / "failing").mkdir()
-    proc = launch_ranks(SCRIPT, tmp_path / "failing", "--cache", "--disk-fail-rank", "1", "--timeout", str(COLLECTIVE_TIMEOUT), timeout=LAUNCH_TIMEOUT)
+@pytest.fixture(scope="module")
+def cache_off(tmp_path_factory) -> dict:
+    """The run with the disk-failure tests' freezes, without the cache."""
+    out = tmp_path_factory.mktemp("cache_off")
+    proc = launch_ranks(SCRIPT, out, "--timeout", str(COLLECTIVE_TIMEOUT), "--disk-fail-rank", "-1", timeout=LAUNCH_TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-5000:]
-    ranks = [torch.load(tmp_path / "failing" / f"rank{r}.pt") for r in range(2)]
-    failed, healthy = ranks[1], ranks[0]
-    assert failed["refused"] >= 1  # the fault was injected
-    assert failed["cache_stats"]["autocache/disk_failures"] == 1 and healthy["cache_stats"]["autocache/disk_failures"] == 0
-    assert failed["cache_stats"]["autocache/boundary"] == 2 and failed["cache_stats"]["autocache/hits"] > 0  # memory serves
-    warned = [w for w in failed["warnings"] if "AutoCache stopped writing" in w]
-    assert len(warned) == 1 and "[rank 1]" in warned[0] and "Read-only file system" in warned[0]
-    reference = torch.load(tmp_path / "off" / "rank0.pt")
-    assert failed["global_step"] == healthy["global_step"] == reference["global_step"]
-    for key, value in reference["state"].items():
-        torch.testing.assert_close(healthy["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
-        torch.testing.assert_close(failed["state"][key], healthy["state"][key], rtol=0, atol=0, msg=key)
+    return torch.load(out / "rank0.pt")
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 60)
+@pytest.mark.parametrize("failing_ranks", ["1", "all"])
+def test_a_cache_disk_failing_on_one_rank_or_all_stops_disk_writes_never_training(tmp_path, failing_ranks, cache_off):
+    # The cache directory turns read-only (on rank 1, or on every rank) between the two freezes: the
+    # next boundary's directory cannot be made there. Before: CacheConfigError on that rank at the freeze.
+    proc = launch_ranks(SCRIPT, tmp_path, "--cache", "--disk-fail-rank", failing_ranks, "--timeout", str(COLLECTIVE_TIMEOUT),
+                        timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    failing = [1] if failing_ranks == "1" else [0, 1]
+    for rank, result in enumerate(ranks):
+        stats = result["cache_stats"]
+        warned = [w for w in result["warnings"] if "AutoCache stopped writing" in w]
+        if rank in failing:
+            assert result["refused"] >= 1  # the fault was injected
+            assert stats["autocache/disk_failures"] == 1  # counted in the metrics
+            assert len(warned) == 1 and f"[rank {rank}]" in warned[0] and "Read-only file system" in warned[0]  # once, with the cause
+        else:
+            assert stats["autocache/disk_failures"] == 0 and not warned
+        assert stats["autocache/boundary"] == 2
+        assert result["global_step"] == cache_off["global_step"]
+    # Rank 0 (the one replica at boundary 1) advances its entries in memory and serves them; rank 1 (a
+    # shadow rank then) holds none: it reads rank 0's files at the new boundary when rank 0 can write
+    # them, and otherwise runs the blocks (unwritten, counted).
+    assert ranks[0]["cache_stats"]["autocache/memory_hits"] > 0
+    if failing_ranks == "1":
+        assert ranks[1]["cache_stats"]["autocache/hits"] > 0
+    else:
+        assert ranks[1]["cache_stats"]["autocache/misses"] == ranks[1]["cache_stats"]["autocache/unwritten"] > 0
+    for key, value in cache_off["state"].items():
+        torch.testing.assert_close(ranks[0]["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(ranks[1]["state"][key], ranks[0]["state"][key], rtol=0, atol=0, msg=key)
 
 
 @pytest.mark.timeout(3 * LAUNCH_TIMEOUT + 60)
-def test_sigterm_to_four_ranks_then_resume_on_two(tmp_path):
-    # Four processes (epoch 1: two replicas, two of them joined at the transition), every rank
-    # signalled at once; the checkpoint then resumes on another world size.
+@pytest.mark.parametrize("stop", ["sigterm", "sigterm-transition"])
+def test_sigterm_to_four_ranks_then_resume_on_two(tmp_path, stop):
+    # Four processes (epoch 1: two replicas, two shadow ranks), every rank signalled at once in the
+    # middle of epoch 1 or inside its transition (rank 0 about to send the joining replica its
+    # weights); the checkpoint then resumes on another world size.
     stopped = tmp_path / "four"
     stopped.mkdir()
-    proc = launch_ranks(SCRIPT, stopped, "--devices", "4", "--stop", "sigterm", "--timeout", str(COLLECTIVE_TIMEOUT),
+    proc = launch_ranks(SCRIPT, stopped, "--devices", "4", "--stop", stop, "--timeout", str(COLLECTIVE_TIMEOUT),
                         timeout=2 * LAUNCH_TIMEOUT, cleanup=False)
     try:
         signalled = float((stopped / "signalled").read_text())
@@ -191,6 +220,7 @@ def test_sigterm_to_four_ranks_then_resume_on_two(tmp_path):
         assert f"[pipetransformer] rank {rank}: stopped by SIGTERM" in proc.stdout, proc.stdout[-5000:]
     saved = torch.load(stopped / "ckpt" / "on_exception.ckpt", weights_only=False)
     assert saved["epoch"] == 1 and saved["pipetransformer"]["plan"]["active_ranks"] == [0, 2]
+    assert (saved["global_step"] == 8) == (stop == "sigterm-transition"), saved["global_step"]  # before epoch 1's first batch
     resumed = tmp_path / "two"
     resumed.mkdir()
     proc = launch_ranks(SCRIPT, resumed, "--ckpt", str(stopped / "ckpt" / "on_exception.ckpt"), "--timeout", str(COLLECTIVE_TIMEOUT),
@@ -200,3 +230,31 @@ def test_sigterm_to_four_ranks_then_resume_on_two(tmp_path):
     assert ranks[0]["global_step"] == ranks[1]["global_step"] > saved["global_step"]
     for key, value in ranks[0]["state"].items():
         torch.testing.assert_close(ranks[1]["state"][key], value, rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 2 * BOUND + 30)
+def test_sigterm_to_every_worker_under_torchrun_stops_all_in_seconds_with_a_checkpoint(tmp_path, uninterrupted):
+    # torchrun starts the ranks (no Lightning launcher, no children of rank 0; the store is the
+    # agent's); the scheduler signals every worker at once, and the agent then signals those left.
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
+               "--out", str(tmp_path), "--stop", "sigterm", "--timeout", str(COLLECTIVE_TIMEOUT)]
+    proc = subprocess.Popen(command, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(timeout=LAUNCH_TIMEOUT + BOUND)
+    except subprocess.TimeoutExpired:
+        kill_session(proc.pid)
+        stdout, _ = proc.communicate()
+        pytest.fail(f"torchrun hung:\n{stdout[-5000:]}")
+    finally:
+        kill_session(proc.pid)
+    signalled = float((tmp_path / "signalled").read_text())
+    assert time.time() - signalled < BOUND, stdout[-5000:]  # every worker and the agent gone, not at the timeout
+    assert proc.returncode != 0, stdout[-5000:]
+    for rank in range(2):
+        assert f"[pipetransformer] rank {rank}: stopped by SIGTERM" in stdout, stdout[-5000:]
+        assert (tmp_path / f"error{rank}").read_text().split(" ", 1)[1].startswith("SIGTERMException")
+    assert "timeout" not in stdout.lower() and not (tmp_path / "rank0.pt").exists()
+    saved = torch.load(tmp_path / "ckpt" / "on_exception.ckpt", weights_only=False)
+    assert saved["epoch"] == 1 and saved["pipetransformer"]["plan"]["active_ranks"] == [0, 1]
+    for key, value in uninterrupted["states"][saved["global_step"]].items():
+        torch.testing.assert_close(saved["state_dict"][key], value, rtol=1e-5, atol=1e-6, msg=key)

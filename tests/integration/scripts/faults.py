@@ -8,9 +8,12 @@ joins. ``--devices 4`` runs the same at ``pipe_len=4`` (K 4 -> 2: two replicas, 
 
 - ``sigterm``: rank 0 sends SIGTERM to every rank's process at once in the middle of epoch 1, as
   SLURM and Kubernetes preempt a job (each rank gets it from outside, not from Lightning's launcher);
+- ``sigterm-validation``: the same, in epoch 1's validation (rank 0 at its first batch);
 - ``sigterm-transition``: the same, inside epoch 1's transition (rank 0 right before it sends the
   joining replica its weights: the others wait in collectives);
-- ``fault``: ``--fault-rank`` raises a ``RuntimeError`` at ``--fault-where``.
+- ``fault``: ``--fault-rank`` raises a ``RuntimeError`` at ``--fault-where`` (its step, its backward, the
+  optimizer's step after the backward, inside the transition, validation, a callback, the end of
+  training; or ``kill``: a SIGKILL).
 
 ``--hold`` models NCCL's rule "a collective with a dead peer never returns": the failed rank keeps its
 process (and its gloo sockets) open after its fit ended, so a peer waiting in a collective for it is
@@ -82,6 +85,11 @@ class Faults(Callback):
             fault("SIGKILL")
             os.kill(os.getpid(), signal.SIGKILL)  # no exception, no clean-up: the process is gone
 
+    def on_train_end(self, trainer, pl_module):
+        # The end of the fit: the other ranks go on to their teardown (no collective waits for this one).
+        if self.args.stop == "fault" and self.args.fault_where == "teardown" and trainer.global_rank == self.args.fault_rank:
+            raise fault(f"injected fault at the end of training on rank {trainer.global_rank}")
+
 
 class StepStates(Callback):
     """Rank 0's weights after every optimizer step (what a checkpoint at that step must hold)."""
@@ -116,7 +124,21 @@ class Module(TextClassifier):
             loss = FailingBackward.apply(loss)
         return loss
 
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        # After the backward (DDP's all-reduce done on every rank), inside the optimizer's step.
+        def closure():
+            loss = optimizer_closure()
+            if self._fails_here("optimizer", batch_idx):
+                raise fault(f"injected fault in the optimizer step on rank {self.trainer.global_rank}")
+            return loss
+
+        optimizer.step(closure=closure)
+
     def validation_step(self, batch, batch_idx):
+        trainer = self.trainer
+        if self.args.stop == "sigterm-validation" and trainer.global_rank == 0 and trainer.current_epoch == self.args.fault_epoch:
+            if batch_idx == 0:
+                signal_every_rank(OUT, trainer.world_size)
         if self.args.stop == "fault" and self.args.fault_where == "validation" and self.trainer.global_rank == self.args.fault_rank:
             if self.trainer.current_epoch == self.args.fault_epoch and batch_idx == 0:
                 raise fault(f"injected fault in validation_step on rank {self.trainer.global_rank}")
@@ -183,13 +205,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--stop", default="none", choices=["none", "sigterm", "sigterm-transition", "fault"])
+    parser.add_argument("--stop", default="none", choices=["none", "sigterm", "sigterm-transition", "sigterm-validation", "fault"])
     parser.add_argument("--fault-rank", type=int, default=1)
-    parser.add_argument("--fault-where", default="step", choices=["step", "backward", "transition", "validation", "callback", "kill"])
+    parser.add_argument("--fault-where", default="step", choices=["step", "backward", "optimizer", "transition", "validation", "callback", "teardown", "kill"])
     parser.add_argument("--fault-epoch", type=int, default=1)
     parser.add_argument("--hold", action="store_true", help="the failed rank keeps its process open (NCCL's dead peer)")
     parser.add_argument("--cache", action="store_true", help="AutoCache on, the freezes {1: 1, 2: 2}")
-    parser.add_argument("--disk-fail-rank", type=int, default=None, help="this rank's cache disk fails after epoch 1")
+    parser.add_argument("--disk-fail-rank", default=None,
+                        help="this rank's cache disk fails after epoch 1 ('all': every rank's; -1: none, with the same freezes)")
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args()
@@ -205,7 +228,7 @@ def main() -> None:
         cache=args.cache, cache_dir=str(out / "cache"),
     )
     states = StepStates()
-    disk = DiskFails(out / "cache") if args.disk_fail_rank == rank else None
+    disk = DiskFails(out / "cache") if args.disk_fail_rank in ("all", str(rank)) else None
     schedule = {1: 1, 2: 2} if args.cache or args.disk_fail_rank is not None else {1: 2}
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=3,

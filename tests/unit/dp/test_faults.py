@@ -141,3 +141,35 @@ def test_each_trainer_call_in_a_process_gets_a_board_of_its_own():
     earlier.post("InjectedFault: from an earlier fit")
     later = faults.FaultBoard(dist.PrefixStore(f"pipetransformer/faults/{second}/", store), 0, 2)
     assert first != second and later.failures() == {}
+
+
+def test_rank_0_stops_waiting_for_the_others_to_finish_once_one_failed():
+    """A rank that failed after the last collective never finishes: rank 0 learns it at once, not after the wait's bound."""
+    rank0, rank1, rank2 = boards(world=3)
+    rank2.finish()
+    rank0.finish()
+    start = time.monotonic()
+    assert rank0.wait_finished(timeout=0.3) == {}  # rank 1 neither finished nor failed: the bound ends the wait
+    assert time.monotonic() - start >= 0.3
+    rank1.post("InjectedFault: at the end")
+    start = time.monotonic()
+    assert rank0.wait_finished(timeout=30.0) == {1: "InjectedFault: at the end"}
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.timeout(60)
+def test_end_children_waits_only_briefly_once_every_rank_ran_its_exception_hooks():
+    """A child stuck after its hooks (a held process, user code after the fit) must not hold the launcher for the whole grace."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    rank0, rank1 = boards()
+    start = time.monotonic()
+    assert faults.end_children([child], grace=0.5, handled=rank0.all_handled, exit_grace=0.1) == [child.pid]
+    assert time.monotonic() - start >= 0.5  # nobody said handled: the whole grace
+    child.wait(timeout=10)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    rank0.handled()
+    rank1.handled()
+    start = time.monotonic()
+    assert faults.end_children([child], grace=30.0, handled=rank0.all_handled, exit_grace=0.2) == [child.pid]
+    assert time.monotonic() - start < 5
+    assert child.wait(timeout=10) == -signal.SIGKILL
