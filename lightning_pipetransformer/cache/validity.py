@@ -56,6 +56,9 @@ def prefix_modules(stack: BlockStack, num_frozen: int, include_pre: bool = True)
     if not 0 <= num_frozen <= len(stack):
         raise ValueError(f"num_frozen must be in 0..{len(stack)}, got {num_frozen}.")
     modules = list(stack.pre) if include_pre else []
+    # Modules outside the prefix whose output still enters it (run before the stack and after it):
+    # a cached boundary is stale once they train, whatever the keys name.
+    modules += [(path, module) for path, module in stack.feeds if (path, module) not in modules]
     modules += [(f"{stack.path}.{i}", block) for i, block in enumerate(stack.blocks[:num_frozen])]
     return modules
 

@@ -80,6 +80,9 @@ class BlockStack:
         pre_params: ``(path, parameter)`` pairs held directly by an ancestor of the stack, read
             as inputs of the first block (timm's ``cls_token`` and ``pos_embed``).
         post: ``(path, module)`` pairs that run after the last block (pooler, norm, head).
+        feeds: those of ``post`` with parameters that also run before the first block (observed
+            without AutoFreeze, which would refuse them): they stay outside the prefix, yet what they
+            compute reaches the frozen blocks, so a cache must check them like the prefix.
         order: where ``pre``/``post`` come from: ``"declared"`` (given by the user: taken as is),
             ``"registration"`` (discovery's provisional split, until the first forward is
             observed) or ``"observed"`` (the model's call order, :meth:`refine`).
@@ -91,6 +94,7 @@ class BlockStack:
     pre_params: tuple[tuple[str, nn.Parameter], ...] = ()
     post: tuple[tuple[str, nn.Module], ...] = field(default=())
     order: Literal["declared", "registration", "observed"] = "declared"
+    feeds: tuple[tuple[str, nn.Module], ...] = ()
     _listeners: list[Callable[[], None]] = field(default_factory=list, compare=False, repr=False)
 
     @property
@@ -98,7 +102,10 @@ class BlockStack:
         """Whether ``pre``/``post`` still come from registration order (the call order is not known yet)."""
         return self.order == "registration"
 
-    def refine(self, pre: Sequence[tuple[str, nn.Module]], post: Sequence[tuple[str, nn.Module]]) -> None:
+    def refine(
+        self, pre: Sequence[tuple[str, nn.Module]], post: Sequence[tuple[str, nn.Module]],
+        feeds: Sequence[tuple[str, nn.Module]] = (),
+    ) -> None:
         """Put the modules where the model runs them (observed), in place, and tell the listeners.
 
         In place because the engine, the cache and AutoFreeze hold this very object since set-up; the
@@ -106,6 +113,7 @@ class BlockStack:
         """
         object.__setattr__(self, "pre", tuple(pre))
         object.__setattr__(self, "post", tuple(post))
+        object.__setattr__(self, "feeds", tuple(feeds))
         object.__setattr__(self, "order", "observed")
         for listener in list(self._listeners):
             listener()

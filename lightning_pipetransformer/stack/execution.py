@@ -308,12 +308,13 @@ class OrderWatch:
         if not order.saw_stack:
             return False
         pre, post = split_by_order(self.stack, order, mixed_after=True)
-        mixed = [p for p, m in post if BEFORE in order.relation(m) and any(True for _ in m.parameters())]
-        self.stack.refine(pre, post)
-        if mixed and self.announce is not None:
+        feeds = [(p, m) for p, m in post if BEFORE in order.relation(m) and any(True for _ in m.parameters())]
+        self.stack.refine(pre, post, feeds)
+        if feeds and self.announce is not None:
             self.announce(
-                f"PipeTransformer: {', '.join(mixed)} run(s) both before the block stack '{self.stack.path}' and after it: "
-                "kept outside the prefix (nothing in this run freezes the prefix; with AutoFreeze this is refused)."
+                f"PipeTransformer: {', '.join(p for p, _ in feeds)} run(s) both before the block stack '{self.stack.path}' "
+                "and after it: kept outside the prefix (nothing in this run freezes the prefix; with AutoFreeze this is "
+                "refused). A cache checks it like the prefix: it must be frozen and deterministic."
             )
         return True
 

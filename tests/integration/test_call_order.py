@@ -317,3 +317,28 @@ def test_without_autofreeze_a_module_run_before_and_after_the_stack_stays_outsid
     # Engaged: keyed on what reaches block 0, the frozen blocks 0-1 were served in the last epoch (they did not run).
     assert strategy.cache_stats["autocache/hits"] > 0, strategy.cache_stats
     assert runs.epochs[2][:2] == [0, 0] and runs.epochs[2][2:] == [STEPS, STEPS], runs.epochs
+
+
+def test_without_autofreeze_a_trainable_module_run_before_and_after_the_stack_keeps_the_cache_from_serving(tmp_path):
+    """Kept outside the prefix, the module still feeds the frozen blocks: while it trains a cached boundary
+    is stale (index keys do not see it change), so the cache refuses as for a trainable prefix."""
+    from lightning_pipetransformer.cache.validity import NondeterministicPrefixError
+    from tests.helpers.lightning_models import Classifier, indexed_text, inputs_and_labels
+
+    class EmbedsInTheLossToo(Classifier):
+        def training_step(self, batch, batch_idx):
+            x, y = inputs_and_labels(batch)
+            loss = torch.nn.functional.cross_entropy(self(x), y)
+            return loss + 0.5 * self.model.bert.embeddings(input_ids=x).pow(2).mean()
+
+    module = EmbedsInTheLossToo("bert")
+    for block in module.model.bert.encoder.layer[:2]:
+        block.requires_grad_(False).eval()
+    strategy = PipeTransformerStrategy(cache=True, cache_key="index", cache_dir=str(tmp_path))
+    trainer = cpu_trainer(strategy, max_epochs=2)
+    with pytest.raises(NondeterministicPrefixError, match="model.bert.embeddings.word_embeddings.weight still requires grad"):
+        trainer.fit(module, indexed_text(), indexed_text(seed=5))
+    assert [p for p, _ in strategy.stack.feeds] == ["model.bert.embeddings"]
+    # Refused when the boundary first opens, at the second forward (the first learns the call order, computing
+    # without the cache): no cached value was ever used.
+    assert trainer.global_step == 1, trainer.global_step
