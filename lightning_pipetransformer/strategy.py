@@ -32,6 +32,7 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_pipetransformer import devices as dev
@@ -433,7 +434,7 @@ class PipeTransformerStrategy(ProcessLayout):
         if idle.is_idle_batch(batch):
             return batch  # nothing to move, and the user's transfer hooks must not see a placeholder
         moved = super().batch_to_device(batch, device, dataloader_idx)
-        if self.autocache is not None and self.config.cache.key == "index":
+        if self.autocache is not None and self.config.cache.key == "index" and _moves_batches_as_is(self.lightning_module):
             self.autocache.indices.remember(batch, moved)  # index keys read on the host, without a wait
         return moved
 
@@ -817,6 +818,19 @@ def _lightning_arguments(given: dict[str, Any]) -> dict[str, Any]:
             f"cache_skip_embeddings, and Lightning's {', '.join(_LIGHTNING_ARGUMENTS)}."
         )
     return dict(given)
+
+
+_BATCH_TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+
+
+def _moves_batches_as_is(module: pl.LightningModule | None) -> bool:
+    """Whether the device batch's tensors are the loader's, only copied: no transfer hook of the module or
+    its datamodule overridden (one could reorder the rows, or make new indices, after the loader's)."""
+    if module is None:
+        return False
+    trainer = module._trainer
+    owners = [module, trainer.datamodule if trainer is not None else None]
+    return not any(is_overridden(hook, owner) for owner in owners if owner is not None for hook in _BATCH_TRANSFER_HOOKS)
 
 
 def _autofreeze_of(trainer: pl.Trainer) -> FreezeSource | None:

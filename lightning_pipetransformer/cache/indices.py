@@ -48,6 +48,8 @@ class BatchIndices:
             return
         if raw.is_floating_point() or raw.is_complex() or raw.shape != moved.shape:
             return  # read() says what is wrong with them
+        if moved.is_inference():
+            return  # validate/test/predict under inference_mode: no version counter to tell a change
         self._host = (weakref.ref(moved), moved._version, raw.reshape(-1).tolist())
 
     def _host_copy(self, raw: Tensor) -> list[int] | None:

@@ -285,6 +285,42 @@ def test_index_cache_key_equals_cache_off(tmp_path, monkeypatch):
     assert index_losses == pytest.approx(plain_losses, rel=1e-5, abs=1e-6)
 
 
+def test_index_keys_then_validate_under_inference_mode(tmp_path):
+    """A standalone validate runs under inference_mode: their batches have no version counter, so
+    their indices are read from the tensor the forward gets (there is nothing to tell a change by)."""
+    module = Classifier("bert")
+    trainer = cpu_trainer(
+        PipeTransformerStrategy(cache=True, cache_key="index", cache_dir=str(tmp_path)), [AutoFreeze(schedule={1: 2})], max_epochs=2,
+    )
+    trainer.fit(module, indexed_text())
+    first = trainer.validate(module, indexed_text(seed=5), verbose=False)
+    again = trainer.validate(module, indexed_text(seed=5), verbose=False)
+    plain = cpu_trainer("auto", max_epochs=1).validate(module, indexed_text(seed=5), verbose=False)
+    assert first == again and first[0]["val_loss"] == pytest.approx(plain[0]["val_loss"], rel=1e-5)
+
+
+def test_index_keys_after_a_transfer_hook_that_reorders_the_rows(tmp_path):
+    """A LightningModule whose on_after_batch_transfer reorders the batch on the device: the forward's
+    indices are not the loader's order any more, so the loader's host copy must not name its rows."""
+
+    class Reordered(Classifier):
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            order = torch.arange(len(batch["index"]) - 1, -1, -1)
+            return {k: v[order] for k, v in batch.items()}
+
+    def fitted(strategy):
+        module, losses = Reordered("bert"), ValLosses()
+        cpu_trainer(strategy, [AutoFreeze(schedule={1: 2}), losses], max_epochs=3).fit(module, indexed_text(shuffle=True), indexed_text(seed=5))
+        return module, losses.losses
+
+    strategy = PipeTransformerStrategy(cache=True, cache_key="index", cache_dir=str(tmp_path))
+    cached, cached_losses = fitted(strategy)
+    plain, plain_losses = fitted("auto")
+    assert strategy.cache_stats["autocache/hits"] > 0  # engaged
+    assert_state_close(cached.state_dict(), plain.state_dict(), rtol=1e-4, atol=1e-5)
+    assert cached_losses == pytest.approx(plain_losses, rel=1e-5, abs=1e-6)
+
+
 def test_random_augmentation_misses_under_content_keys_and_reuses_a_view_under_index_keys(tmp_path):
     # The documented difference (docs/cache.md): content keys stay exact, index keys serve the
     # first augmented view of each sample in later epochs, which changes training.
