@@ -48,6 +48,14 @@ class CacheConfig:
     output was seen to reach the blocks unchanged; a model where it does not raises with this
     option named. See [cache.md](cache.md#skipping-the-embeddings-too)."""
 
+    frozen_eval: bool = False
+    """keep the frozen prefix (frozen blocks and frozen modules before them) in eval mode while the
+    cache is on, so that a prefix frozen by something that leaves it in train mode (Lightning's
+    `BaseFinetuning`, a `requires_grad_(False)` of your own) can be served. This changes training:
+    the frozen part then runs without dropout, where a plain run keeps its dropout (AutoFreeze puts
+    what it freezes in eval mode itself). Without it such a prefix is refused before the first
+    optimizer step, naming the modules. See [cache.md](cache.md#validity-by-observation)."""
+
     def __post_init__(self) -> None:
         if self.mode not in (False, True, "auto") or (self.mode != "auto" and not isinstance(self.mode, bool)):
             raise ValueError(f"cache must be False, True or 'auto', got {self.mode!r}.")
@@ -58,6 +66,8 @@ class CacheConfig:
         if self.dir is not None and not isinstance(self.dir, str):
             raise ValueError(f"cache_dir must be a path (str) or None, got {type(self.dir).__name__}.")
         object.__setattr__(self, "skip_embeddings", bool(self.skip_embeddings))
+        if not isinstance(self.frozen_eval, bool):
+            raise ValueError(f"cache_frozen_eval must be True or False, got {self.frozen_eval!r}.")
 
     @property
     def enabled(self) -> bool:
@@ -162,7 +172,10 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 
 #: The strategy's argument for each cache field (the strategy keeps Lightning-style flat keywords).
-CACHE_ARGUMENT = {"mode": "cache", "key": "cache_key", "dir": "cache_dir", "memory": "cache_memory", "skip_embeddings": "cache_skip_embeddings"}
+CACHE_ARGUMENT = {
+    "mode": "cache", "key": "cache_key", "dir": "cache_dir", "memory": "cache_memory", "skip_embeddings": "cache_skip_embeddings",
+    "frozen_eval": "cache_frozen_eval",
+}
 
 
 def argument_table() -> str:

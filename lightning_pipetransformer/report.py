@@ -122,6 +122,8 @@ CACHE_DIAGNOSTICS = {
     "batches_served": "batches the cache answered in full at this boundary (every row a hit)",
     "served_fraction": "batches_served over the batches looked up at this boundary: 1.0 when every batch is served",
     "batches_bypassed": "batches since the fit began that ran without the cache, for a reason warned once",
+    "prefix_changes": "times the frozen prefix was found changed since its entries were computed (unfrozen, edited, swapped, "
+    "hooked, put in train mode): never served stale, warned once per kind, the boundary re-opened in training",
     "rejected": "entries found with another shape than the lookup's (a miss, recomputed)",
     "corrupt": "files whose checksum did not match (recomputed and rewritten)",
     "nonfinite": "samples whose activation held NaN or inf (never stored)",

@@ -22,6 +22,7 @@ outside the stack (embeddings, head, loss, metrics) stays on the first stage's d
 
 from __future__ import annotations
 
+import inspect
 import signal
 import sys
 from datetime import timedelta
@@ -100,6 +101,8 @@ class PipeTransformerStrategy(ProcessLayout):
         cache_memory: host memory for cached entries, in bytes, for the whole node (default 4 GiB);
             the rest spills to ``cache_dir``.
         cache_skip_embeddings: on batches the cache serves in full, skip the embeddings too.
+        cache_frozen_eval: keep the frozen prefix in eval mode while the cache is on (no dropout there), so that a
+            prefix frozen by something that leaves it in train mode (``BaseFinetuning``) can be served.
         self_check: on the first training pass after each plan is put in force, run the same blocks
             the plain way too and refuse (``SelfCheckError``) any difference in the output's structure,
             shapes, values or hook firings, before the first optimizer step (docs/user-guide.md).
@@ -123,6 +126,7 @@ class PipeTransformerStrategy(ProcessLayout):
         cache_dir: str | None = None,
         cache_memory: int = 4 * 2**30,
         cache_skip_embeddings: bool = True,
+        cache_frozen_eval: bool = False,
         self_check: bool = True,
         **lightning: Any,
     ) -> None:
@@ -131,7 +135,10 @@ class PipeTransformerStrategy(ProcessLayout):
             pipe_len=pipe_len, chunks=chunks, frozen_cost=frozen_cost, layers=layers,
             process_group_backend=process_group_backend, batch_policy=batch_policy, self_check=self_check,
             timeout=cast(float, timeout),  # a timedelta too: the config keeps it as seconds
-            cache=CacheConfig(mode=cache, key=cache_key, dir=cache_dir, memory=cache_memory, skip_embeddings=cache_skip_embeddings),
+            cache=CacheConfig(
+                mode=cache, key=cache_key, dir=cache_dir, memory=cache_memory, skip_embeddings=cache_skip_embeddings,
+                frozen_eval=cache_frozen_eval,
+            ),
         )  # fmt: skip
         # Lightning's own arguments through **lightning: the Trainer sets them, and LightningCLI's help
         # then lists only this strategy's arguments.
@@ -154,6 +161,7 @@ class PipeTransformerStrategy(ProcessLayout):
         self._stopping_signal = 0  # the signal every rank agreed to stop for
         self._failing_together = False  # a failure every rank agreed on at a step
         self._order_watch: OrderWatch | None = None
+        self._last_stage = ""  # the stage of the last step: a step of another stage begins a pass
 
     # ------------------------------------------------------------------ what users read
 
@@ -300,9 +308,12 @@ class PipeTransformerStrategy(ProcessLayout):
             )
 
     def _target_frozen(self, autofreeze: FreezeSource | None) -> int:
-        """The frozen prefix to plan for: AutoFreeze's, and blocks without a trainable parameter count as frozen."""
+        """The frozen prefix to plan for: the leading blocks without a trainable parameter, whoever froze them.
+
+        AutoFreeze's freezes count through ``requires_grad`` like anybody else's, so a block it froze and a callback
+        unfroze trains again (``autofreeze`` is kept for the callers' symmetry: every freeze point passes it)."""
         assert self._stack is not None
-        return max(autofreeze.num_frozen if autofreeze is not None else 0, untrainable_prefix(self._stack))
+        return untrainable_prefix(self._stack)
 
     def _first_plan(self, trainer: pl.Trainer, autofreeze: FreezeSource | None) -> Plan:
         """One process: the planner's plan. Several: rank 0's, agreed on, with the groups made."""
@@ -459,6 +470,8 @@ class PipeTransformerStrategy(ProcessLayout):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._new_pass("train", args, kwargs)
+        self._follow_the_model(args[1] if len(args) > 1 else kwargs.get("batch_idx", 1))
         step = super().training_step
         output = self._watching_order(
             lambda: self._step_together("training_step", lambda: idle.idle_loss(self.root_device), step, "train", args, kwargs)
@@ -487,18 +500,80 @@ class PipeTransformerStrategy(ProcessLayout):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._new_pass("val", args, kwargs)
         step = super().validation_step
         return self._watching_order(lambda: self._step_together("validation_step", lambda: None, step, "val", args, kwargs), fit=False)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._new_pass("test", args, kwargs)
         step = super().test_step
         return self._watching_order(lambda: self._step_together("test_step", lambda: None, step, "test", args, kwargs), fit=False)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._new_pass("predict", args, kwargs)
         step = super().predict_step
         return self._watching_order(lambda: self._step_together("predict_step", lambda: None, step, "predict", args, kwargs), fit=False)
+
+    def _new_pass(self, stage: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A step that begins a pass over a loader (its first batch, or the first after another stage's steps): the
+        cache compares the frozen weights' bits too, before it serves (cache/watch.py)."""
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
+        if self.autocache is not None and (stage != self._last_stage or batch_idx == 0):
+            self.autocache.new_pass()
+        self._last_stage = stage
+
+    def _follow_the_model(self, batch_idx: int) -> None:
+        """Before every training step: the plan and the cache follow what is frozen now and what computed the
+        cache's entries, whoever froze, unfroze, edited or swapped them (a callback, ``BaseFinetuning``, the user),
+        not only AutoFreeze. One process re-plans before this step; several agree at each epoch's first step."""
+        engine, plan, stack, cache = self.engine, self.plan, self._stack, self.autocache
+        if engine is None or plan is None or stack is None:
+            return
+        frozen_now = untrainable_prefix(stack)
+        change = cache.prefix_change() if cache is not None and self.is_active else None
+        if self.is_distributed:
+            self._follow_together(batch_idx, frozen_now, change)
+            return
+        if frozen_now == plan.num_frozen and change is None:
+            return
+        why = change.describe() if change is not None else f"the leading {frozen_now} block(s) have no trainable parameter now"
+        rank_zero_info(f"PipeTransformer: the plan follows the model ({why}): {plan.num_frozen} -> {frozen_now} frozen blocks.")
+        if cache is not None and change is not None:
+            cache.retire()
+        self._apply(engine.propose(frozen_now))
+
+    def _follow_together(self, batch_idx: int, frozen_now: int, change: Any) -> None:
+        """Several processes: what trains changes with the replicas, at epoch starts, on every rank together (one
+        small collective per epoch). Inside an epoch the cache stands aside while its prefix differs (exact), and a
+        block unfrozen there is refused: DDP would leave its gradient out of the average."""
+        assert self.engine is not None and self.plan is not None
+        plan, cache = self.plan, self.autocache
+        if batch_idx != 0:
+            if frozen_now < plan.num_frozen:
+                raise RuntimeError(
+                    f"Block {frozen_now} was unfrozen inside an epoch, with several processes: its gradient would not be "
+                    "averaged over the replicas until the next epoch start, where every rank re-plans together. Unfreeze "
+                    "in on_train_epoch_start (Lightning's BaseFinetuning.finetune_function runs there), or use one process."
+                )
+            return
+        wants = torch.tensor([int(frozen_now != plan.num_frozen or change is not None)], dtype=torch.int64)
+        group = self._replicas.control_group
+        torch.distributed.all_reduce(wants, op=torch.distributed.ReduceOp.MAX, group=group)
+        if not int(wants):
+            return
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        assert trainer is not None
+        if cache is not None:
+            cache.retire()  # every rank: the boundary opens again on all of them together
+        self._synced_boundary = None
+        self.transition(trainer, _autofreeze_of(trainer))
+        if cache is not None and self.plan is plan:  # nothing rebuilt: reopen the same boundary, on every rank together
+            self.engine.apply(plan, active=self.is_active, devices=self.stage_devices, defer_boundary=True)
+            self._synced_boundary = None
+            with faults.signals_held():
+                self._sync_cache_boundary()
 
     def _watching_order(self, step: Any, fit: bool = True) -> Any:
         """Run ``step``, reading what runs before the stack from its forward while that is not known yet
@@ -812,10 +887,10 @@ def _lightning_arguments(given: dict[str, Any]) -> dict[str, Any]:
     """Check the keyword arguments beyond the strategy's own: Lightning's, or a clear error."""
     unknown = sorted(set(given) - set(_LIGHTNING_ARGUMENTS))
     if unknown:
+        own = [name for name in inspect.signature(PipeTransformerStrategy.__init__).parameters if name not in ("self", "lightning")]
         raise TypeError(
-            f"PipeTransformerStrategy got unexpected argument(s) {unknown}. Its arguments: pipe_len, chunks, frozen_cost, "
-            "layers, process_group_backend, timeout, batch_policy, cache, cache_key, cache_dir, cache_memory, "
-            f"cache_skip_embeddings, and Lightning's {', '.join(_LIGHTNING_ARGUMENTS)}."
+            f"PipeTransformerStrategy got unexpected argument(s) {unknown}. Its arguments: {', '.join(own)}, "
+            f"and Lightning's {', '.join(_LIGHTNING_ARGUMENTS)}."
         )
     return dict(given)
 

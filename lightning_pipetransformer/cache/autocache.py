@@ -67,6 +67,7 @@ from lightning_pipetransformer.cache.validity import (
     prefix_fingerprint,
     prefix_modules,
 )
+from lightning_pipetransformer.cache.watch import PrefixChange, PrefixWatch
 from lightning_pipetransformer.stack.discovery import BlockStack
 from lightning_pipetransformer.stack.interception import BlockArgs
 from lightning_pipetransformer.warn_once import WarnOnce
@@ -110,9 +111,7 @@ class AutoCache:
         #: Batches served, looked up and run without the cache; forwards that skipped the embeddings.
         self.counters = BatchCounters()
         #: What the embeddings did in each forward: recorded, skipped where exact (cache/embeddings.py).
-        self.embeddings = EmbeddingsWatch(
-            self, skip_embeddings, lambda num_frozen: self.enabled and self.boundaries.serves(num_frozen), self.counters,
-        )
+        self.embeddings = EmbeddingsWatch(self, skip_embeddings, self.may_serve, self.counters)
         self.key = key
         #: ``key="index"``: the keys of the next forward, and the indices each loader gave in its pass.
         self.indices = BatchIndices()
@@ -153,6 +152,16 @@ class AutoCache:
         self.forward_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
         #: What a batch's entries will take, measured from the first forward (checked at the first step).
         self.batch_bytes = BatchBytes()
+        #: What the current store's entries were computed from, compared before every forward it would serve.
+        self.watch = PrefixWatch()
+        #: What changed in the prefix since the current store's entries were computed (``None``: nothing).
+        self.changed: PrefixChange | None = None
+        #: Keep the frozen prefix in eval mode (``cache_frozen_eval``): no dropout there, so that a prefix frozen
+        #: by something that leaves it in train mode (Lightning's BaseFinetuning) can be served.
+        self.frozen_eval = False
+        self._full_check_due = False
+        #: The current store's prefix ``(stack, num_frozen, include_pre)``, for the fingerprint and frozen_eval.
+        self._prefix: tuple[BlockStack, int, bool] | None = None
 
     def _store_warning(self, reason: str, message: str) -> None:
         """A store could not work fully (full disk, removed directory, NaN activations): warn once per run."""
@@ -279,8 +288,11 @@ class AutoCache:
         """Whether the prefix up to ``num_frozen`` may be cached; raises (``True``) or turns off (``"auto"``)."""
         if num_frozen == 0 or not self.mode:
             return False
+        if self.frozen_eval:
+            self._frozen_to_eval(stack, num_frozen, include_pre)
         try:
-            check_deterministic(prefix_modules(stack, num_frozen, include_pre))
+            # A trainable module before the stack is not refused: the cache stands aside while it trains (said once).
+            check_deterministic(prefix_modules(stack, num_frozen, include_pre), trainable_too=False)
         except Exception as err:
             if self.mode is True:
                 raise
@@ -290,17 +302,86 @@ class AutoCache:
         return True
 
     def _open(self, stack: BlockStack, num_frozen: int, include_pre: bool) -> ActivationStore:
+        fingerprint = self._fingerprint_of(stack, num_frozen, include_pre)
         store = ActivationStore(
-            self.cache_dir, prefix_fingerprint(stack, num_frozen, include_pre, extra=f"{self.fingerprint_extra}|format={ENTRY_FORMAT}"),
-            num_frozen, self.memory_budget,
+            self.cache_dir, fingerprint, num_frozen, self.memory_budget,
             write_through=self.write_through, warn=self._store_warning,
             strict=False,  # cache_dir was checked before training: a disk failing later stops disk writes only
         )
         self.first_hit.reset()
         self.counters.new_boundary()  # per boundary, like the new store's hits
+        # What the entries are computed from: served only while the model still computes the prefix so.
+        self.watch.arm(
+            prefix_modules(stack, num_frozen, include_pre), list(stack.pre_params) if include_pre else [],
+            lambda: self._fingerprint_of(stack, num_frozen, include_pre), fingerprint,
+        )
+        self.changed, self._prefix = None, (stack, num_frozen, include_pre)
         if self.mode == "auto":
             self.enabled = True  # measured again at this boundary
         return store
+
+    # ------------------------------------------------------------------ validity by observation (cache/watch.py)
+
+    def new_pass(self) -> None:
+        """A pass over a loader begins (a training epoch, training resumed after validation, a validation, test or
+        predict run): the next check compares the frozen weights' bits too, which sees writes no version counter
+        does (Lightning's EMA/SWA swap weights with ``param.data.copy_``)."""
+        self._full_check_due = True
+
+    def prefix_change(self) -> PrefixChange | None:
+        """What changed in the current store's prefix since its entries were computed; ``None`` when nothing did
+        (or no store is open). A host-side walk before every forward the cache would serve; said once per kind,
+        counted in ``prefix_changes``."""
+        if self.boundaries.current is None or not self.watch.armed:
+            return None
+        if self.frozen_eval and self._prefix is not None:
+            self._frozen_to_eval(*self._prefix)
+        full, self._full_check_due = self._full_check_due, False
+        change = self.watch.changed(full=full)
+        if change is not None and change != self.changed:
+            self.counters.prefix_changes += 1
+            self._said(
+                ("prefix changed", change.reasons),
+                f"AutoCache: the frozen prefix changed since its entries were computed ({change.describe()}). They are not "
+                "served while it differs: in training the cache starts again at the blocks frozen now, in validation, "
+                "test and predict the frozen blocks run for that pass. Results are exact (autocache_diagnostics/prefix_changes).",
+            )
+        self.changed = change
+        return change
+
+    def may_serve(self, num_frozen: int) -> bool:
+        """Whether the cache may serve boundary ``num_frozen`` in this forward: on, its store open or deferred, the
+        prefix frozen and unchanged since its entries were computed."""
+        return self.enabled and self.boundaries.serves(num_frozen) and self.prefix_change() is None and not self.prefix_trains()
+
+    def prefix_trains(self) -> str | None:
+        """Why the current store's prefix is not frozen (a module before the stack trains), in words; ``None`` when it
+        is. Its output then changes at every optimizer step: the cache stands aside (exact) until it is frozen."""
+        trainable = sorted(self.watch.trainable) if self.watch.armed else []
+        if not trainable:
+            return None
+        names = ", ".join(trainable[:3]) + (f" and {len(trainable) - 3} more" if len(trainable) > 3 else "")
+        return (
+            f"{names} still require(s) grad: what runs before the frozen blocks trains, so their input changes at every "
+            "step and there is nothing to cache. Freeze it with the blocks (AutoFreeze does, or requires_grad_(False)) "
+            "to use the cache"
+        )
+
+    def retire(self) -> None:
+        """Training goes on with a changed prefix: let go of the stores computed from the old one (never served
+        again), so that the plan's boundary opens anew on the model as it is now."""
+        self.boundaries.retire()
+        self.watch.disarm()
+        self.changed, self._prefix = None, None
+
+    def _frozen_to_eval(self, stack: BlockStack, num_frozen: int, include_pre: bool) -> None:
+        """``cache_frozen_eval``: the prefix's modules with no trainable parameter in eval mode (no dropout there)."""
+        for _, module in prefix_modules(stack, num_frozen, include_pre):
+            if not any(p.requires_grad for p in module.parameters()) and any(m.training for m in module.modules()):
+                module.eval()
+
+    def _fingerprint_of(self, stack: BlockStack, num_frozen: int, include_pre: bool) -> str:
+        return prefix_fingerprint(stack, num_frozen, include_pre, extra=f"{self.fingerprint_extra}|format={ENTRY_FORMAT}")
 
     # ------------------------------------------------------------------ checks and decisions
 

@@ -117,6 +117,11 @@ class Boundaries:
             self._replaced = None
         self.where = (stack, device)
         if previous is None and order_pending:
+            # What runs before the stack is known after the first training forward; the frozen blocks are known
+            # now: a stochastic block is refused before any step (the rest is checked when the order is known).
+            if not self._cacheable(stack, num_frozen, False):
+                self.current = None
+                return
             self.deferred = Deferred(stack, num_frozen, include_pre, device, unchecked=True)
             return
         if not self._cacheable(stack, num_frozen, include_pre):
@@ -172,6 +177,30 @@ class Boundaries:
         self.advanced += sum(int(m.sum()) for _, m, _ in found)
         self._share_budget()
         return found
+
+    def check_deferred(self) -> None:
+        """What runs before the stack is known now (the first training forward, before its backward): a boundary
+        waiting for it is checked now, so that a prefix the cache cannot serve is refused before the first
+        optimizer step, not at the first lookup after it."""
+        deferred = self.deferred
+        if deferred is None or not deferred.unchecked:
+            return
+        deferred.unchecked = False
+        if not self._cacheable(deferred.stack, deferred.num_frozen, deferred.include_pre):
+            self.deferred = None
+
+    def retire(self) -> None:
+        """The prefix changed under the stores: every one of them goes (their directories too, unless another run
+        still holds one), nothing is deferred; the next move opens the boundary anew."""
+        if self.current is not None:
+            self.current.close(delete=True)
+            self.current = None
+        if self._replaced is not None:
+            self._replaced.close(delete=True)
+            self._replaced = None
+        self._drop_older()
+        self.deferred = None
+        self.advanced = 0
 
     @property
     def holds_older(self) -> bool:

@@ -71,6 +71,15 @@ class CachedStack:
             cache.counters.skipped += 1
             return self._prefix(given.full(), prefix_calls)
         store = cache.boundaries.store_for(frozen)
+        if store is not None and cache.prefix_change() is not None:
+            # The prefix is no longer what computed the entries (unfrozen, edited, swapped: cache/watch.py). It runs as
+            # the model runs it, with its graph (an unfrozen block trains), until the plan follows the model.
+            cache.counters.skipped += 1
+            return self._prefix(given.full(), prefix_calls)
+        trains = cache.prefix_trains() if store is not None else None
+        if trains is not None:
+            cache.skip_once(trains)
+            return self._prefix(given.full(), prefix_calls)
         if torch.is_grad_enabled() and frozen:
             trainable = (
                 cache.describe_input_gradient(gradient_leaf(hidden)) if hidden.requires_grad and not given.grad_free

@@ -62,6 +62,9 @@ def make_autocache(
     # Entries advanced at a boundary move must equal what a forward computes (bf16-mixed: autocast).
     cache.forward_context = forward_context
     cache.order_pending = lambda: stack.provisional
+    cache.frozen_eval = config.frozen_eval
+    # A boundary opened before the call order was known is checked as soon as it is (before the first optimizer step).
+    stack.when_refined(cache.boundaries.check_deferred)
     tied = tied_outside(stack, module)
     if tied and not include_pre:
         listed = ", ".join(f"{a} is {b}" for a, b in tied[:3])

@@ -25,6 +25,8 @@ class BatchCounters:
     served: int = 0
     skipped: int = 0
     embeddings_skipped: int = 0
+    #: Times the frozen prefix was found changed since the current store's entries were computed (cache/watch.py).
+    prefix_changes: int = 0
 
     def count_lookup(self, hits: int, batch: int) -> None:
         self.looked_up += 1
@@ -64,7 +66,10 @@ def cache_metrics(
 ) -> dict[str, float]:
     """Hits, misses and bytes of the current store and the batch counters, for the logger."""
     if store is None:
-        return {"autocache/enabled": 0.0, "autocache/batches_bypassed": float(counters.skipped), "autocache/can_engage": float(can_engage)}
+        return {
+            "autocache/enabled": 0.0, "autocache/batches_bypassed": float(counters.skipped), "autocache/can_engage": float(can_engage),
+            "autocache/prefix_changes": float(counters.prefix_changes),
+        }
     metrics = store.stats().as_metrics("autocache/")
     metrics["autocache/can_engage"] = float(can_engage)
     metrics["autocache/enabled"] = float(enabled)
@@ -73,6 +78,7 @@ def cache_metrics(
     metrics["autocache/embeddings_skipped"] = float(counters.embeddings_skipped)
     metrics["autocache/batches_served"] = float(counters.served)
     metrics["autocache/batches_bypassed"] = float(counters.skipped)
+    metrics["autocache/prefix_changes"] = float(counters.prefix_changes)
     looked = counters.looked_up
     metrics["autocache/served_fraction"] = counters.served / looked if looked else 0.0
     return metrics

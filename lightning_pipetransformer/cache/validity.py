@@ -36,6 +36,9 @@ __all__ = [
     "nondeterministic_reasons",
     "prefix_fingerprint",
     "prefix_modules",
+    "stochastic_reasons",
+    "stochastic_when_training",
+    "trainable_names",
 ]
 
 # Bump when the meaning of a fingerprint or of a cache file changes: old directories then miss.
@@ -137,6 +140,19 @@ def prefix_fingerprint(
     return h.hexdigest()
 
 
+def stochastic_when_training(name: str, module: nn.Module) -> str | None:
+    """Why ``module`` itself (not its children) computes something else in train mode, or ``None``:
+    dropout with ``p > 0``, BatchNorm (batch statistics), a float ``*drop*`` probability above 0."""
+    if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+        return f"{name} ({type(module).__name__}, p={module.p}) is in train mode"
+    if isinstance(module, nn.modules.batchnorm._NormBase):
+        return f"{name} ({type(module).__name__}) is in train mode (batch statistics)"
+    for attr, value in vars(module).items():
+        if isinstance(value, float) and not isinstance(value, bool) and value > 0 and any(w in attr.lower() for w in _PROB_WORDS):
+            return f"{name} ({type(module).__name__}, {attr}={value}) is in train mode"
+    return None
+
+
 def nondeterministic_reasons(modules: Sequence[tuple[str, nn.Module]]) -> list[str]:
     """Why ``modules`` (e.g. :func:`prefix_modules`) are not a pure per-sample function; empty if none found.
 
@@ -146,38 +162,44 @@ def nondeterministic_reasons(modules: Sequence[tuple[str, nn.Module]]) -> list[s
     requires grad (it will change, and stale activations would be returned). A custom
     stochastic op this cannot see is the caller's responsibility: keep the prefix in eval mode.
     """
-    reasons: list[str] = []
+    reasons = stochastic_reasons(modules)
     for name, module in modules:
-        for sub_name, sub in module.named_modules(prefix=name):
-            if not sub.training:
-                continue
-            if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
-                reasons.append(f"{sub_name} ({type(sub).__name__}, p={sub.p}) is in train mode")
-            elif isinstance(sub, nn.modules.batchnorm._NormBase):
-                reasons.append(f"{sub_name} ({type(sub).__name__}) is in train mode (batch statistics)")
-            else:
-                for attr, value in vars(sub).items():
-                    if (
-                        isinstance(value, float)
-                        and not isinstance(value, bool)
-                        and value > 0
-                        and any(w in attr.lower() for w in _PROB_WORDS)
-                    ):
-                        reasons.append(f"{sub_name} ({type(sub).__name__}, {attr}={value}) is in train mode")
-                        break
         trainable = [n for n, p in module.named_parameters(prefix=name) if p.requires_grad]
         if trainable:
             reasons.append(f"{trainable[0]} still requires grad ({len(trainable)} parameter(s) not frozen)")
     return reasons
 
 
-def check_deterministic(modules: Sequence[tuple[str, nn.Module]]) -> None:
-    """Raise :class:`NondeterministicPrefixError` naming what to fix if the prefix cannot be cached."""
-    reasons = nondeterministic_reasons(modules)
+def stochastic_reasons(modules: Sequence[tuple[str, nn.Module]]) -> list[str]:
+    """The modules of ``modules`` in train mode whose output is then random or batch-dependent, in words."""
+    reasons: list[str] = []
+    for name, module in modules:
+        for sub_name, sub in module.named_modules(prefix=name):
+            reason = stochastic_when_training(sub_name, sub) if sub.training else None
+            if reason is not None:
+                reasons.append(reason)
+    return reasons
+
+
+def trainable_names(modules: Sequence[tuple[str, nn.Module]], tensors: Sequence[tuple[str, Tensor]] = ()) -> list[str]:
+    """The parameters of ``modules`` (and the loose ``tensors``) that require grad: they train, so the prefix's output
+    changes at every optimizer step and there is nothing to cache while they do."""
+    names = [n for name, module in modules for n, p in module.named_parameters(prefix=name) if p.requires_grad]
+    return names + [name for name, tensor in tensors if tensor.requires_grad]
+
+
+def check_deterministic(modules: Sequence[tuple[str, nn.Module]], *, trainable_too: bool = True) -> None:
+    """Raise :class:`NondeterministicPrefixError` naming what to fix if the prefix cannot be cached.
+
+    ``trainable_too=False``: only modules that are random in train mode; a trainable parameter is the
+    caller's to handle (the cache stands aside while one trains)."""
+    reasons = nondeterministic_reasons(modules) if trainable_too else stochastic_reasons(modules)
     if reasons:
         listed = "; ".join(reasons[:5]) + (f"; and {len(reasons) - 5} more" if len(reasons) > 5 else "")
         raise NondeterministicPrefixError(
-            f"The frozen prefix is not deterministic, so its activations cannot be cached: {listed}. "
-            "Put frozen modules in eval mode and set requires_grad_(False) (AutoFreeze does both), "
-            "or turn the cache off (cache=False)."
+            f"The frozen prefix is not deterministic, so its activations cannot be cached: {listed}. Ways out: "
+            "PipeTransformerStrategy(cache_frozen_eval=True) keeps the frozen prefix in eval mode under the cache (no "
+            "dropout in the frozen part: a change from a plain run, in which frozen modules left in train mode keep "
+            "their dropout); or put the frozen modules in eval mode yourself (module.eval() where you freeze them; "
+            "AutoFreeze does); or set their dropout to 0; or turn the cache off (cache=False)."
         )

@@ -137,17 +137,13 @@ class AutoPipe:
     def plan(self, num_frozen: int) -> Plan:
         """The plan once ``num_frozen`` leading blocks are frozen; compresses K when it can.
 
-        F never decreases in training (AutoFreeze), and K is only ever halved from the current
-        value: to start over, build a new planner or :meth:`load_state_dict`.
+        K is only ever halved from the current value: to start over, build a new planner or
+        :meth:`load_state_dict`. F may go back (something unfroze blocks: the strategy's plan follows
+        what is frozen, whoever froze it); K then stays as it is and the blocks are balanced over it.
         """
         n = self.num_blocks
         if not 0 <= num_frozen <= n:
             raise ValueError(f"num_frozen must be in 0..{n} (the number of blocks), got {num_frozen}.")
-        if num_frozen < self._num_frozen:
-            raise ValueError(
-                f"num_frozen went back from {self._num_frozen} to {num_frozen}: frozen blocks never thaw. "
-                "Build a new AutoPipe (or load_state_dict) to plan from an earlier point."
-            )
         items, merged = self._items(num_frozen)
         k = self._pipe_len
         g = self.devices_per_node

@@ -30,7 +30,9 @@ from typing import Any, TypeVar
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-__all__ = ["BlockHooks", "Observer", "block_modules", "find_observers", "replacing_hooks", "sees_block_runs", "silenced"]
+__all__ = [
+    "BlockHooks", "Observer", "block_modules", "find_observers", "keeps_values", "replacing_hooks", "sees_block_runs", "silenced",
+]
 
 _MARK = "_pipetransformer_sees_block_runs"
 _OWN_PACKAGE = "lightning_pipetransformer"
@@ -109,8 +111,14 @@ def _only_marks_input_grad(hook: Any) -> bool:
     return code is not None and any(module.startswith(package) and code.co_name == name for package, name in _MARKERS)
 
 
+def keeps_values(hook: Any) -> bool:
+    """Whether ``hook`` leaves what its module computes alone, by construction or by contract: this
+    package's own, one marked with :func:`sees_block_runs`, or one that only marks an output as requiring grad."""
+    return bool(getattr(getattr(hook, "__func__", hook), _MARK, False)) or _is_own(hook) or _only_marks_input_grad(hook)
+
+
 def _observes(hook: Any) -> bool:
-    if getattr(getattr(hook, "__func__", hook), _MARK, False) or _is_own(hook) or _only_marks_input_grad(hook):
+    if keeps_values(hook):
         return False
     active = _transformers_recorder_active(hook)
     return True if active is None else active

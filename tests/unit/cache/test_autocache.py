@@ -106,17 +106,62 @@ def test_input_changed_in_forward_misses(tmp_path):
 
 
 def test_stale_source_is_detected(tmp_path):
-    """Something outside the frozen prefix changes its input: the verification catches it."""
+    """Something changes the prefix where no version counter sees it (``.data``) and no pass start came: the first-hit
+    verification, the backstop, catches it."""
     torch.manual_seed(0)
     model = tiny_bert(3)
     cache = AutoCache(True, str(tmp_path), 10**7)
     install(model, cache, 2)
     ids, mask = batch(0)
     model(input_ids=ids, attention_mask=mask)
-    with torch.no_grad():  # an embedding moved behind the cache's back (not a uniform shift: LayerNorm hides that)
-        model.bert.embeddings.word_embeddings.weight.add_(torch.randn_like(model.bert.embeddings.word_embeddings.weight))
+    weight = model.bert.embeddings.word_embeddings.weight  # not a uniform shift: LayerNorm hides that
+    weight.data.add_(torch.randn_like(weight))
     with pytest.raises(StaleCacheError):
         model(input_ids=ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize("how", ["no_grad", "data_at_a_pass_start", "unfreeze", "swap"])
+def test_a_changed_prefix_is_not_served_and_said(tmp_path, how):
+    """The prefix changed behind the cache's back (version counter, a pass start's fingerprint, requires_grad, another
+    parameter object): the cache stands aside (the output equals the plain model's), names the change, and serves
+    again once the model is as the entries were computed (the swap back)."""
+    torch.manual_seed(0)
+    model = tiny_bert(3)
+    cache = AutoCache(True, str(tmp_path), 10**7)
+    install(model, cache, 2)
+    ids, mask = batch(0)
+    model(input_ids=ids, attention_mask=mask)
+    block = model.bert.encoder.layer[1]
+    weight = block.attention.self.query.weight
+    saved = weight
+    if how == "no_grad":
+        with torch.no_grad():
+            weight.mul_(1.5)
+    elif how == "data_at_a_pass_start":
+        weight.data.mul_(1.5)
+        cache.new_pass()
+    elif how == "unfreeze":
+        weight.requires_grad_(True)
+    else:
+        block.attention.self.query.weight = torch.nn.Parameter(weight.detach() * 1.5, requires_grad=False)
+    hits = cache.store.stats().hits
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    remove_pipeline(find_block_stack(model).container)
+    plain = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(logits, plain)
+    assert cache.store.stats().hits == hits and cache.counters.prefix_changes == 1  # not served, counted
+    assert cache.changed is not None and ("query" in cache.changed.describe() or "values differ" in cache.changed.describe())
+    if how == "swap":  # the entries' weights are back: served again
+        block.attention.self.query.weight = saved
+        install_pipeline(find_block_stack(model).container, cache_runner(model, cache))
+        model(input_ids=ids, attention_mask=mask)
+        assert cache.store.stats().hits == hits + 6 and cache.changed is None
+
+
+def cache_runner(model, cache, num_frozen=2):
+    stack = find_block_stack(model)
+    active = run_blocks(stack.blocks[num_frozen:])
+    return CachedStack(cache, stack.blocks, num_frozen, lambda call: active(call.hidden, call.calls))
 
 
 def test_dropout_in_frozen_prefix_is_refused_or_turns_cache_off(tmp_path):

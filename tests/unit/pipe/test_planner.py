@@ -250,9 +250,16 @@ def test_bad_num_frozen() -> None:
     for f in (-1, 13):
         with pytest.raises(ValueError, match=r"num_frozen must be in 0..12"):
             planner.plan(f)
-    planner.plan(5)
-    with pytest.raises(ValueError, match="never thaw"):
-        planner.plan(4)
+
+
+def test_a_thaw_keeps_the_pipe_length_and_rebalances() -> None:
+    # Something unfroze blocks (the strategy's plan follows the model): K never grows back, the partition follows F.
+    planner = AutoPipe([1.0] * 12, devices_per_node=8, pipe_len=8)
+    compressed = planner.plan(10)
+    thawed = planner.plan(2)
+    assert thawed.pipe_len == compressed.pipe_len < 8
+    assert thawed.num_frozen == 2 and sum(thawed.partition) == 12
+    assert thawed.stage_costs != compressed.stage_costs  # the active blocks weigh more again
 
 
 # --- costs ------------------------------------------------------------------------------------

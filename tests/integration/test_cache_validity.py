@@ -1,0 +1,317 @@
+"""The cache checks what it serves: whoever freezes, unfreezes, edits or swaps the prefix, cache on == cache off.
+
+Each test fits a tiny model of the BERT family and of a decoder (Llama) with the cache and the same fit
+under a plain Trainer (``strategy="auto"``), with the same callbacks, and checks the weights and the
+validation losses; beside each, the engagement: the cache served hits, saw the change
+(``prefix_changes``), and the block that was changed really trained or ran.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import BaseFinetuning, Callback, EMAWeightAveraging
+
+from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
+from lightning_pipetransformer.cache.validity import NondeterministicPrefixError
+from lightning_pipetransformer.stack.discovery import find_block_stack
+from tests.helpers.block_runs import ForwardRunsPerEpoch
+from tests.helpers.compare import assert_state_close
+from tests.helpers.families import FamilyModule, family_data
+from tests.helpers.trainers import cpu_trainer
+
+FAMILIES = ("bert", "llama")
+SCHEDULE = {1: 1, 2: 3}  # 4 blocks: block 0 frozen at epoch 1, blocks 1..2 at epoch 2
+
+
+class ValLosses(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_validation_end(self, trainer, pl_module):
+        self.losses.append(float(trainer.callback_metrics["val_loss"]))
+
+
+def blocks_of(pl_module) -> list[torch.nn.Module]:
+    return find_block_stack(pl_module.model).blocks
+
+
+def run(family, strategy, callbacks, *, epochs=5, freeze=True, module=None, **trainer_kwargs):
+    """``(module, trainer, validation losses)`` of one fit with ``callbacks`` (after AutoFreeze(SCHEDULE) if ``freeze``)."""
+    module = module or FamilyModule(family)
+    losses = ValLosses()
+    found = [AutoFreeze(schedule=SCHEDULE)] if freeze else []
+    trainer = cpu_trainer(strategy, [*found, *callbacks, losses], max_epochs=epochs, **trainer_kwargs)
+    trainer.fit(module, family_data(family), family_data(family, n=12, seed=5))
+    return module, trainer, losses.losses
+
+
+def cached(tmp_path, pipe_len=1, **kwargs) -> PipeTransformerStrategy:
+    return PipeTransformerStrategy(pipe_len=pipe_len, cache=True, cache_dir=str(tmp_path / "cache"), **kwargs)
+
+
+def assert_same(a, b) -> None:
+    assert_state_close(a[0].state_dict(), b[0].state_dict(), rtol=1e-4, atol=1e-5)
+    assert a[2] == pytest.approx(b[2], rel=1e-5, abs=1e-6)
+
+
+def stats(trainer) -> dict[str, float]:
+    found = trainer.strategy.cache_stats
+    assert found is not None
+    return found
+
+
+# ---------------------------------------------------------------------------- unfreezing
+
+
+class Unfreeze(Callback):
+    """``requires_grad_(True)`` on block 2 (frozen by AutoFreeze at epoch 2) at the start of ``epoch``;
+    records block 2's weights then and at the fit's end."""
+
+    def __init__(self, epoch: int = 3) -> None:
+        self.epoch = epoch
+        self.before: dict[str, torch.Tensor] = {}
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == self.epoch:
+            block = blocks_of(pl_module)[2]
+            block.requires_grad_(True)
+            self.before = {k: v.clone() for k, v in block.state_dict().items()}
+
+    def moved(self, pl_module) -> float:
+        after = blocks_of(pl_module)[2].state_dict()
+        return max(float((after[k] - v).abs().max()) for k, v in self.before.items())
+
+
+@pytest.mark.parametrize("pipe_len", [1, 2])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_block_unfrozen_by_a_callback_trains_as_without_the_cache(tmp_path, family, pipe_len):
+    unfreeze = Unfreeze()
+    cached_run = run(family, cached(tmp_path, pipe_len), [unfreeze])
+    moved = unfreeze.moved(cached_run[0])
+    plain_unfreeze = Unfreeze()
+    plain = run(family, "auto", [plain_unfreeze])
+    assert_same(cached_run, plain)
+    assert moved > 1e-6 and moved == pytest.approx(plain_unfreeze.moved(plain[0]), rel=1e-3)  # the unfrozen block trains
+    found = stats(cached_run[1])
+    assert found["autocache/prefix_changes"] >= 1
+    assert found["autocache/boundary"] == 2 and found["autocache/hits"] > 0  # served again, at the frozen blocks 0..1
+    assert cached_run[1].strategy.plan.num_frozen == 2
+
+
+class UnfreezeWithParamGroup(BaseFinetuning):
+    """Lightning's standard unfreeze pattern (``BackboneFinetuning`` uses it): block 2 at epoch 3, its own group."""
+
+    def freeze_before_training(self, pl_module):
+        pass  # AutoFreeze freezes
+
+    def finetune_function(self, pl_module, epoch, optimizer):
+        if epoch == 3:
+            self.unfreeze_and_add_param_group(blocks_of(pl_module)[2], optimizer, lr=0.05)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unfreeze_and_add_param_group_trains_the_block_as_without_the_cache(tmp_path, family):
+    runs = ForwardRunsPerEpoch(module := FamilyModule(family))
+    cached_run = run(family, cached(tmp_path), [UnfreezeWithParamGroup(), runs], module=module)
+    plain = run(family, "auto", [UnfreezeWithParamGroup()])
+    assert_same(cached_run, plain)
+    # From epoch 3 on block 2 trains and runs for every batch (3 training, 2 validation); epoch 4 serves blocks 0..1 from
+    # the store opened at the thaw (block 0 runs once: the first-hit check recomputes the first batch with hits).
+    assert runs.epochs[3][2] == runs.epochs[4][2] == 3 + 2 and runs.epochs[4][0] == 1
+    assert stats(cached_run[1])["autocache/prefix_changes"] >= 1
+
+
+# ---------------------------------------------------------------------------- edits and weight swaps
+
+
+class EditFrozen(Callback):
+    """At the start of ``epoch``, block 0's first weight scaled in place, the way ``how`` says."""
+
+    def __init__(self, how: str, epoch: int = 3) -> None:
+        self.how, self.epoch = how, epoch
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch != self.epoch:
+            return
+        weight = next(p for p in blocks_of(pl_module)[0].parameters() if p.dim() == 2)
+        if self.how == "no_grad":
+            with torch.no_grad():
+                weight.mul_(1.05)
+        elif self.how == "data":  # unseen by version counters: found by the pass start's fingerprint
+            weight.data.copy_(weight.data * 1.05)
+        else:  # load_state_dict of an edited copy
+            state = {k: v.clone() for k, v in pl_module.state_dict().items()}
+            name = next(k for k, v in pl_module.named_parameters() if v is weight)
+            state[name] *= 1.05
+            pl_module.load_state_dict(state)
+
+
+@pytest.mark.parametrize("how", ["no_grad", "data", "load_state_dict"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_frozen_weights_edited_in_place_are_not_served_stale(tmp_path, family, how):
+    cached_run = run(family, cached(tmp_path), [EditFrozen(how)])
+    assert_same(cached_run, run(family, "auto", [EditFrozen(how)]))
+    found = stats(cached_run[1])
+    assert found["autocache/prefix_changes"] >= 1
+    assert found["autocache/boundary"] == 3 and found["autocache/hits"] > 0  # re-opened on the edited weights, served again
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ema_weights_in_validation_are_not_served_the_training_weights_entries(tmp_path, family):
+    def ema():
+        return EMAWeightAveraging(decay=0.5)
+
+    cached_run = run(family, cached(tmp_path), [ema()])
+    assert_same(cached_run, run(family, "auto", [ema()]))
+    found = stats(cached_run[1])
+    # Validation runs on the averaged weights (the cache stands aside); training is served again after each swap back.
+    assert found["autocache/prefix_changes"] >= 1 and found["autocache/hits"] > 0
+    assert found["autocache/boundary"] == 3
+
+
+# ---------------------------------------------------------------------------- other freezing: BaseFinetuning
+
+
+class FreezeLower(BaseFinetuning):
+    """The embeddings and the lower two blocks frozen from the start, in eval mode or (``eval_mode=False``) in train
+    mode, Lightning's default for ``BaseFinetuning``."""
+
+    def __init__(self, eval_mode: bool = True) -> None:
+        super().__init__()
+        self.eval_mode = eval_mode
+
+    def freeze_before_training(self, pl_module):
+        stack = find_block_stack(pl_module.model)
+        modules = [m for _, m in stack.pre] + stack.blocks[:2]
+        self.freeze(modules, train_bn=False)
+        if self.eval_mode:
+            for module in modules:
+                module.eval()
+
+    def finetune_function(self, pl_module, epoch, optimizer):
+        pass
+
+
+@pytest.mark.parametrize("pipe_len", [1, 2])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_base_finetuning_is_served_from_the_second_epoch(tmp_path, family, pipe_len):
+    runs = ForwardRunsPerEpoch(module := FamilyModule(family))
+    cached_run = run(family, cached(tmp_path, pipe_len), [FreezeLower(), runs], epochs=3, freeze=False, module=module)
+    assert_same(cached_run, run(family, "auto", [FreezeLower()], epochs=3, freeze=False))
+    found = stats(cached_run[1])
+    assert found["autocache/boundary"] == 2
+    # Epoch 0 computes (its first forward decides what runs before the stack) and stores; epochs 1-2 are served.
+    assert runs.epochs[1][:2] == runs.epochs[2][:2] == [0, 0] and runs.epochs[1][2] == 3 + 2
+    assert found["autocache/hits"] >= 2 * (18 + 12)
+
+
+class WithDropout(FamilyModule):
+    """The family model with dropout 0.1 everywhere (the helpers' models have none)."""
+
+    def __init__(self, family: str) -> None:
+        super().__init__(family)
+        for module in self.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.1
+            for name in ("attention_dropout", "dropout"):
+                if isinstance(getattr(module, name, None), float):
+                    setattr(module, name, 0.1)
+
+
+class StepCounter(Callback):
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.steps += 1
+
+
+def test_a_frozen_prefix_left_in_train_mode_with_dropout_is_refused_before_the_first_optimizer_step(tmp_path):
+    steps = StepCounter()
+    with pytest.raises(NondeterministicPrefixError, match=r"cache_frozen_eval=True.*Dropout|Dropout.*cache_frozen_eval=True"):
+        run("bert", cached(tmp_path), [FreezeLower(eval_mode=False), steps], epochs=2, freeze=False, module=WithDropout("bert"))
+    assert steps.steps == 0
+
+
+def test_cache_frozen_eval_serves_a_prefix_frozen_in_train_mode(tmp_path):
+    # cache_frozen_eval keeps the frozen prefix in eval mode: the same training as freezing it in eval mode by hand.
+    cached_run = run(
+        "bert", cached(tmp_path, cache_frozen_eval=True), [FreezeLower(eval_mode=False)], epochs=3, freeze=False,
+        module=WithDropout("bert"),
+    )
+    plain = run("bert", "auto", [FreezeLower(eval_mode=True)], epochs=3, freeze=False, module=WithDropout("bert"))
+    assert_same(cached_run, plain)
+    assert stats(cached_run[1])["autocache/hits"] >= 2 * (18 + 12)
+
+
+# ---------------------------------------------------------------------------- any sequence of changes
+
+
+class RandomChanges(Callback):
+    """Between steps (seeded): freeze or unfreeze a leading block, edit a frozen weight, swap weights for validation,
+    flip a frozen block to train mode and back. The same sequence with the cache on and off."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.swapped: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        blocks = blocks_of(pl_module)
+        action = self.rng.choice(["nothing", "nothing", "freeze", "unfreeze", "edit", "data_edit", "train_mode"])
+        frozen = next((i for i, b in enumerate(blocks) if any(p.requires_grad for p in b.parameters())), len(blocks))
+        if action == "freeze" and frozen < 3:
+            blocks[frozen].requires_grad_(False)
+            blocks[frozen].eval()
+        elif action == "unfreeze" and frozen > 0:
+            blocks[frozen - 1].requires_grad_(True)
+        elif action in ("edit", "data_edit") and frozen > 0:
+            weight = next(p for p in blocks[self.rng.randrange(frozen)].parameters() if p.dim() == 2)
+            if action == "edit":
+                with torch.no_grad():
+                    weight.mul_(1.01)
+            else:
+                weight.data.mul_(1.01)  # seen at the next pass start
+        elif action == "train_mode" and frozen > 0:
+            blocks[0].train()  # no dropout in these models: the same function, served on
+
+    def on_validation_epoch_start(self, trainer, pl_module):
+        if self.rng.random() < 0.5:
+            params = [p for b in blocks_of(pl_module)[:2] for p in b.parameters()]
+            self.swapped = [(p, p.data.clone()) for p in params]
+            for p in params:
+                p.data.mul_(0.99)
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        for p, saved in self.swapped:
+            p.data.copy_(saved)
+        self.swapped = []
+
+
+class HitsSeen(Callback):
+    """Hits over the whole fit (the store's counters start again with each store)."""
+
+    def __init__(self) -> None:
+        self.total, self._last = 0, 0
+
+    def _read(self, trainer) -> None:
+        hits = int((trainer.strategy.cache_stats or {}).get("autocache/hits", 0))
+        self.total += hits - self._last if hits >= self._last else hits
+        self._last = hits
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._read(trainer)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self._read(trainer)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_changes_between_steps_give_the_same_weights_as_cache_off(tmp_path, seed):
+    hits = HitsSeen()
+    cached_run = run("bert", cached(tmp_path), [RandomChanges(seed), hits], epochs=6, freeze=False)
+    assert_same(cached_run, run("bert", "auto", [RandomChanges(seed)], epochs=6, freeze=False))
+    assert stats(cached_run[1])["autocache/prefix_changes"] >= 1
+    assert hits.total > 0  # what stayed unchanged for a while was served
