@@ -288,8 +288,8 @@ class AutoCache:
         """Whether the prefix up to ``num_frozen`` may be cached; raises (``True``) or turns off (``"auto"``)."""
         if num_frozen == 0 or not self.mode:
             return False
-        if self.frozen_eval:
-            self._frozen_to_eval(stack, num_frozen, include_pre)
+        if self.frozen_eval:  # the modules before the stack too, even while they are known from registration order only
+            self._frozen_to_eval(stack, num_frozen, True)
         try:
             # A trainable module before the stack is not refused: the cache stands aside while it trains (said once).
             check_deterministic(prefix_modules(stack, num_frozen, include_pre), trainable_too=False)

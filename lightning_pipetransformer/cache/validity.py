@@ -43,7 +43,8 @@ __all__ = [
 
 # Bump when the meaning of a fingerprint or of a cache file changes: old directories then miss.
 # 2: every file carries a CRC-32 of each tensor (files of version 1 have none).
-FORMAT_VERSION = 2
+# 3: the fingerprint leaves out the modules' training flags.
+FORMAT_VERSION = 3
 
 # Attribute names of stochastic-depth / dropout probabilities held as plain floats
 # (Hugging Face attention's ``dropout`` float, timm's DropPath ``drop_prob``).
@@ -77,7 +78,9 @@ def _config_lines(name: str, module: nn.Module) -> Iterable[str]:
     for sub_name, sub in module.named_modules(prefix=name):
         # Only plain values: the repr of an arbitrary object may hold its address, which
         # differs between processes and would stop them from sharing the cache.
-        plain = {k: v for k, v in vars(sub).items() if not k.startswith("_") and _is_plain(v)}
+        # Not the training flag: where it changes the output (dropout, batch statistics) the prefix is refused in train
+        # mode, and elsewhere (a rotary embedding) it does not; validation must find training's entries.
+        plain = {k: v for k, v in vars(sub).items() if not k.startswith("_") and k != "training" and _is_plain(v)}
         yield f"{sub_name}:{type(sub).__module__}.{type(sub).__qualname__}:{sorted(plain.items())!r}"
         config = getattr(sub, "config", None)
         if config is not None and hasattr(config, "to_json_string"):
