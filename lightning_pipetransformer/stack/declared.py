@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from lightning_pipetransformer.stack.calls import is_called_block
 from lightning_pipetransformer.stack.discovery import (
     BlockStack,
     BlockStackError,
@@ -65,8 +66,9 @@ def refuse_uncalled_blocks(stack: BlockStack, asked: Sequence[str]) -> None:
     The pipeline and the cache take over the model's *calls* of the blocks; Funnel's blocks are
     ``nn.ModuleList``s of layers that its loop walks into, so no call ever reaches them and the
     runner would never see a pass (found only after an epoch). ``asked``: what needs the calls.
+    Blocks wrapped by ``torch.compile(layer)`` are called (:func:`~.calls.is_called_block`).
     """
-    uncalled = sorted({type(b).__name__ for b in stack.blocks if type(b).forward is nn.Module.forward})
+    uncalled = sorted({type(b).__name__ for b in stack.blocks if not is_called_block(b)})
     if not uncalled or not asked:
         return
     inner = [f"'{stack.path}.{name}'" for name, _ in list(stack.container.named_children())[:3]]
