@@ -20,8 +20,10 @@ from tests.helpers.compare import assert_same_weights
 from tests.helpers.families import COMMON, LABELS, FamilyModule, family_data
 from tests.helpers.trainers import cpu_trainer
 
-SHARED_ONE = r"ALBERT's encoder 'model.albert.encoder' calls one layer group \('model.albert.encoder.albert_layer_groups.0'\) 4 times"
-WHAT_TO_DO = r"weights shared across depth\): there is no stack of distinct blocks to freeze or pipeline.*freeze by hand.*pipe_len=1, cache=False"
+SHARED_ONE = (r"ALBERT's encoder 'model.albert.encoder' calls one layer group "
+              r"\('model.albert.encoder.albert_layer_groups.0'\) 4 times")
+WHAT_TO_DO = (r"weights shared across depth\): there is no stack of distinct blocks to freeze or pipeline"
+              r".*freeze by hand.*pipe_len=1, cache=False")
 
 
 class Albert(FamilyModule):
