@@ -52,6 +52,7 @@ from lightning_pipetransformer.freeze.apply import (
     tied_outside,
     untrainable_prefix,
 )
+from lightning_pipetransformer.freeze.nested_tensor import NestedTensorGuard, guard_nested_tensor
 from lightning_pipetransformer.freeze.policies import FreezePoint, FreezeRule, make_rule, validate_percentile
 from lightning_pipetransformer.freeze.rules import ExplicitSchedule, interval_steps, validate_alpha, validate_interval
 from lightning_pipetransformer.freeze.seam import FreezeFollower
@@ -166,6 +167,7 @@ class AutoFreeze(Callback):
         #: Why the embeddings keep training although freeze_embeddings=True was asked (tied to the head); None otherwise.
         self.embeddings_kept_training: str | None = None
         self._observer: CallOrderObserver | None = None
+        self._nested_guard: NestedTensorGuard | None = None  # nn.TransformerEncoder: nested tensors in eval mode only
         self._said = WarnOnce(lambda message, stacklevel: rank_zero_info(message))
 
         self.stack: BlockStack | None = None
@@ -368,6 +370,8 @@ class AutoFreeze(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.stack is None:  # built in setup() / configure_model(), and no strategy asked yet
             self.find_stack(pl_module, trainer)
+        if self._nested_guard is None and self.stack is not None:  # before the sanity check's validation too
+            self._nested_guard = guard_nested_tensor(pl_module, self.stack)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         self._finish_observation(pl_module)
@@ -457,6 +461,9 @@ class AutoFreeze(Callback):
         if self._observer is not None:
             self._observer.remove()
             self._observer = None
+        if self._nested_guard is not None:
+            self._nested_guard.remove()
+            self._nested_guard = None
         if self._anneal is not None:
             self._anneal.detach()
 

@@ -10,12 +10,14 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from lightning_pipetransformer.stack.calls import is_called_block
 from lightning_pipetransformer.stack.discovery import (
     BlockStack,
     BlockStackError,
     find_block_stack,
     resolve_block_stack,
 )
+from lightning_pipetransformer.stack.shared_depth import shared_depth, shared_depth_message
 
 __all__ = ["block_stack_of", "refuse_uncalled_blocks", "stack_for_strategy", "BLOCK_STACK_HOOK"]
 
@@ -60,13 +62,18 @@ def stack_for_strategy(module: nn.Module, layers: str | None, asked: Sequence[st
 
 
 def refuse_uncalled_blocks(stack: BlockStack, asked: Sequence[str]) -> None:
-    """Before training: blocks that are containers never called themselves cannot be pipelined or cached.
+    """Before training: blocks the model does not call once each per pass cannot be pipelined or cached.
 
     The pipeline and the cache take over the model's *calls* of the blocks; Funnel's blocks are
     ``nn.ModuleList``s of layers that its loop walks into, so no call ever reaches them and the
     runner would never see a pass (found only after an epoch). ``asked``: what needs the calls.
+    Blocks wrapped by ``torch.compile(layer)`` are called (:func:`~.calls.is_called_block`). ALBERT's
+    layer groups are called several times per pass (:mod:`~.shared_depth`).
     """
-    uncalled = sorted({type(b).__name__ for b in stack.blocks if type(b).forward is nn.Module.forward})
+    shared = shared_depth(stack.container, stack.path)
+    if shared is not None and asked:
+        raise BlockStackError(shared_depth_message(shared, ", ".join(asked)))
+    uncalled = sorted({type(b).__name__ for b in stack.blocks if not is_called_block(b)})
     if not uncalled or not asked:
         return
     inner = [f"'{stack.path}.{name}'" for name, _ in list(stack.container.named_children())[:3]]

@@ -34,6 +34,8 @@ from typing import Literal
 
 from torch import nn
 
+from lightning_pipetransformer.stack.shared_depth import find_shared_depth, shared_depth, shared_depth_message
+
 __all__ = [
     "BlockStack",
     "BlockStackError",
@@ -253,6 +255,9 @@ def _stack_at(root: nn.Module, path: str, pre: Sequence[str] | None) -> BlockSta
     if len(list(container.children())) < 1:
         raise BlockStackError(f"'{path}' holds no blocks; point `layers` at the container of the repeated blocks.")
     _refuse_shared(path, container)
+    shared = shared_depth(container, path)
+    if shared is not None and shared.groups == 1:  # one block, every depth: nothing to freeze block by block
+        raise BlockStackError(shared_depth_message(shared))
     found_pre, pre_params, post = _split_around(root, path)
     if pre is not None:
         chosen = {p: _get_submodule(root, p) for p in pre}
@@ -281,6 +286,9 @@ def find_block_stack(root: nn.Module, layers: str | None = None, pre: Sequence[s
         return _stack_at(root, layers, pre)
     candidates = find_candidates(root)
     if not candidates:
+        shared = find_shared_depth(root)
+        if shared is not None:
+            raise BlockStackError(shared_depth_message(shared))
         raise BlockStackError(
             f"No stack of repeated blocks found in {type(root).__name__}: looked for an nn.ModuleList or "
             "nn.Sequential of two or more modules of the same class with parameters. Name the container "

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pipetransformer import tree
+from lightning_pipetransformer.stack.calls import is_called_block
 from lightning_pipetransformer.stack.discovery import BlockStack, BlockStackError
 
 __all__ = ["CallOrder", "CallOrderError", "CallOrderObserver", "OrderWatch", "graph_leaves", "split_by_order"]
@@ -187,7 +188,7 @@ class CallOrderObserver:
 def _called_parts(block: nn.Module) -> list[nn.Module]:
     """What runs when a block runs: the block, or, for a container that is never called itself (Funnel's
     blocks are ``nn.ModuleList``s of layers), its first descendants that are."""
-    if type(block).forward is not nn.Module.forward:
+    if is_called_block(block):
         return [block]
     return [part for child in block.children() for part in _called_parts(child)]
 

@@ -35,7 +35,9 @@ What cannot be deferred is refused loudly, never run wrongly:
   buffers and hands the pass to the runner like every other. The model gets placeholders in
   that pass too (the probe's outputs have no graph: one the model kept would train wrongly), and
   hooks that observe the blocks (:mod:`~.observers`) do not fire in the probe. A first pass whose blocks get a
-  key-value cache object (it cannot be copied) runs as the model calls it, and is final. A later pass whose real outputs differ from the structure learnt raises.
+  key-value cache object (it cannot be copied) runs as the model calls it, and is final; so does any
+  pass whose hidden state is a nested tensor (``nn.TransformerEncoder``'s fast path in eval mode),
+  which has no batch dimension to split or key. A later pass whose real outputs differ from the structure learnt raises.
 
 Runs the runner makes itself call blocks through :func:`call_block`, which bypasses the
 interception. The cost per block call is a dictionary lookup and a tuple append.
@@ -303,7 +305,7 @@ class _Pass:
     #: The first pass with gradients: blocks also run (no graph) to learn what they return, see :class:`_Probe`.
     probe: _Probe | None
     #: A pass run as the model calls it, block by block, and final: no runner (a first pass whose
-    #: blocks update a key-value cache).
+    #: blocks update a key-value cache, or a pass over a nested tensor).
     eager: bool = False
     calls: list[BlockArgs] = field(default_factory=list)
     #: The probe's copies of the pass's input and arguments, by ``id`` of the original (shared ones copied once).
@@ -400,7 +402,9 @@ class _Interceptor:
                     "pass. Name one container with layers=, or use pipe_len=1, chunks=1, cache=False."
                 )
             learn = any(t is None for t in self.templates)
-            eager = learn and any(tree.is_stateful(v) for v in tree.leaves((args, kwargs)))
+            # A nested tensor (nn.TransformerEncoder's fast path in eval mode: padding dropped) has no batch
+            # dimension to split into micro-batches or to key cache rows by: the pass runs as the model calls it.
+            eager = hidden.is_nested or (learn and any(tree.is_stateful(v) for v in tree.leaves((args, kwargs))))
             self._pass = _Pass(hidden, _Probe(self.blocks) if learn and not eager else None, eager, observed=self.observers())
         else:
             current = self._pass

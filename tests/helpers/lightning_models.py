@@ -37,6 +37,8 @@ class Classifier(pl.LightningModule):
             "vit": lambda: tiny_vit(num_layers),
             "timm": lambda: TimmStyleViT(depth=num_layers),
             "torch": lambda: TorchEncoderClassifier(depth=num_layers),
+            # torch's default enable_nested_tensor=True, and a padded batch: the nested-tensor fast path in eval mode.
+            "torch-nested": lambda: TorchEncoderClassifier(depth=num_layers, enable_nested_tensor=True),
         }[kind]()
         self.lr = lr
 
@@ -48,6 +50,10 @@ class Classifier(pl.LightningModule):
             return self.model(input_ids=x, attention_mask=mask).logits
         if self.kind == "vit":
             return self.model(pixel_values=x).logits
+        if self.kind == "torch-nested":
+            padding = torch.zeros_like(x, dtype=torch.bool)
+            padding[::2, -2:] = True  # padded at the end (left-aligned), as the nested-tensor path requires
+            return self.model(x, padding)
         return self.model(x)
 
     def training_step(self, batch, batch_idx):

@@ -63,17 +63,21 @@ class TimmStyleViT(nn.Module):
 
 
 class TorchEncoderClassifier(nn.Module):
-    """An nn.TransformerEncoder with an embedding before it and a head after it."""
+    """An nn.TransformerEncoder with an embedding before it and a head after it.
 
-    def __init__(self, dim: int = 32, depth: int = 3) -> None:
+    ``enable_nested_tensor``: torch's default is True; with a ``padding_mask`` (True at padded positions)
+    the encoder then takes its nested-tensor fast path whenever its first layer is in eval mode.
+    """
+
+    def __init__(self, dim: int = 32, depth: int = 3, enable_nested_tensor: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, dim)
         layer = nn.TransformerEncoderLayer(dim, 2, 64, dropout=0.0, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=enable_nested_tensor)
         self.head = nn.Linear(dim, NUM_LABELS)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(self.embed(input_ids)).mean(dim=1))
+    def forward(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(input_ids), src_key_padding_mask=padding_mask).mean(dim=1))
 
 
 def text_dataset(n: int = 32, seed: int = 0) -> TensorDataset:
