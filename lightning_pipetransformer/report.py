@@ -105,7 +105,8 @@ CACHE_METRICS = {
     "hits": "lookups the cache answered at the current boundary (its own entries, or an earlier boundary's advanced on read)",
     "misses": "lookups it could not answer (the first epoch at a boundary stores them)",
     "bytes_in_memory": "bytes of the current boundary's entries in host memory (this process)",
-    "bytes_on_disk": "bytes of its files on disk (every process of the node)",
+    "bytes_on_disk": "bytes of its files on disk that this process knows of (in the folder when the boundary opened it, "
+    "then written, read or found by this process): counted, never scanned",
 }
 
 #: The rest of AutoCache's counters, logged under ``autocache_diagnostics/`` for diagnosis.
@@ -116,7 +117,7 @@ CACHE_DIAGNOSTICS = {
     "disk_hits": "hits answered from disk",
     "stored": "entries written at this boundary",
     "entries_in_memory": "entries held in host memory",
-    "files_on_disk": "entry files on disk",
+    "files_on_disk": "entry files on disk that this process knows of (as bytes_on_disk)",
     "advanced": "entries of an earlier boundary carried through the newly frozen blocks (at the move, or on read)",
     "embeddings_skipped": "forwards that skipped the embeddings because the cache answered the whole batch",
     "batches_served": "batches the cache answered in full at this boundary (every row a hit)",

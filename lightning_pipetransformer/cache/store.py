@@ -105,7 +105,14 @@ def probe_cache_dir(cache_dir: str) -> None:
 
 @dataclass
 class CacheStats:
-    """Counters since construction (``bytes_on_disk``/``files_on_disk``: this prefix's directory, all processes)."""
+    """Counters since construction, all kept in memory: reading them walks no folder (the progress bar reads
+    them every step).
+
+    ``files_on_disk``/``bytes_on_disk``: the entry files of this prefix's directory that this process
+    knows of: those in it when the store opened it, then each file it wrote, read, found written by
+    another process, or found gone. Alone in the directory, that is all of them; with several
+    processes of a node sharing it, another's files count once this process meets them.
+    """
 
     hits: int = 0
     misses: int = 0
@@ -182,6 +189,14 @@ def _finite(row: Tensor) -> bool:
     wide = torch.float32 if row.is_floating_point() and row.element_size() < 4 else None
     total = row.sum(dtype=wide).item()  # tested in Python: a 0-d torch.isfinite alone took ~50 us
     return cmath.isfinite(total) or bool(torch.isfinite(row).all())
+
+
+def _key_of(name: str) -> str | None:
+    """The key an entry file's name holds, or ``None`` for any other file (a temporary, a probe)."""
+    if not name.endswith(_SUFFIX):
+        return None
+    key = name[: -len(_SUFFIX)]
+    return key if KEY_PATTERN.match(key) else None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -261,6 +276,10 @@ class ActivationStore:
         self._reserved = 0  # see reserve()
         self._bad: set[str] = set()  # keys whose file was rejected: the next store overwrites it
         self._stats = CacheStats()
+        # The entry files known to be in the directory (key -> bytes) and their total: the disk figures
+        # of stats(), kept as this store writes, reads and deletes, so that stats() never walks the folder.
+        self._disk: dict[str, int] = {}
+        self._disk_bytes = 0
         # Once per reason and store, whoever listens: a batch of 10,000 NaN rows is one warning.
         said = WarnOnce() if warn is None else WarnOnce(lambda message, stacklevel: None)
 
@@ -308,6 +327,42 @@ class ActivationStore:
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.chmod(self.root, 0o700)  # mkdir's mode is masked by the umask
         self._lock = lock_directory(self.directory)
+        self._count_directory()
+
+    def _count_directory(self) -> None:
+        """The one walk of the directory, when it is opened (a boundary's open, a reuse after :meth:`close`,
+        a directory made again): the files already there (an earlier run's, another process's) start the
+        disk counters, which the store keeps from then on without walking it again."""
+        found: dict[str, int] = {}
+        try:
+            with os.scandir(self.directory) as it:
+                for item in it:
+                    key = _key_of(item.name)
+                    if key is not None:
+                        try:
+                            found[key] = item.stat().st_size
+                        except FileNotFoundError:  # removed by another process meanwhile
+                            pass
+        except OSError:  # gone or unreadable: its writes fail and say so
+            pass
+        self._disk, self._disk_bytes = found, sum(found.values())
+
+    def _note_file(self, key: str, size: int) -> None:
+        self._disk_bytes += size - self._disk.get(key, 0)
+        self._disk[key] = size
+
+    def _note_gone(self, key: str) -> None:
+        self._disk_bytes -= self._disk.pop(key, 0)
+
+    def _file_size(self, key: str) -> int | None:
+        """The size of ``key``'s file (one ``stat``), or ``None`` if there is none; the disk counters follow what it finds."""
+        try:
+            size = os.stat(self._path(key)).st_size
+        except FileNotFoundError:
+            self._note_gone(key)
+            return None
+        self._note_file(key, size)
+        return size
 
     def _relock(self) -> None:
         try:
@@ -465,10 +520,9 @@ class ActivationStore:
         try:
             with os.scandir(self.directory) as it:
                 for item in it:
-                    if item.name.endswith(_SUFFIX):
-                        key = item.name[: -len(_SUFFIX)]
-                        if KEY_PATTERN.match(key):
-                            found.setdefault(key)
+                    key = _key_of(item.name)
+                    if key is not None:
+                        found.setdefault(key)
         except FileNotFoundError:
             pass
         return list(found)
@@ -496,25 +550,13 @@ class ActivationStore:
         return self._mem_bytes
 
     def on_disk(self, key: str) -> bool:
-        return self._path(key).exists()
+        return self._file_size(key) is not None
 
     def stats(self) -> CacheStats:
-        """A snapshot of the counters; scans this prefix's directory for the disk figures."""
-        files = size = 0
-        try:
-            with os.scandir(self.directory) as it:
-                for item in it:
-                    if item.name.endswith(_SUFFIX):
-                        try:
-                            size += item.stat().st_size
-                            files += 1
-                        except FileNotFoundError:  # removed by another process meanwhile
-                            pass
-        except FileNotFoundError:
-            pass
+        """A snapshot of the counters (:class:`CacheStats`), from memory: no folder walk, no ``stat``."""
         snap = CacheStats(**asdict(self._stats))
         snap.entries_in_memory, snap.bytes_in_memory = len(self._mem), self._mem_bytes
-        snap.files_on_disk, snap.bytes_on_disk = files, size
+        snap.files_on_disk, snap.bytes_on_disk = len(self._disk), self._disk_bytes
         return snap
 
     def close(self, delete: bool | Literal["if_empty"] = False) -> bool:
@@ -539,8 +581,18 @@ class ActivationStore:
                 if any(item.name.endswith(_SUFFIX) for item in os.scandir(self.directory)):
                     return False
             except FileNotFoundError:
+                self._forget_files()
                 return True
-        return remove_directory(self.directory) if delete else True
+        if not delete:
+            return True
+        gone = remove_directory(self.directory)
+        if gone:
+            self._forget_files()
+        return gone
+
+    def _forget_files(self) -> None:
+        """The directory is gone: so are the files the disk counters knew."""
+        self._disk, self._disk_bytes = {}, 0
 
     def __del__(self) -> None:
         # Not a way to let go (that is close()): a store dropped without it must not keep its lock.
@@ -561,11 +613,10 @@ class ActivationStore:
         (a full disk above all) stops disk writes at this boundary, with one warning: the entry is
         then simply not cached (``unwritten``), never a crash.
         """
-        path = self._path(key)
         if self._disk_off is not None:
             self._stats.unwritten += 1
             return False
-        if key not in self._bad and path.exists():
+        if key not in self._bad and self._file_size(key) is not None:
             return True  # written by another process (same fingerprint: same bytes)
         tensors = {_HIDDEN: hidden.contiguous(), **{_EXTRA + n: t.contiguous() for n, t in extras.items()}}
         metadata = {
@@ -577,6 +628,7 @@ class ActivationStore:
         for attempt in range(2):
             try:
                 self._write_file(key, data)
+                self._note_file(key, len(data))
                 break
             except FileNotFoundError as err:
                 if attempt or not self._recreate(err):
@@ -608,6 +660,7 @@ class ActivationStore:
         """The directory was removed from outside (a cleaner, a user): make it again; ``False`` if that fails."""
         if self.directory.exists():
             return False  # something else is missing: not ours to fix
+        self._forget_files()
         try:
             self._open_directory()
         except OSError:
@@ -634,7 +687,7 @@ class ActivationStore:
         """The entry from disk (activation in the storage dtype; extras only ``with_extras``), or ``None``
         (missing, rejected or corrupt)."""
         path = self._path(key)
-        if not path.exists():
+        if self._file_size(key) is None:
             return None
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -648,7 +701,7 @@ class ActivationStore:
                 names = [_HIDDEN, *(n for n in f.keys() if n.startswith(_EXTRA))] if with_extras else [_HIDDEN]
                 tensors = {n: f.get_tensor(n) for n in names}
         except Exception:  # noqa: BLE001 - any unreadable file is a miss, never an error or a wrong hit
-            if path.exists():
+            if self._file_size(key) is not None:
                 self._stats.rejected += 1
                 self._bad.add(key)
             return None

@@ -9,10 +9,13 @@ the other, the whole batch, under ``no_grad``, on copies of the pass's inputs, f
 random state; buffers and random state are put back afterwards) and the two are compared:
 
 - the output's structure (a tensor, a tuple and its plain values) and every tensor in it: shape,
-  dtype, and values within a tolerance for the dtype (values only when the blocks draw no random
-  numbers, e.g. dropout in training: its draws differ between micro-batches and a whole batch, and
-  when no hook replaced a block's input or output: the plain run fires no hook, so that none fires
-  twice, and would lack that effect);
+  dtype, and values within a tolerance for the lowest precision the blocks computed at (the
+  output's dtype, autocast's, TF32 or bf16 fp32 matmuls: :mod:`~.tolerance`), relative to the
+  plain loop's largest finite magnitude (values only when the blocks draw no random numbers, e.g.
+  dropout in training: its draws differ between micro-batches and a whole batch, and when no hook
+  replaced a block's input or output: the plain run fires no hook, so that none fires twice, and
+  would lack that effect). A value that is not finite (NaN, inf: a NaN in the batch's data) equals
+  the same non-finite value at the same place; a NaN or inf on one side only is a difference;
 - how often each hook that observes the blocks (:mod:`~.observers`) fired.
 
 A difference raises :class:`SelfCheckError` naming it, before the first optimizer step. The cost
@@ -47,12 +50,25 @@ from lightning_pipetransformer.stack.interception import (
     uncounted,
 )
 from lightning_pipetransformer.stack.observers import Observer, block_modules, replacing_hooks, silenced
+from lightning_pipetransformer.stack.tolerance import lowest_precision, precisions_in_play
 
-__all__ = ["SelfCheck", "SelfCheckError"]
+__all__ = ["SelfCheck", "SelfCheckError", "value_tolerance"]
 
-#: The largest difference allowed, relative to the largest magnitude of the plain loop's tensor.
+#: The largest difference allowed, relative to the largest magnitude of the plain loop's tensor, by the
+#: lowest precision in play (TF32 stands as float16: :data:`~.tolerance.TF32`).
 _TOLERANCE = {torch.float16: 3e-2, torch.bfloat16: 6e-2}
 _DEFAULT_TOLERANCE = 1e-3
+
+
+def value_tolerance(dtype: torch.dtype, precisions: Sequence[torch.dtype | None] = ()) -> float:
+    """The largest difference the self-check allows in a ``dtype`` tensor, relative to the plain loop's largest
+    magnitude, when the blocks' math ran at ``precisions`` (:func:`~.tolerance.precisions_in_play`).
+
+    The runner and the plain loop run the blocks at other batch shapes (micro-batches, the cache's
+    misses), so other kernels: they agree to the lowest precision in play, which an fp32 output
+    under bf16 autocast or TF32 matmuls does not show.
+    """
+    return _TOLERANCE.get(lowest_precision(dtype, *precisions), _DEFAULT_TOLERANCE)  # type: ignore[arg-type]
 
 
 class SelfCheckError(InterceptionError):
@@ -75,6 +91,8 @@ class SelfCheck:
         # Copies, a tensor shared by several blocks copied once: the plain loop gets what the runner got.
         hidden, calls = tree.map_tensors(lambda v: v.detach().clone(), (call.hidden, call.calls), memo={})
         watched = self._watched(call.observed)
+        # Read before the runner runs: the autocast and matmul precision both passes compute at.
+        precisions = precisions_in_play(_device_of(blocks[0], call.hidden.device) if blocks else call.hidden.device, blocks)
         with _counting(watched) as fired, replacing_hooks(self._modules) as replacing:
             out = runner.run(call)
         after = _Probe(blocks)
@@ -86,7 +104,8 @@ class SelfCheck:
         after.restore()
         largest: list[float] = []
         # A hook that replaced a block's input or output had no effect in the plain run (hooks silenced there).
-        differences = _differences(out, plain, values=not draws and not replacing, largest=largest)
+        values = not draws and not replacing
+        differences = _differences(out, plain, values=values, largest=largest, precisions=precisions)
         for key, name in watched.items():
             if fired[key] != expected[key]:
                 differences.append(f"{name} fired {fired[key]} time(s) where the plain loop fires it {expected[key]} time(s)")
@@ -158,10 +177,13 @@ def _counting(watched: dict[int, str]) -> Iterator[Counter[int]]:
         handle.remove()
 
 
-def _differences(out: Any, plain: Any, values: bool, largest: list[float] | None = None) -> list[str]:
+def _differences(
+    out: Any, plain: Any, values: bool, largest: list[float] | None = None, precisions: Sequence[torch.dtype | None] = (),
+) -> list[str]:
     """What differs between the runner's output and the plain loop's, in words (empty: nothing).
 
-    ``largest`` gets each compared tensor's largest difference relative to the plain loop's largest magnitude.
+    ``largest`` gets each compared tensor's largest difference relative to the plain loop's largest
+    magnitude; ``precisions``: what the blocks' math ran at (:func:`value_tolerance`).
     """
     shape, expected = output_template(out), output_template(plain)
     if not _same_structure(shape, expected):
@@ -180,14 +202,32 @@ def _differences(out: Any, plain: Any, values: bool, largest: list[float] | None
             found.append(f"{where} has shape {tuple(a.shape)} {a.dtype} where the plain loop gives {tuple(b.shape)} {b.dtype}")
             continue
         if values and a.is_floating_point() and a.numel():
-            a32, b32 = a.detach().float(), b.detach().float().to(a.device)
-            error = float((a32 - b32).abs().max())
-            scale = float(b32.abs().max())
-            limit = _TOLERANCE.get(a.dtype, _DEFAULT_TOLERANCE) * max(scale, 1e-6)
-            if largest is not None:
-                largest.append(error / max(scale, 1e-6))
-            if not error <= limit:  # also NaN
-                found.append(f"{where} differs by up to {error:.3g} (plain loop's largest magnitude {scale:.3g})")
+            tolerance = value_tolerance(a.dtype, precisions)
+            found += _value_differences(where, a.detach().float(), b.detach().float().to(a.device), tolerance, largest)
         elif values and not a.is_floating_point() and not torch.equal(a, b.to(a.device)):
             found.append(f"{where} differs from the plain loop's")
+    return found
+
+
+def _value_differences(where: str, a: Tensor, b: Tensor, tolerance: float, largest: list[float] | None) -> list[str]:
+    """How the runner's values ``a`` differ from the plain loop's ``b`` (fp32, one device), in words.
+
+    Non-finite values are the data's, not the runner's: a NaN in one sample's features gives NaN on
+    both sides, at the same places, and equals it there; only the finite values are measured. A NaN
+    or inf on one side where the other is finite (or another infinity) is a difference.
+    """
+    a_finite, b_finite = torch.isfinite(a), torch.isfinite(b)
+    both = a_finite & b_finite
+    same_nonfinite = (a.isnan() & b.isnan()) | (a == b)  # both NaN, or the same infinity
+    unmatched = int((~both & ~(~a_finite & ~b_finite & same_nonfinite)).sum())
+    error = float(torch.where(both, a - b, 0.0).abs().max())
+    scale = float(torch.where(b_finite, b, 0.0).abs().max())
+    if largest is not None:
+        largest.append(error / max(scale, 1e-6))
+    found = []
+    if unmatched:
+        found.append(f"{where} holds another non-finite value (NaN/inf) than the plain loop's at {unmatched} place(s) "
+                     "(finite on one side only, or another infinity)")
+    if not error <= tolerance * max(scale, 1e-6):
+        found.append(f"{where} differs by up to {error:.3g} (plain loop's largest finite magnitude {scale:.3g})")
     return found

@@ -124,7 +124,7 @@ def test_joining_replicas_get_the_loss_scale():
 
 
 def test_the_first_hit_check_allows_what_a_lower_precision_rounds():
-    from lightning_pipetransformer.cache.first_hit import verification_tolerance
+    from lightning_pipetransformer.stack.tolerance import verification_tolerance
 
     assert verification_tolerance(torch.float32, torch.float32, None) == (1e-3, 1e-4)
     bf16 = verification_tolerance(torch.float32, torch.float32, torch.bfloat16)  # bf16-mixed: autocast
@@ -142,39 +142,38 @@ def test_the_first_hit_check_allows_what_a_lower_precision_rounds():
 def test_the_first_hit_tolerance_follows_cudnn_tf32_only_for_a_prefix_with_convolutions(monkeypatch):
     """cuDNN's TF32 switch (True by default) governs convolutions; Transformer blocks run matmuls
     only, so it must not loosen their fp32 check ~40x; matmul TF32 always counts."""
-    from lightning_pipetransformer.cache import first_hit
-    from lightning_pipetransformer.cache.first_hit import _fp32_math_dtype, prefix_convolves
+    from lightning_pipetransformer.stack.tolerance import TF32, convolves, fp32_math_dtype
 
     cuda = torch.device("cuda", 0)
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("highest")
         monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
-        assert _fp32_math_dtype(cuda) is None  # matmuls only
-        assert _fp32_math_dtype(cuda, convolutions=True) is first_hit._TF32
-        assert _fp32_math_dtype(torch.device("cpu"), convolutions=True) is None
+        assert fp32_math_dtype(cuda) is None  # matmuls only
+        assert fp32_math_dtype(cuda, convolutions=True) is TF32
+        assert fp32_math_dtype(torch.device("cpu"), convolutions=True) is None
         torch.set_float32_matmul_precision("high")
-        assert _fp32_math_dtype(cuda) is first_hit._TF32  # TF32 matmuls count whatever the prefix runs
+        assert fp32_math_dtype(cuda) is TF32  # TF32 matmuls count whatever the prefix runs
     finally:
         torch.set_float32_matmul_precision(before)
 
     # AutoCache passes the frozen blocks (those before the boundary, here 1).
-    assert not prefix_convolves([nn.Linear(2, 2), nn.Conv1d(2, 2, 1)][:1])  # the convolution is past the boundary
-    assert prefix_convolves([nn.Sequential(nn.Conv1d(2, 2, 1)), nn.Linear(2, 2)][:1])
+    assert not convolves([nn.Linear(2, 2), nn.Conv1d(2, 2, 1)][:1])  # the convolution is past the boundary
+    assert convolves([nn.Sequential(nn.Conv1d(2, 2, 1)), nn.Linear(2, 2)][:1])
 
 
 def test_the_first_hit_check_allows_tf32_matmuls():
     """Lightning suggests set_float32_matmul_precision("high") on Ampere/Hopper: fp32 matmuls then run in TF32."""
-    from lightning_pipetransformer.cache.first_hit import _fp32_math_dtype, verification_tolerance
+    from lightning_pipetransformer.stack.tolerance import fp32_math_dtype, verification_tolerance
 
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("highest")
-        assert _fp32_math_dtype(torch.device("cpu")) is None
+        assert fp32_math_dtype(torch.device("cpu")) is None
         torch.set_float32_matmul_precision("high")
-        tf32 = verification_tolerance(torch.float32, torch.float32, None, _fp32_math_dtype(torch.device("cpu")))
+        tf32 = verification_tolerance(torch.float32, torch.float32, None, fp32_math_dtype(torch.device("cpu")))
         torch.set_float32_matmul_precision("medium")
-        assert _fp32_math_dtype(torch.device("cpu")) is torch.bfloat16
+        assert fp32_math_dtype(torch.device("cpu")) is torch.bfloat16
     finally:
         torch.set_float32_matmul_precision(before)
     assert tf32 == (4 * 2**-10, 4 * 2**-10)

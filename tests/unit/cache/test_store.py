@@ -228,3 +228,40 @@ def test_a_listener_hears_each_reason_once_per_store(tmp_path):
     store.store(["a", "b", "c"], bad)
     store.store(["d", "e"], bad[:2])
     assert heard == ["nonfinite"] and store.stats().nonfinite == 5
+
+
+def _scan(directory: Path) -> tuple[int, int]:
+    """(files, bytes) of the entry files in ``directory``, read afresh."""
+    if not directory.exists():
+        return 0, 0
+    files = [p for p in directory.iterdir() if p.name.endswith(".safetensors")]
+    return len(files), sum(p.stat().st_size for p in files)
+
+
+def test_the_disk_figures_are_counters_that_follow_the_folder_without_walking_it(tmp_path, monkeypatch):
+    """stats() is read every step (the progress bar): it touches no file. Its disk figures are kept as the
+    store writes, reads, meets another store's files or finds one gone, and equal a fresh scan."""
+    first = ActivationStore(tmp_path, FP, 2, memory_budget=0)
+    keys, acts = _batch(6)
+    first.store(keys[:3], acts[:3])
+    second = ActivationStore(tmp_path, FP, 2, memory_budget=0)  # opened now: counts the 3 files already there
+    first.store(keys[3:], acts[3:])
+    touched: list[str] = []
+    for name in ("scandir", "listdir", "stat"):
+        monkeypatch.setattr(os, name, lambda *a, _f=getattr(os, name), _n=name, **k: touched.append(_n) or _f(*a, **k))
+    figures = {s: (s.stats().files_on_disk, s.stats().bytes_on_disk) for s in (first, second)}
+    assert touched == []
+    monkeypatch.undo()
+    assert figures[first] == _scan(first.directory) and figures[first][0] == 6
+    # The other store knew the 3 files of its open; it counts the rest as it meets them.
+    assert figures[second] == (3, figures[first][1] // 2)
+    assert second.lookup(keys)[0].all()
+    assert (second.stats().files_on_disk, second.stats().bytes_on_disk) == _scan(second.directory)
+    # A file removed from outside: the read that misses it counts it gone.
+    os.unlink(second.directory / f"{keys[0]}.safetensors")
+    assert not second.lookup(keys[:1])[0].any()
+    assert (second.stats().files_on_disk, second.stats().bytes_on_disk) == _scan(second.directory) == (5, figures[first][1] * 5 // 6)
+    # The directory deleted by the last store to let go: nothing left on disk.
+    assert not first.close(delete=True)  # the second still holds it
+    assert second.close(delete=True) and _scan(second.directory) == (0, 0)
+    assert (second.stats().files_on_disk, second.stats().bytes_on_disk) == (0, 0)

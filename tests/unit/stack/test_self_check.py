@@ -9,7 +9,8 @@ from torch import nn
 from lightning_pipetransformer.pipe.pipeline import Pipeline
 from lightning_pipetransformer.stack.interception import StackCall
 from lightning_pipetransformer.stack.observers import Observer
-from lightning_pipetransformer.stack.self_check import SelfCheck, SelfCheckError
+from lightning_pipetransformer.stack.self_check import SelfCheck, SelfCheckError, value_tolerance
+from lightning_pipetransformer.stack.tolerance import precisions_in_play
 
 
 def stack(dropout=0.0):
@@ -125,3 +126,119 @@ def test_a_hook_that_replaces_a_blocks_output_is_not_taken_for_a_difference(kind
     blocks.eval()
     SelfCheck(blocks, announce=said.append)(Pipeline(blocks, (2, 2), ["cpu", "cpu"], chunks=2), StackCall(c.hidden, c.calls, observed=(observer,)))
     assert "values within" in said[0], said
+
+
+# ---------------------------------------------------------------------------- non-finite values (issue 40)
+
+
+def rows_stack():
+    """Blocks that keep each row to itself (no batch statistics): a NaN stays in its sample's row."""
+    torch.manual_seed(0)
+    return nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(4))
+
+
+class Edited:
+    """The blocks in one pass, then ``edit`` applied to the output (what a wrong runner would give)."""
+
+    def __init__(self, blocks, edit):
+        self.blocks, self.edit = tuple(blocks), edit
+
+    def run(self, c):
+        h = c.hidden
+        for block in self.blocks:
+            h = block(h)
+        return self.edit(h)
+
+
+def nan_call(blocks):
+    c = call(blocks)
+    with torch.no_grad():
+        c.hidden[1, 2] = float("nan")  # one feature of one sample: NaN through that row
+        c.hidden[4, 0] = float("inf")
+    return c
+
+
+def test_nan_at_the_same_places_is_equal_and_a_nan_on_one_side_is_a_difference():
+    """A NaN in the data gives NaN on both sides, at the same places: equal (was: refused, naming the runner).
+    A NaN or inf where the plain loop has a finite value, or the reverse, is still a difference."""
+    blocks, said = rows_stack(), []
+    out = SelfCheck(blocks, announce=said.append)(Pipeline(blocks, (2, 2), ["cpu", "cpu"], chunks=3), nan_call(blocks))
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2, 3, 5]]).all() and "values within" in said[0], said
+
+    def put(value, row=0):
+        def edit(h):
+            h = h.clone()
+            h[row, 3] = value
+            return h
+
+        return edit
+
+    # NaN or inf where the plain loop is finite, a finite value where it is NaN, an infinity for its NaN.
+    for edit in (put(float("nan")), put(float("-inf")), put(0.5, row=1), put(float("inf"), row=1)):
+        with pytest.raises(SelfCheckError, match=r"the hidden state holds another non-finite value \(NaN/inf\) than the plain loop's at 1 place"):
+            SelfCheck(blocks)(Edited(blocks, edit), nan_call(blocks))
+    # Finite values are still compared, the non-finite rows aside.
+    with pytest.raises(SelfCheckError, match="the hidden state differs by up to"):
+        SelfCheck(blocks)(Edited(blocks, lambda h: h + 0.1), nan_call(blocks))
+
+
+# ---------------------------------------------------------------------------- the precision in play (issue 40)
+
+
+class Residual(nn.Module):
+    """A Transformer block's shape of math: the matmul in autocast's dtype, the residual sum (the output) in fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return x + self.linear(x)
+
+
+def off_by(relative):
+    """A runner off by ``relative`` of the largest magnitude: rounding at a lower precision, or a real difference."""
+    return lambda blocks: Edited(blocks, lambda h: h + relative * h.abs().max())
+
+
+@pytest.fixture
+def matmul_precision():
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield torch.set_float32_matmul_precision
+    torch.set_float32_matmul_precision(before)
+
+
+def test_the_tolerance_follows_autocast_and_the_fp32_matmul_precision(matmul_precision):
+    """The output is fp32 (the residual) while the matmuls ran in bf16 or TF32: the two sides agree only to that
+    precision, which the output's dtype does not show (was: fp32's 1e-3, refusing exact runs on a real-size model)."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Residual() for _ in range(3))
+    rounding, real = off_by(1e-2), off_by(0.2)  # a few bf16/TF32 ulps, and a real difference
+    with pytest.raises(SelfCheckError, match="differs by up to"):
+        SelfCheck(blocks)(rounding(blocks), call(blocks))  # full fp32: refused
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert SelfCheck(blocks)(rounding(blocks), call(blocks)).dtype == torch.float32
+        with pytest.raises(SelfCheckError, match="differs by up to"):
+            SelfCheck(blocks)(real(blocks), call(blocks))
+    for precision in ("high", "medium"):  # TF32 matmuls, bf16 matmuls
+        matmul_precision(precision)
+        SelfCheck(blocks)(rounding(blocks), call(blocks))
+        with pytest.raises(SelfCheckError, match="differs by up to"):
+            SelfCheck(blocks)(real(blocks), call(blocks))
+
+
+def test_the_tolerance_widens_for_tf32_on_a_cuda_device_only(matmul_precision, monkeypatch):
+    """cuDNN's TF32 (on by default) counts for convolutions on CUDA; on CPU, and for blocks without one, fp32 stays fp32."""
+    convolving = [nn.Sequential(nn.Conv1d(4, 4, 1), nn.Tanh())]
+    matmuls_only = [nn.Sequential(nn.Linear(4, 4), nn.Tanh())]
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    assert value_tolerance(torch.float32, precisions_in_play(cuda, convolving)) == value_tolerance(torch.float16) == 3e-2
+    assert value_tolerance(torch.float32, precisions_in_play(cpu, convolving)) == 1e-3
+    assert value_tolerance(torch.float32, precisions_in_play(cuda, matmuls_only)) == 1e-3
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    assert value_tolerance(torch.float32, precisions_in_play(cuda, convolving)) == 1e-3
+    # The output's own lower precision still counts, and the lowest of all wins.
+    assert value_tolerance(torch.bfloat16) == value_tolerance(torch.float32, (None, torch.bfloat16)) == 6e-2
+    assert value_tolerance(torch.float16, (torch.bfloat16, None)) == 6e-2
