@@ -146,3 +146,18 @@ def cache_metrics(cache: Any) -> dict[str, float]:
     if rate is not None:
         metrics["period_hit_rate"] = rate
     return {(f"autocache/{k}" if k in CACHE_METRICS else f"autocache_diagnostics/{k}"): float(v) for k, v in metrics.items()}
+
+
+#: AutoCache's counters that are sizes or states at a moment, not counts: kept as they are in :func:`stats_since`.
+_GAUGES = ("enabled", "boundary", "can_engage", "entries_in_memory", "bytes_in_memory", "files_on_disk", "bytes_on_disk")
+
+
+def stats_since(now: dict[str, float], start: dict[str, float]) -> dict[str, float]:
+    """What AutoCache counted between two :meth:`~lightning_pipetransformer.cache.autocache.AutoCache.stats` readings
+    (counts as differences, sizes and states as ``now``; the rates over the difference)."""
+    out = {k: v if k.rsplit("/", 1)[-1] in _GAUGES else v - start.get(k, 0.0) for k, v in now.items()}
+    hits, misses = out.get("autocache/hits", 0.0), out.get("autocache/misses", 0.0)
+    if "autocache/hit_rate" in out:
+        out["autocache/hit_rate"] = hits / (hits + misses) if hits + misses else 0.0
+    out.pop("autocache/served_fraction", None)  # over the boundary's batches looked up, which are not in the readings
+    return out

@@ -162,6 +162,9 @@ class PipeTransformerStrategy(ProcessLayout):
         self._failing_together = False  # a failure every rank agreed on at a step
         self._order_watch: OrderWatch | None = None
         self._last_stage = ""  # the stage of the last step: a step of another stage begins a pass
+        #: AutoCache's counters per trainer call (cache_stats_by_stage), and the counters when this call began.
+        self._stats_by_stage: dict[str, dict[str, float]] = {}
+        self._stats_at_start: dict[str, float] = {}
 
     # ------------------------------------------------------------------ what users read
 
@@ -206,8 +209,22 @@ class PipeTransformerStrategy(ProcessLayout):
 
     @property
     def cache_stats(self) -> dict[str, float] | None:
-        """AutoCache hits, misses and bytes of the current boundary (``None`` without a cache)."""
+        """AutoCache hits, misses and bytes of the current boundary (``None`` without a cache); after ``fit`` they go on
+        counting what validate, test and predict look up (each call's own counts: :attr:`cache_stats_by_stage`)."""
         return self.autocache.stats() if self.autocache is not None else None
+
+    @property
+    def cache_stats_by_stage(self) -> dict[str, dict[str, float]]:
+        """AutoCache's counters per trainer call of this strategy: ``"fit"`` as at the fit's end, and ``"validate"``,
+        ``"test"``, ``"predict"`` as what each such call after it counted (hits, misses ... of that call alone; sizes
+        and the boundary as at its end). The last call of each kind."""
+        return dict(self._stats_by_stage)
+
+    def _record_stage_stats(self, trainer: pl.Trainer | None) -> None:
+        if self.autocache is None or trainer is None:
+            return
+        now, fn = self.autocache.stats(), str(trainer.state.fn.value if trainer.state.fn is not None else "fit")
+        self._stats_by_stage[fn] = report.stats_since(now, self._stats_at_start) if fn != "fit" else now
 
     @property
     @override
@@ -228,6 +245,7 @@ class PipeTransformerStrategy(ProcessLayout):
             lightning_internals.replace_sigterm_notifier(trainer, self._signals)
         autofreeze = _autofreeze_of(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        previous_stack = self._stack
         self._stack = self._find_stack(module, autofreeze, fitting)
         # chunks="auto" measured in an earlier fit of this strategy still holds (validate after fit).
         measured = dict(self.engine.auto_chunks) if self.engine is not None else {}
@@ -249,8 +267,16 @@ class PipeTransformerStrategy(ProcessLayout):
                 self._turn_off_kv_cache(module)
         # With trainable embeddings the boundary depends on more than their inputs: key on the hidden state.
         include_pre = bool(autofreeze is None or autofreeze.freeze_embeddings)
+        # validate/test/predict after fit: the fit's cache, its entries and counters, when the stack is the same.
+        previous = self.autocache
+        reuse = not fitting and previous is not None and previous_stack is not None and previous_stack.container is stack.container
         self.autocache = None
-        if self.config.cache.enabled:
+        if self.config.cache.enabled and reuse:
+            assert previous is not None
+            self.autocache = cache_hooks.reuse_autocache(previous, stack=stack, module=module, include_pre=include_pre)
+            self._stats_at_start = previous.stats()
+        elif self.config.cache.enabled:
+            self._stats_at_start, self._stats_by_stage = {}, {}
             self.autocache = cache_hooks.make_autocache(
                 self.config.cache, stack=stack, module=module, default_root_dir=trainer.default_root_dir,
                 processes_per_node=self.num_processes, precision=str(trainer.precision),
@@ -517,11 +543,14 @@ class PipeTransformerStrategy(ProcessLayout):
         return self._watching_order(lambda: self._step_together("predict_step", lambda: None, step, "predict", args, kwargs), fit=False)
 
     def _new_pass(self, stage: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A step that begins a pass over a loader (its first batch, or the first after another stage's steps): the
-        cache compares the frozen weights' bits too, before it serves (cache/watch.py)."""
+        """A step that begins a pass: the cache compares the frozen weights' bits too before it serves (cache/watch.py),
+        which sees writes no version counter does (``param.data``). At every validation, test and predict run and
+        every training epoch; when training resumes after validation, only if the validation saw a change (weights
+        swapped in for it, Lightning's EMA/SWA, must be seen swapped back)."""
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
-        if self.autocache is not None and (stage != self._last_stage or batch_idx == 0):
-            self.autocache.new_pass()
+        cache, begins = self.autocache, stage != self._last_stage or batch_idx == 0
+        if cache is not None and begins and (stage != "train" or batch_idx == 0 or cache.changed is not None):
+            cache.new_pass()
         self._last_stage = stage
 
     def _follow_the_model(self, batch_idx: int) -> None:
@@ -824,6 +853,7 @@ class PipeTransformerStrategy(ProcessLayout):
             self._frozen_outputs.remove()
             self._frozen_outputs = None
         if self.autocache is not None:
+            self._record_stage_stats(module._trainer if module is not None else None)
             self.autocache.detach()
             self.autocache.close()
             trainer = module._trainer if module is not None else None

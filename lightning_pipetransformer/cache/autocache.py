@@ -311,10 +311,7 @@ class AutoCache:
         self.first_hit.reset()
         self.counters.new_boundary()  # per boundary, like the new store's hits
         # What the entries are computed from: served only while the model still computes the prefix so.
-        self.watch.arm(
-            prefix_modules(stack, num_frozen, include_pre), list(stack.pre_params) if include_pre else [],
-            lambda: self._fingerprint_of(stack, num_frozen, include_pre), fingerprint,
-        )
+        self.watch.arm(prefix_modules(stack, num_frozen, include_pre), list(stack.pre_params) if include_pre else [])
         self.changed, self._prefix = None, (stack, num_frozen, include_pre)
         if self.mode == "auto":
             self.enabled = True  # measured again at this boundary
@@ -433,9 +430,10 @@ class AutoCache:
                     "Content keys name the exact tensor that enters the frozen blocks, so "
                     "a sample that arrives as another tensor misses: most often the batches are padded to their own "
                     "longest sequence (a sample's length then depends on its batch-mates). Pad to fixed lengths or to "
-                    "length buckets (the example's data.bucket_tokens), or use cache_key='index'. (A random augmentation "
-                    "or masking of the input misses by design.) Results are exact; only the speed-up is lost "
-                    "(autocache/period_hit_rate)."
+                    "length buckets (the example's data.bucket_tokens). A random augmentation or masking of the input "
+                    "misses by design: cache_key='index' would not help there (it refuses inputs that change between "
+                    "epochs); it suits only samples that enter the model unchanged every epoch. Results are exact; only "
+                    "the speed-up is lost (autocache/period_hit_rate)."
                 )
             separator = ": " if self.input_augmented is not None else ". "
             self._said(

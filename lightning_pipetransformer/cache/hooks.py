@@ -24,7 +24,7 @@ from lightning_pipetransformer.config import CacheConfig
 from lightning_pipetransformer.freeze.apply import tied_outside, untrainable_prefix
 from lightning_pipetransformer.stack.discovery import BlockStack
 
-__all__ = ["check_budget", "index_keys_from", "input_augmentation", "make_autocache"]
+__all__ = ["check_budget", "index_keys_from", "input_augmentation", "make_autocache", "reuse_autocache"]
 
 
 def make_autocache(
@@ -96,6 +96,17 @@ def make_autocache(
         )
         if int(os.environ.get("RANK", "0")) == 0:  # every process would say the same
             warnings.warn(cache.never_engages + ".", stacklevel=2)
+    return cache
+
+
+def reuse_autocache(cache: AutoCache, *, stack: BlockStack, module: nn.Module, include_pre: bool) -> AutoCache:
+    """validate / test / predict after ``fit`` on the same stack: the fit's AutoCache, so that its current store (the
+    entries stay in memory after the fit), its index namespace and its counters carry on; attached to this call's
+    view of the stack (served wherever the keys and the prefix match: the watch compares the prefix first)."""
+    cache.order_pending = lambda: stack.provisional
+    stack.when_refined(cache.boundaries.check_deferred)
+    if include_pre:
+        cache.attach(stack, module)
     return cache
 
 

@@ -7,19 +7,54 @@ first freeze.
 
 The indices are read on the host: :meth:`BatchIndices.remember` takes them from the loader's batch
 before it goes to the device, so that :meth:`BatchIndices.read` need not wait for the device copy.
+
+An index names a sample, not its input: a random augmentation or masking in the Dataset or the
+collate function gives the same index another input every epoch, and an index key would serve the
+activations of its first view. So a fixed subset of the samples (about one in
+:data:`PROBE_EVERY`, chosen by a hash of the index, the same every pass) is probed: a digest of its
+batch entries (every per-sample tensor but ``index``), taken from the loader's host batch (no wait
+for a device), compared with the digest of its first pass. A sample whose input changed stops the
+run before its stale activation can be served, naming the augmentation (:class:`InputChanged`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lightning_pipetransformer.cache.keys import index_keys
 
-__all__ = ["BatchIndices"]
+__all__ = ["PROBE_EVERY", "BatchIndices", "InputChanged", "probed"]
+
+#: About one sample in this many has its input's digest compared between passes (two per batch of 32).
+PROBE_EVERY = 16
+
+
+class InputChanged(ValueError):
+    """``cache_key='index'``: a sample's input differs from its first pass (augmentation or random masking)."""
+
+
+def probed(index: int) -> bool:
+    """Whether sample ``index`` is probed (the same samples every pass; a multiplicative hash, not ``index % n``,
+    so that indices with a stride do not all fall in or out)."""
+    return (index * 0x9E3779B97F4A7C15) % 2**64 * PROBE_EVERY < 2**64  # the product's top bits: well mixed
+
+
+def _row_digest(batch: dict[str, Any], row: int, size: int) -> bytes:
+    """16 bytes over row ``row`` of every per-sample tensor of ``batch`` but ``index`` (host or device)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(k for k in batch if k != "index"):
+        value = batch[name]
+        if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == size:
+            sample = value[row].detach().cpu().contiguous().reshape(-1)
+            h.update(f"{name}|{sample.dtype}|{tuple(value.shape[1:])}".encode())
+            h.update(sample.view(torch.uint8).numpy().tobytes())
+    return h.digest()
 
 
 class BatchIndices:
@@ -31,8 +66,10 @@ class BatchIndices:
         #: Per loader (``f"{stage}{dataloader_idx}"``): the indices of its current pass.
         self._seen: dict[str, set[int]] = {}
         #: The last batch's indices as the loader gave them (host ints), by the device tensor made from them,
-        #: its version counter then, and the ints (:meth:`remember`).
-        self._host: tuple[weakref.ref[Tensor], int, list[int]] | None = None
+        #: its version counter then, the ints and the probed samples' digests from the host batch (:meth:`remember`).
+        self._host: tuple[weakref.ref[Tensor], int, list[int], dict[int, bytes]] | None = None
+        #: Per loader: the digest of each probed sample's input at its first pass.
+        self._first: dict[str, dict[int, bytes]] = {}
 
     def remember(self, before: Any, after: Any) -> None:
         """The indices of a batch the loader gave (``before``, on the host) by the device copy ``after`` holds.
@@ -50,14 +87,16 @@ class BatchIndices:
             return  # read() says what is wrong with them
         if moved.is_inference():
             return  # validate/test/predict under inference_mode: no version counter to tell a change
-        self._host = (weakref.ref(moved), moved._version, raw.reshape(-1).tolist())
+        values = raw.reshape(-1).tolist()
+        digests = {i: _row_digest(before, row, len(values)) for row, i in enumerate(values) if isinstance(i, int) and probed(i)}
+        self._host = (weakref.ref(moved), moved._version, values, digests)
 
-    def _host_copy(self, raw: Tensor) -> list[int] | None:
-        """The host ints :meth:`remember` kept for ``raw``, if ``raw`` is that device tensor and unchanged."""
+    def _host_copy(self, raw: Tensor) -> tuple[list[int], dict[int, bytes]] | None:
+        """The host ints and probe digests :meth:`remember` kept for ``raw``, if ``raw`` is that device tensor, unchanged."""
         if self._host is None:
             return None
-        ref, version, values = self._host
-        return values if ref() is raw and raw._version == version else None
+        ref, version, values, digests = self._host
+        return (values, digests) if ref() is raw and raw._version == version else None
 
     def read(
         self, batch: Any, namespace: str, loader: str, batch_idx: int | None, refuse: Callable[[Exception], None],
@@ -72,15 +111,33 @@ class BatchIndices:
                 f"got a {type(batch).__name__} batch. Add the index in your Dataset/collate_fn, or use cache_key='content'."
             )
         raw = batch["index"]
+        digests: dict[int, bytes] | None = None
         if isinstance(raw, Tensor) and not (raw.is_floating_point() or raw.is_complex()):
             # The loader's host copy when the batch came through the strategy; else read once (a wait on a GPU).
             host = self._host_copy(raw)
-            raw = host if host is not None else raw.reshape(-1).tolist()
+            raw, digests = host if host is not None else (raw.reshape(-1).tolist(), None)
         keys = index_keys(raw, namespace)  # says what is wrong with indices that are not ints
         error = self._repeated(list(raw), loader, batch_idx)
+        if digests is None:  # no host copy: the probed rows of the batch as the forward gets it (read with the indices)
+            digests = {i: _row_digest(batch, row, len(raw)) for row, i in enumerate(raw) if probed(i)}
+        error = error or self._changed(digests, loader)
         if error is not None:
             refuse(error)
         return keys
+
+    def _changed(self, digests: dict[int, bytes], loader: str) -> InputChanged | None:
+        """The error for a probed sample whose input differs from its first pass over ``loader``."""
+        first = self._first.setdefault(loader, {})
+        for index, digest in digests.items():
+            before = first.setdefault(index, digest)
+            if before != digest:
+                return InputChanged(
+                    f"cache_key='index': sample {index} of the {loader} loader came with another input than in an earlier "
+                    "pass (a random augmentation or masking in the Dataset or collate_fn?). Index keys name the sample, "
+                    "not its input: its first view's activations would be served instead. Use cache_key='content' "
+                    "(exact: a changed input misses and is computed), or make the input the same every epoch."
+                )
+        return None
 
     def _repeated(self, indices: list[int], loader: str, batch_idx: int | None) -> ValueError | None:
         """The error for an index repeated in the batch, or already seen in this pass over ``loader``.

@@ -33,6 +33,7 @@ __all__ = [
     "FORMAT_VERSION",
     "NondeterministicPrefixError",
     "check_deterministic",
+    "config_lines",
     "nondeterministic_reasons",
     "prefix_fingerprint",
     "prefix_modules",
@@ -73,7 +74,7 @@ def _is_plain(value: object) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
 
 
-def _config_lines(name: str, module: nn.Module) -> Iterable[str]:
+def config_lines(name: str, module: nn.Module) -> Iterable[str]:
     """Plain attributes of every submodule: hyper-parameters that weights do not show (heads, eps)."""
     for sub_name, sub in module.named_modules(prefix=name):
         # Only plain values: the repr of an arbitrary object may hold its address, which
@@ -126,7 +127,7 @@ def prefix_fingerprint(
     feed(f"boundary={num_frozen} include_pre={include_pre} stack={stack.path} extra={extra}")
     tensors: list[tuple[str, Tensor]] = []
     for name, module in prefix_modules(stack, num_frozen, include_pre):
-        for line in _config_lines(name, module):
+        for line in config_lines(name, module):
             feed(line)
         tensors += [(f"{name}.{n}", p) for n, p in module.named_parameters(recurse=True)]
         # Non-persistent buffers (position ids) change outputs too.

@@ -29,13 +29,17 @@ What the cache then does (stand aside for the pass, move the boundary) is the ca
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import hashlib
+import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as torch_module
 
-from lightning_pipetransformer.cache.validity import stochastic_reasons, stochastic_when_training, trainable_names
+from lightning_pipetransformer.cache.keys import tensor_digest
+from lightning_pipetransformer.cache.validity import config_lines, stochastic_reasons, stochastic_when_training, trainable_names
 from lightning_pipetransformer.stack.observers import keeps_values
 
 __all__ = ["PrefixChange", "PrefixWatch"]
@@ -75,6 +79,17 @@ def _version(tensor: Tensor) -> int:
     return -1 if tensor.is_inference() else tensor._version
 
 
+def _bits(tensor: Tensor) -> int | bytes:
+    """A checksum of a tensor's bits: CRC-32 on the host (twice BLAKE2b's speed; a change, not an attack, is what it
+    must see), the device hash elsewhere (16 bytes cross to the host, not the tensor)."""
+    t = tensor.detach()
+    if t.device.type == "meta":
+        return 0
+    if t.device.type != "cpu":
+        return tensor_digest(t)
+    return zlib.crc32(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+
 def _listed(names: Sequence[str]) -> str:
     shown = ", ".join(names[:_LISTED])
     return shown + (f" and {len(names) - _LISTED} more" if len(names) > _LISTED else "")
@@ -86,8 +101,8 @@ class PrefixWatch:
     def __init__(self) -> None:
         self._modules: list[tuple[str, nn.Module]] = []
         self._tensors: list[tuple[str, Tensor]] = []
-        self._fingerprint: Callable[[], str] | None = None
-        self._expected = ""
+        #: The prefix's content when armed: a digest of its modules' configuration, and each tensor's checksum by name.
+        self._content: tuple[bytes, dict[str, int | bytes]] = (b"", {})
         #: The reference walk (``None``: not armed) and what it was made of, by id.
         self._walk: tuple | None = None
         #: The last walk judged, and the verdict on it: kept until the walk moves or a full check judges again
@@ -106,18 +121,14 @@ class PrefixWatch:
     def armed(self) -> bool:
         return self._walk is not None
 
-    def arm(
-        self, modules: Sequence[tuple[str, nn.Module]], tensors: Sequence[tuple[str, Tensor]], fingerprint: Callable[[], str],
-        expected: str,
-    ) -> None:
-        """Take the prefix as it is now as the reference.
+    def arm(self, modules: Sequence[tuple[str, nn.Module]], tensors: Sequence[tuple[str, Tensor]] = ()) -> None:
+        """Take the prefix as it is now as the reference (one pass over its weights, as at a pass start).
 
         ``modules``: :func:`~lightning_pipetransformer.cache.validity.prefix_modules` of the store's boundary;
-        ``tensors``: loose parameters before the stack (``pre_params``); ``fingerprint()``: the prefix's
-        fingerprint now, as the store was named (``expected``).
+        ``tensors``: loose parameters before the stack (``pre_params``).
         """
         self._modules, self._tensors = list(modules), list(tensors)
-        self._fingerprint, self._expected = fingerprint, expected
+        self._content = self._read_content()
         self._sensitive = {
             id(sub) for name, root in self._modules for sub_name, sub in root.named_modules(prefix=name)
             if stochastic_when_training(sub_name, sub) is not None
@@ -132,12 +143,12 @@ class PrefixWatch:
 
     def disarm(self) -> None:
         self._walk = self._seen = self._verdict = None
-        self._modules, self._tensors, self._fingerprint = [], [], None
+        self._modules, self._tensors, self._content = [], [], (b"", {})
 
     def changed(self, full: bool = False) -> PrefixChange | None:
         """What changed since :meth:`arm` (``None``: nothing, the entries may be served).
 
-        ``full``: compare the weights' bits too (at a pass start); otherwise they are hashed only when the
+        ``full``: compare the weights' bits too (at a pass start); otherwise they are read only when the
         cheap walk moved.
         """
         if self._walk is None:
@@ -152,12 +163,33 @@ class PrefixWatch:
         reasons = self._structural_reasons()
         if reasons:
             return PrefixChange(tuple(reasons), structural=True)
-        assert self._fingerprint is not None
         self.fingerprints += 1
-        if self._fingerprint() == self._expected:
+        config, bits = self._read_content()
+        if config == self._content[0] and bits == self._content[1]:
             self._walk = walk  # the same function as the entries' (same bits, grads, modes, hooks): the new reference
             return None
-        return PrefixChange((self._value_reason(walk),), structural=False)
+        if config != self._content[0]:
+            return PrefixChange(("a frozen module's configuration changed (an attribute such as eps, or its config)",), structural=False)
+        changed = [name for name, value in bits.items() if self._content[1].get(name) != value]
+        return PrefixChange((self._value_reason(walk, changed),), structural=False)
+
+    def _read_content(self) -> tuple[bytes, dict[str, int | bytes]]:
+        config = hashlib.blake2b(digest_size=16)
+        for name, module in self._modules:
+            for line in config_lines(name, module):
+                config.update(line.encode())
+        bits: dict[str, int | bytes] = {}
+        seen: set[int] = set()
+        for name, module in self._modules:
+            for tname, tensor in [*module.named_parameters(prefix=name), *module.named_buffers(prefix=name)]:
+                if id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    bits[tname] = _bits(tensor)
+        for name, tensor in self._tensors:
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                bits[name] = _bits(tensor)
+        return config.digest(), bits
 
     # ------------------------------------------------------------------ the walk
 
@@ -223,14 +255,14 @@ class PrefixWatch:
             reasons.append("the global module forward hooks changed")
         return reasons
 
-    def _value_reason(self, walk: tuple) -> str:
-        """The weights' bits differ from the store's: name what was written in place, if the version counters saw it."""
+    def _value_reason(self, walk: tuple, changed: list[str]) -> str:
+        """The weights' bits differ from the entries': name them, and whether a version counter saw the write."""
         assert self._walk is not None
         before = {item[0]: item for item in self._walk[1:]}
-        written = [self._names[item[0]] for item in walk[1:] if before.get(item[0]) != item and item[0] in self._names]
-        if written:
-            return f"{_listed(written)} written in place since (a weight edit, load_state_dict or a weight swap), and the weights' bits differ"
-        return (
-            "the frozen weights' values differ from those the entries were computed with, written where version counters "
-            "do not see it (param.data.copy_, as Lightning's EMA/SWA weight averaging swaps weights)"
+        seen = any(before.get(item[0]) != item for item in walk[1:] if item[0] in self._names)
+        how = (
+            "written in place (a weight edit, load_state_dict or a weight swap)" if seen
+            else "written where no version counter sees it (param.data.copy_, as Lightning's EMA/SWA weight averaging swaps "
+            "weights in and out)"
         )
+        return f"the values of {_listed(changed)} differ from those the entries were computed with, {how}"

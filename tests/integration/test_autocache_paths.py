@@ -238,25 +238,30 @@ class WithTest(Classifier):
         self.validation_step(batch, batch_idx)
 
 
-def test_validate_test_predict_after_fit_with_cache(tmp_path):
-    # Each call after fit opens boundary 3 again (a new store): on disk, it finds the entries the
-    # fit's validation stored there (content keys, same frozen weights) and is served from them.
-    module, trainer, _ = fit("bert", cached(tmp_path, cache_memory=0), module=WithTest("bert"))
+@pytest.mark.parametrize("memory", [4 * 2**30, 0])  # the entries in memory, or all on disk
+def test_validate_test_predict_after_fit_with_cache(tmp_path, memory):
+    # Each call after fit goes on with the fit's cache: its current store (boundary 3), whose entries the fit's
+    # validation stored, in memory or on disk (content keys, same frozen weights): served from them. The fit's
+    # counters are kept (cache_stats_by_stage["fit"]); each call's own are beside them.
+    module, trainer, _ = fit("bert", cached(tmp_path, cache_memory=memory), module=WithTest("bert"))
     plain_module, plain_trainer, _ = fit("bert", "auto", module=WithTest("bert"))
+    fitted = dict(trainer.strategy.cache_stats_by_stage["fit"])
+    assert fitted["autocache/hits"] > 0
     val = data_for("bert", n=16, seed=7)
     for method in ("validate", "test"):
         got = getattr(trainer, method)(module, val, verbose=False)[0]["val_loss"]
         want = getattr(plain_trainer, method)(plain_module, val, verbose=False)[0]["val_loss"]
         assert got == pytest.approx(want, rel=1e-5)
-        stats = assert_served(trainer, at_least=16)
-        assert stats["autocache/misses"] == 0
+        stats = trainer.strategy.cache_stats_by_stage[method]
+        assert stats["autocache/hits"] == 16 and stats["autocache/misses"] == 0, stats
     got = trainer.predict(module, val)
     want = plain_trainer.predict(plain_module, val)
     assert len(got) == len(want) == 2
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
-    stats = assert_served(trainer, at_least=16)
-    assert stats["autocache/misses"] == 0
+    stats = trainer.strategy.cache_stats_by_stage["predict"]
+    assert stats["autocache/hits"] == 16 and stats["autocache/misses"] == 0 and stats["autocache/boundary"] == 3
+    assert trainer.strategy.cache_stats_by_stage["fit"] == fitted  # the training's counters, kept
 
 
 # ---------------------------------------------------------------------------- model and data variants

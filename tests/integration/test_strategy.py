@@ -321,22 +321,34 @@ def test_index_keys_after_a_transfer_hook_that_reorders_the_rows(tmp_path):
     assert cached_losses == pytest.approx(plain_losses, rel=1e-5, abs=1e-6)
 
 
-def test_random_augmentation_misses_under_content_keys_and_reuses_a_view_under_index_keys(tmp_path):
-    # The documented difference (docs/cache.md): content keys stay exact, index keys serve the
-    # first augmented view of each sample in later epochs, which changes training.
+def test_random_augmentation_misses_under_content_keys_and_stops_index_keys(tmp_path):
+    # Content keys stay exact (an augmented input misses). Index keys name the sample, not its input: a probed
+    # sample whose input changed between epochs stops the run before its first view's activations are served.
+    from lightning_pipetransformer.cache.indices import InputChanged
+
     plain, _, _ = fit_indexed("auto", indexed_text(augment=True))
     by_content, trainer, _ = fit_indexed(
         PipeTransformerStrategy(cache=True, cache_dir=str(tmp_path / "content")), indexed_text(augment=True)
     )
     assert trainer.strategy.cache_stats["autocache/misses"] > 0
     assert_state_close(by_content.state_dict(), plain.state_dict(), rtol=1e-4, atol=1e-5)
-    by_index, trainer, _ = fit_indexed(
-        PipeTransformerStrategy(cache=True, cache_key="index", cache_dir=str(tmp_path / "index")),
-        indexed_text(augment=True),
+    strategy = PipeTransformerStrategy(cache=True, cache_key="index", cache_dir=str(tmp_path / "index"))
+    with pytest.raises(InputChanged, match="augmentation or masking.*cache_key='content'"):
+        fit_indexed(strategy, indexed_text(augment=True))
+    assert strategy.cache_stats["autocache/hits"] == 0  # stopped before anything stale was served
+
+
+def test_index_keys_probe_unchanged_inputs_without_complaint(tmp_path):
+    # The same samples, shuffled, every epoch: the probes match, the cache serves, and the run equals the plain one.
+    from lightning_pipetransformer.cache.indices import probed
+
+    assert sum(probed(i) for i in range(24)) >= 1  # at least one of these samples is probed every pass
+    cached, trainer, _ = fit_indexed(
+        PipeTransformerStrategy(cache=True, cache_key="index", cache_dir=str(tmp_path)), indexed_text(shuffle=True)
     )
-    assert trainer.strategy.cache_stats["autocache/hits"] >= 2 * 24
-    head = "model.classifier.weight"
-    assert not torch.allclose(by_index.state_dict()[head], plain.state_dict()[head], rtol=1e-4, atol=1e-5)
+    plain, _, _ = fit_indexed("auto", indexed_text(shuffle=True))
+    assert trainer.strategy.cache_stats["autocache/hits"] > 0
+    assert_state_close(cached.state_dict(), plain.state_dict(), rtol=1e-4, atol=1e-5)
 
 
 def test_cache_with_trainable_embeddings_and_with_everything_frozen(tmp_path):
