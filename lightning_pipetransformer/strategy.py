@@ -597,7 +597,13 @@ class PipeTransformerStrategy(ProcessLayout):
         if cache is not None:
             cache.retire()  # every rank: the boundary opens again on all of them together
         self._synced_boundary = None
-        self.transition(trainer, _autofreeze_of(trainer))
+        autofreeze = _autofreeze_of(trainer)
+        self.transition(trainer, autofreeze)
+        replicas = self.plan.active_ranks if self.plan is not None else ()
+        if frozen_now < plan.num_frozen and len(replicas) > 1 and self.is_active:
+            # A replica that joined while these blocks were frozen holds no optimizer state for them (it was not sent):
+            # every replica takes rank 0's now, or their updates of the thawed blocks would differ.
+            self._send_state(trainer, autofreeze, tuple(r for r in replicas if r != 0), PhaseClock())
         if cache is not None and self.plan is plan:  # nothing rebuilt: reopen the same boundary, on every rank together
             self.engine.apply(plan, active=self.is_active, devices=self.stage_devices, defer_boundary=True)
             self._synced_boundary = None

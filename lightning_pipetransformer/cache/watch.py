@@ -103,6 +103,8 @@ class PrefixWatch:
         self._tensors: list[tuple[str, Tensor]] = []
         #: The prefix's content when armed: a digest of its modules' configuration, and each tensor's checksum by name.
         self._content: tuple[bytes, dict[str, int | bytes]] = (b"", {})
+        self.trainable: frozenset[str] = frozenset()
+        self._trainable_ids: set[int] = set()
         #: The reference walk (``None``: not armed) and what it was made of, by id.
         self._walk: tuple | None = None
         #: The last walk judged, and the verdict on it: kept until the walk moves or a full check judges again
@@ -128,6 +130,11 @@ class PrefixWatch:
         ``tensors``: loose parameters before the stack (``pre_params``).
         """
         self._modules, self._tensors = list(modules), list(tensors)
+        # What trains when armed (a store that opens while the embeddings train serves nothing until they freeze): its
+        # values change every step by design, so only its requires_grad is watched.
+        self.trainable = frozenset(trainable_names(self._modules, self._tensors))
+        self._trainable_ids = {id(p) for _, m in self._modules for p in m.parameters() if p.requires_grad}
+        self._trainable_ids |= {id(t) for _, t in self._tensors if t.requires_grad}
         self._content = self._read_content()
         self._sensitive = {
             id(sub) for name, root in self._modules for sub_name, sub in root.named_modules(prefix=name)
@@ -136,8 +143,6 @@ class PrefixWatch:
         self._names = self._structure()
         self._hooks = {id(sub): _hooks(sub) for _, root in self._modules for sub in root.modules()}
         self._global = _global_hooks()
-        #: What trained when armed (a store that opens while the embeddings train serves nothing until they freeze).
-        self.trainable = frozenset(trainable_names(self._modules, self._tensors))
         self._walk = self._seen = self._take()
         self._verdict = None
 
@@ -182,11 +187,11 @@ class PrefixWatch:
         seen: set[int] = set()
         for name, module in self._modules:
             for tname, tensor in [*module.named_parameters(prefix=name), *module.named_buffers(prefix=name)]:
-                if id(tensor) not in seen:
+                if id(tensor) not in seen and id(tensor) not in self._trainable_ids:
                     seen.add(id(tensor))
                     bits[tname] = _bits(tensor)
         for name, tensor in self._tensors:
-            if id(tensor) not in seen:
+            if id(tensor) not in seen and id(tensor) not in self._trainable_ids:
                 seen.add(id(tensor))
                 bits[name] = _bits(tensor)
         return config.digest(), bits
@@ -204,13 +209,16 @@ class PrefixWatch:
                 seen.add(id(sub))
                 items.append((id(sub), sub.training if id(sub) in self._sensitive else None, _hooks(sub)))
                 for param in sub._parameters.values():
-                    if param is not None:
+                    if param is not None and id(param) in self._trainable_ids:
+                        items.append((id(param), param.requires_grad))
+                    elif param is not None:
                         items.append((id(param), param.requires_grad, _version(param), param.data_ptr()))
                 for buffer in sub._buffers.values():
                     if buffer is not None:
                         items.append((id(buffer), buffer.data_ptr()))
         for _, tensor in self._tensors:
-            items.append((id(tensor), tensor.requires_grad, _version(tensor), tensor.data_ptr()))
+            trains = id(tensor) in self._trainable_ids
+            items.append((id(tensor), tensor.requires_grad) if trains else (id(tensor), tensor.requires_grad, _version(tensor), tensor.data_ptr()))
         return tuple(items)
 
     def _structure(self) -> dict[int, str]:

@@ -418,7 +418,23 @@ class AutoFreeze(Callback):
                 f"nothing will be frozen. Use {fix}."
             )
 
+    def _follow_thaws(self) -> None:
+        """Blocks it froze that other code made trainable again (a callback's ``requires_grad_(True)``, Lightning's
+        ``BaseFinetuning.unfreeze_and_add_param_group``): counted as active again, so that AutoFreeze neither keeps
+        them in eval mode nor ignores their gradients (its rule may freeze them again at a later point), and a
+        replica that takes its state (AutoDP) does not freeze them back."""
+        if self.stack is None or not self.num_frozen:
+            return
+        frozen_now = untrainable_prefix(self.stack)
+        if frozen_now < self.num_frozen:
+            rank_zero_info(
+                f"AutoFreeze: blocks {frozen_now}..{self.num_frozen - 1} train again (other code unfroze them): counted as "
+                f"active from here on ({frozen_now}/{self.num_blocks} frozen)."
+            )
+            self.num_frozen = frozen_now
+
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._follow_thaws()
         changed = 0
         if self.freeze_interval is None:
             if self._decides_here(trainer):
@@ -444,6 +460,7 @@ class AutoFreeze(Callback):
                 self._tell_strategy(trainer, epoch_start=False, changed=changed)  # one process: the plan follows inside the epoch
         # A user's `model.train()` (e.g. in on_validation_model_train) would re-enable dropout in
         # frozen blocks; one attribute read per frozen module puts that right.
+        self._follow_thaws()
         if self.stack is not None and self.num_frozen:
             ensure_frozen_eval(self.stack, self.num_frozen, self._pre_applies())
         self._observe_order(pl_module)

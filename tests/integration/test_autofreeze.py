@@ -199,3 +199,28 @@ def test_user_train_call_does_not_unfreeze_dropout_mode():
         module, loader(text_dataset(16)), loader(text_dataset(8))
     )
     assert modes == [True, True, False, False]
+
+
+def test_a_block_other_code_unfreezes_counts_as_active_again():
+    """A callback unfreezes a block AutoFreeze froze: AutoFreeze stops keeping it in eval mode and counts it active
+    (so that its rule watches it, and a replica taking its state does not freeze it back); its next point may freeze
+    it again (the schedule does, here)."""
+    from tests.helpers.lightning_models import Classifier, data_for
+
+    class Unfreeze(Callback):
+        def __init__(self) -> None:
+            self.seen: list[tuple[int, int, bool]] = []
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            block = pl_module.model.bert.encoder.layer[2]
+            if trainer.current_epoch == 3:
+                block.requires_grad_(True).train()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 0:
+                block = pl_module.model.bert.encoder.layer[2]
+                self.seen.append((trainer.current_epoch, freeze.num_frozen, block.training))
+
+    freeze, watch = AutoFreeze(schedule={1: 1, 2: 3}), Unfreeze()
+    cpu_trainer("auto", [freeze, watch], max_epochs=5).fit(Classifier("bert"), data_for("bert"))
+    assert watch.seen == [(0, 0, True), (1, 1, True), (2, 3, False), (3, 2, True), (4, 3, False)]

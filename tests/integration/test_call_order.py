@@ -321,8 +321,8 @@ def test_without_autofreeze_a_module_run_before_and_after_the_stack_stays_outsid
 
 def test_without_autofreeze_a_trainable_module_run_before_and_after_the_stack_keeps_the_cache_from_serving(tmp_path):
     """Kept outside the prefix, the module still feeds the frozen blocks: while it trains a cached boundary
-    is stale (index keys do not see it change), so the cache refuses as for a trainable prefix."""
-    from lightning_pipetransformer.cache.validity import NondeterministicPrefixError
+    would be stale (index keys do not see it change, in validation neither), so the cache never serves while it
+    trains: said once, exact, nothing served."""
     from tests.helpers.lightning_models import Classifier, indexed_text, inputs_and_labels
 
     class EmbedsInTheLossToo(Classifier):
@@ -331,14 +331,18 @@ def test_without_autofreeze_a_trainable_module_run_before_and_after_the_stack_ke
             loss = torch.nn.functional.cross_entropy(self(x), y)
             return loss + 0.5 * self.model.bert.embeddings(input_ids=x).pow(2).mean()
 
-    module = EmbedsInTheLossToo("bert")
-    for block in module.model.bert.encoder.layer[:2]:
-        block.requires_grad_(False).eval()
+    def fitted(strategy):
+        module = EmbedsInTheLossToo("bert")
+        for block in module.model.bert.encoder.layer[:2]:
+            block.requires_grad_(False).eval()
+        cpu_trainer(strategy, max_epochs=3).fit(module, indexed_text(), indexed_text(seed=5))
+        return module
+
     strategy = PipeTransformerStrategy(cache=True, cache_key="index", cache_dir=str(tmp_path))
-    trainer = cpu_trainer(strategy, max_epochs=2)
-    with pytest.raises(NondeterministicPrefixError, match="model.bert.embeddings.word_embeddings.weight still requires grad"):
-        trainer.fit(module, indexed_text(), indexed_text(seed=5))
+    with pytest.warns(UserWarning, match="model.bert.embeddings.*still require.*grad.*nothing to cache"):
+        cached = fitted(strategy)
     assert [p for p, _ in strategy.stack.feeds] == ["model.bert.embeddings"]
-    # Refused when the boundary first opens, at the second forward (the first learns the call order, computing
-    # without the cache): no cached value was ever used.
-    assert trainer.global_step == 1, trainer.global_step
+    assert strategy.cache_stats["autocache/hits"] == 0 and strategy.cache_stats["autocache/batches_bypassed"] > 0
+    from tests.helpers.compare import assert_state_close
+
+    assert_state_close(cached.state_dict(), fitted("auto").state_dict(), rtol=1e-4, atol=1e-5)

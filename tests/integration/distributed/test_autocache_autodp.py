@@ -112,3 +112,31 @@ def check_cache_on_equals_off_and_shared(on: list[dict], off: list[dict], cache_
     assert directory.name == on[0]["epochs"][2]["cache_directory"]
     files = list(directory.glob("*.safetensors"))
     assert len(files) == stored_at_2 and all(f.stat().st_mode & 0o077 == 0 for f in files)
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 60)
+def test_a_block_unfrozen_at_an_epoch_start_is_followed_by_every_rank(tmp_path):
+    """A callback unfreezes block 2 at epoch 3's start (4 replicas since epoch 2, which joined while it was frozen):
+    every rank re-plans together at that epoch's first step (boundary 3 -> 2, K stays 1), the cache re-opens on
+    every rank, the replicas receive rank 0's optimizer state for the thawed block, and cache on == cache off with
+    every replica identical."""
+    launch(tmp_path / "off", "--cache", "0", "--epochs", "5", "--unfreeze-at", "3")
+    launch(tmp_path / "on", "--cache", "1", "--epochs", "5", "--unfreeze-at", "3")
+    off, on = results(tmp_path / "off"), results(tmp_path / "on")
+    for run in (off, on):
+        for result in run[1:]:
+            for key, value in run[0]["state"].items():
+                torch.testing.assert_close(result["state"][key], value, rtol=0, atol=0, msg=key)
+    for key, value in off[0]["state"].items():
+        torch.testing.assert_close(on[0]["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    for run in (off, on):  # block 2 is frozen in epoch 2 and trains again from epoch 3 on, on every rank
+        for result in run:
+            epochs = result["epochs"]
+            assert epochs[2]["block2_end"] == epochs[2]["block2_start"]
+            assert epochs[3]["block2_end"] != epochs[3]["block2_start"]
+    # Engaged: the boundary re-opened at 2 on every rank and filled in epoch 3; the schedule freezes block 2 again at
+    # epoch 4, where the ranks advance those entries into boundary 3 together and are served.
+    assert [stat(r["epochs"][3], "boundary") for r in on] == [2.0] * WORLD
+    assert sum(stat(r["epochs"][3], "stored") for r in on) > 0
+    assert [stat(r["epochs"][4], "boundary") for r in on] == [3.0] * WORLD
+    assert all(stat(r["epochs"][4], "hits") > 0 for r in on)

@@ -39,18 +39,34 @@ class Record(Callback):
         plan = trainer.strategy.plan
         self.epochs[trainer.current_epoch] = {
             "pipe_len": plan.pipe_len, "replicas": plan.num_replicas, "active": trainer.strategy.is_active,
-            "num_frozen": plan.num_frozen,
+            "num_frozen": plan.num_frozen, "block2_start": _block2_sum(pl_module),
         }
 
     def on_train_epoch_end(self, trainer, pl_module):
         strategy = trainer.strategy
         record = self.epochs[trainer.current_epoch]
         record["cache"] = strategy.cache_stats
+        record["block2_end"] = _block2_sum(pl_module)
         record["val_loss"] = float(trainer.callback_metrics["val_loss"])
         cache = getattr(strategy, "autocache", None)
         store = cache.store if cache is not None else None
         record["cache_directory"] = store.directory.name if store is not None else None
         record["memory_budget"] = cache.memory_budget if cache is not None else None
+
+
+def _block2_sum(pl_module) -> float:
+    return float(sum(p.detach().double().sum() for p in pl_module.model.bert.encoder.layer[2].parameters()))
+
+
+class UnfreezeBlock2(Callback):
+    """At the start of ``epoch``: block 2 (frozen at epoch 2) trains again, as a user's callback would unfreeze it."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == self.epoch:
+            pl_module.model.bert.encoder.layer[2].requires_grad_(True)
 
 
 def main() -> None:
@@ -60,6 +76,7 @@ def main() -> None:
     parser.add_argument("--key", choices=("content", "index"), default="content")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--unfreeze-at", type=int, default=None, help="epoch whose start unfreezes block 2")
     args = parser.parse_args()
     out = Path(args.out)
     rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -73,7 +90,8 @@ def main() -> None:
     )
     trainer = pl.Trainer(
         accelerator="cpu", devices=4, strategy=strategy, max_epochs=args.epochs,
-        callbacks=[AutoFreeze(schedule=SCHEDULE), record], logger=False, enable_checkpointing=False,
+        callbacks=[AutoFreeze(schedule=SCHEDULE), *([UnfreezeBlock2(args.unfreeze_at)] if args.unfreeze_at else []), record],
+        logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
     train = DataLoader(IndexedDataset(text_dataset(NUM_SAMPLES)), batch_size=8, shuffle=False)
