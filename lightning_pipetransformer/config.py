@@ -31,8 +31,9 @@ class CacheConfig:
     key: Literal["content", "index"] = "content"
     """`"content"`: a 128-bit fingerprint of each sample's input to the frozen prefix. This is
     exact: an augmented or masked input just misses. `"index"`: the `index` entry of a dict
-    batch. This is the paper's choice and is faster, but it reuses the first augmented view it
-    saw, which changes training when augmentation is random."""
+    batch. This is the paper's choice and is faster, for inputs that are the same every epoch: a
+    probed sample whose input changed (random augmentation or masking) stops the run before its
+    first view's activations are served (`InputChanged`)."""
 
     dir: str | None = None
     """node-local directory for entries beyond the memory budget; default

@@ -55,5 +55,7 @@ class FirstHitCheck:
         return StaleCacheError(
             "AutoCache returned an activation that differs from recomputing the frozen prefix: something "
             "other than the embeddings' inputs and the blocks' arguments feeds the frozen blocks (a trainable "
-            "module before the stack, or randomness in the forward). Turn caching off (cache=False)."
+            "module before the stack, or randomness in the forward), or the frozen weights were written through "
+            "param.data inside a training epoch (unseen by version counters until the next pass start: write them "
+            "under torch.no_grad() instead). Turn caching off (cache=False) if the forward itself is the cause."
         )
