@@ -52,14 +52,9 @@ _LISTED = 3
 
 @dataclass(frozen=True)
 class PrefixChange:
-    """What changed in the prefix since its entries were computed, in words.
-
-    ``structural``: something other than weight values (unfrozen, a stochastic module in train mode,
-    an object replaced, a hook): the prefix is no longer the frozen function it was.
-    """
+    """What changed in the prefix since its entries were computed, in words."""
 
     reasons: tuple[str, ...]
-    structural: bool
 
     def describe(self) -> str:
         return "; ".join(self.reasons)
@@ -116,8 +111,8 @@ class PrefixWatch:
         self._global: tuple[int, ...] = ()
         #: Modules whose training flag changes what they compute (dropout, batch statistics): only theirs is watched.
         self._sensitive: set[int] = set()
-        #: How many times :meth:`changed` hashed the weights (pass starts, and a cheap walk that moved).
-        self.fingerprints = 0
+        #: How many times :meth:`changed` read the weights' checksums (pass starts, and a cheap walk that moved).
+        self.content_reads = 0
 
     @property
     def armed(self) -> bool:
@@ -167,16 +162,16 @@ class PrefixWatch:
     def _judge(self, walk: tuple) -> PrefixChange | None:
         reasons = self._structural_reasons()
         if reasons:
-            return PrefixChange(tuple(reasons), structural=True)
-        self.fingerprints += 1
+            return PrefixChange(tuple(reasons))
+        self.content_reads += 1
         config, bits = self._read_content()
         if config == self._content[0] and bits == self._content[1]:
             self._walk = walk  # the same function as the entries' (same bits, grads, modes, hooks): the new reference
             return None
         if config != self._content[0]:
-            return PrefixChange(("a frozen module's configuration changed (an attribute such as eps, or its config)",), structural=False)
+            return PrefixChange(("a frozen module's configuration changed (an attribute such as eps, or its config)",))
         changed = [name for name, value in bits.items() if self._content[1].get(name) != value]
-        return PrefixChange((self._value_reason(walk, changed),), structural=False)
+        return PrefixChange((self._value_reason(walk, changed),))
 
     def _read_content(self) -> tuple[bytes, dict[str, int | bytes]]:
         config = hashlib.blake2b(digest_size=16)
