@@ -45,16 +45,20 @@ def probed(index: int) -> bool:
     return (index * 0x9E3779B97F4A7C15) % 2**64 * PROBE_EVERY < 2**64  # the product's top bits: well mixed
 
 
-def _row_digest(batch: dict[str, Any], row: int, size: int) -> bytes:
-    """16 bytes over row ``row`` of every per-sample tensor of ``batch`` but ``index`` (host or device)."""
+def _row_digest(batch: dict[str, Any], row: int, size: int) -> tuple[tuple[tuple[int, ...], ...], bytes]:
+    """Row ``row`` of every per-sample tensor of ``batch`` but ``index`` (host or device): its shapes, and 16 bytes over
+    its bits. Compared only between rows of the same shapes: with padding to each batch's longest sample a sample's row
+    changes length with its batch-mates, which the key sees (the attention mask is hashed in) and a probe must not."""
     h = hashlib.blake2b(digest_size=16)
+    shapes: list[tuple[int, ...]] = []
     for name in sorted(k for k in batch if k != "index"):
         value = batch[name]
         if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == size:
+            shapes.append(tuple(value.shape[1:]))
             sample = value[row].detach().cpu().contiguous().reshape(-1)
-            h.update(f"{name}|{sample.dtype}|{tuple(value.shape[1:])}".encode())
+            h.update(f"{name}|{sample.dtype}".encode())
             h.update(sample.view(torch.uint8).numpy().tobytes())
-    return h.digest()
+    return tuple(shapes), h.digest()
 
 
 class BatchIndices:
@@ -67,9 +71,9 @@ class BatchIndices:
         self._seen: dict[str, set[int]] = {}
         #: The last batch's indices as the loader gave them (host ints), by the device tensor made from them,
         #: its version counter then, the ints and the probed samples' digests from the host batch (:meth:`remember`).
-        self._host: tuple[weakref.ref[Tensor], int, list[int], dict[int, bytes]] | None = None
-        #: Per loader: the digest of each probed sample's input at its first pass.
-        self._first: dict[str, dict[int, bytes]] = {}
+        self._host: tuple[weakref.ref[Tensor], int, list[int], dict[int, tuple[tuple[tuple[int, ...], ...], bytes]]] | None = None
+        #: Per loader: the digest of each probed sample's input at its first pass, per shape of its row.
+        self._first: dict[str, dict[tuple[int, tuple[tuple[int, ...], ...]], bytes]] = {}
 
     def remember(self, before: Any, after: Any) -> None:
         """The indices of a batch the loader gave (``before``, on the host) by the device copy ``after`` holds.
@@ -91,7 +95,7 @@ class BatchIndices:
         digests = {i: _row_digest(before, row, len(values)) for row, i in enumerate(values) if isinstance(i, int) and probed(i)}
         self._host = (weakref.ref(moved), moved._version, values, digests)
 
-    def _host_copy(self, raw: Tensor) -> tuple[list[int], dict[int, bytes]] | None:
+    def _host_copy(self, raw: Tensor) -> tuple[list[int], dict[int, tuple[tuple[tuple[int, ...], ...], bytes]]] | None:
         """The host ints and probe digests :meth:`remember` kept for ``raw``, if ``raw`` is that device tensor, unchanged."""
         if self._host is None:
             return None
@@ -111,7 +115,7 @@ class BatchIndices:
                 f"got a {type(batch).__name__} batch. Add the index in your Dataset/collate_fn, or use cache_key='content'."
             )
         raw = batch["index"]
-        digests: dict[int, bytes] | None = None
+        digests: dict[int, tuple[tuple[tuple[int, ...], ...], bytes]] | None = None
         if isinstance(raw, Tensor) and not (raw.is_floating_point() or raw.is_complex()):
             # The loader's host copy when the batch came through the strategy; else read once (a wait on a GPU).
             host = self._host_copy(raw)
@@ -125,11 +129,11 @@ class BatchIndices:
             refuse(error)
         return keys
 
-    def _changed(self, digests: dict[int, bytes], loader: str) -> InputChanged | None:
+    def _changed(self, digests: dict[int, tuple[tuple[tuple[int, ...], ...], bytes]], loader: str) -> InputChanged | None:
         """The error for a probed sample whose input differs from its first pass over ``loader``."""
         first = self._first.setdefault(loader, {})
-        for index, digest in digests.items():
-            before = first.setdefault(index, digest)
+        for index, (shapes, digest) in digests.items():
+            before = first.setdefault((index, shapes), digest)
             if before != digest:
                 return InputChanged(
                     f"cache_key='index': sample {index} of the {loader} loader came with another input than in an earlier "
