@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipetransformer.cache.autocache import AutoCache
-from lightning_pipetransformer.cache.budget import check_batch_fits
+from lightning_pipetransformer.cache.budget import CacheConfigError, check_batch_fits
 from lightning_pipetransformer.cache.folders import default_cache_dir
 from lightning_pipetransformer.cache.store import probe_cache_dir
 from lightning_pipetransformer.config import CacheConfig
@@ -53,7 +53,15 @@ def make_autocache(
     notes that are not warnings go.
     """
     directory = config.dir or default_cache_dir(default_root_dir)
-    probe_cache_dir(directory)
+    try:
+        probe_cache_dir(directory)
+    except CacheConfigError as err:
+        if not config.keep:
+            raise
+        # A folder of kept entries that cannot be written (a read-only mount of an earlier sweep's): what it holds is
+        # still read; this run's entries stay in its memory (a per-run cache), said once here and by each store.
+        warnings.warn(f"AutoCache: {err} With cache_keep=True the entries kept there are read; this run keeps its own in "
+                      "memory only (a per-run cache).", stacklevel=2)
     # Index keys name a sample of this run only (a per-run namespace): kept for later runs they could never be found.
     keep = config.keep and config.key == "content"
     cache = AutoCache(
