@@ -410,9 +410,12 @@ class AutoCache:
             return False
         if self.frozen_eval:  # the modules before the stack too, even while they are known from registration order only
             self._frozen_to_eval(stack, num_frozen, True)
+        # A module that still trains is not refused, nor is its randomness: the cache stands aside while it trains (said
+        # once), and the watch checks its mode once it is frozen. (When the call order arrives, AutoFreeze freezes and puts
+        # in eval mode what runs before the stack only after this check: its dropout is not the cached prefix's.)
+        frozen = [(name, m) for name, m in prefix_modules(stack, num_frozen, include_pre) if not any(p.requires_grad for p in m.parameters())]
         try:
-            # A trainable module before the stack is not refused: the cache stands aside while it trains (said once).
-            check_deterministic(prefix_modules(stack, num_frozen, include_pre), trainable_too=False)
+            check_deterministic(frozen, trainable_too=False)
         except Exception as err:
             if self.mode is True:
                 raise

@@ -28,6 +28,7 @@ from tests.helpers.cached_fits import assert_same_run, cached, fit, stats_of
 from tests.helpers.compare import assert_state_close
 from tests.helpers.launch import clean_env
 from tests.helpers.lightning_models import Classifier
+from tests.helpers.models import tiny_bert
 from tests.integration.test_cache_faults import DiskFailsAfter, entry_files, overwrite_tensor_bytes
 
 EARLY = {0: 2}  # embeddings + 2 of 4 blocks frozen from the first step (an early AutoFreeze decision)
@@ -271,3 +272,25 @@ def test_cache_keep_needs_a_cache_dir():
 
         PipeTransformerStrategy(cache=True, cache_keep=True)
 
+
+
+def with_dropout(seed: int) -> Classifier:
+    """A backbone with dropout 0.1 everywhere (the embeddings' too), the head initialised with ``seed``."""
+    module = Classifier("bert")
+    torch.manual_seed(0)
+    module.model = tiny_bert(4, dropout=0.1)
+    return with_head(seed, module)
+
+
+def test_an_early_freeze_with_dropout_in_the_embeddings_is_served_and_equals_cache_off(tmp_path):
+    # Before: when the first forward showed the call order, the cache checked the prefix before AutoFreeze had put the
+    # embeddings in eval mode, and their dropout raised NondeterministicPrefixError at the first step.
+    folder = tmp_path / "sweep"
+    kept_fit(folder, with_dropout(1))
+    stats = EpochStats()
+    run = kept_fit(folder, with_dropout(2), stats)
+    # The first step computes the prefix (the embeddings' dropout is on until the call order is known, as in a plain
+    # run); every lookup after it hits.
+    assert stats.epochs[0] == {"hits": LOOKUPS - 8, "misses": 0} and stats_of(run[1])["autocache/batches_bypassed"] == 1
+    off = fit("bert", cached(tmp_path, "off", cache=False), module=with_dropout(2), freeze=AutoFreeze(schedule=EARLY), max_epochs=2)
+    assert_same_run(run, off)
