@@ -211,7 +211,8 @@ def argument_table() -> str:
             if field.name == "cache" and cls is PipeTransformerConfig:
                 continue
             default = field.default if field.default is not dataclasses.MISSING else field.default_factory()  # type: ignore[misc]
-            shown = {"memory": "4 GiB", "keep_bytes": "32 GiB", "frozen_cost": "1/6"}.get(field.name) or (f'"{default}"' if isinstance(default, str) else repr(default))
+            shown = {"memory": "4 GiB", "keep_bytes": "32 GiB", "frozen_cost": "1/6"}.get(field.name)
+            shown = shown or (f'"{default}"' if isinstance(default, str) else repr(default))
             rows.append(f"| `{rename.get(field.name, field.name)}` | `{shown}` | {docs[field.name]} |")
     return "\n".join(rows)
 

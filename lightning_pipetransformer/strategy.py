@@ -288,7 +288,8 @@ class PipeTransformerStrategy(ProcessLayout):
                 self.config.cache, stack=stack, module=module, default_root_dir=trainer.default_root_dir,
                 processes_per_node=self.num_processes, precision=str(trainer.precision),
                 forward_context=self.precision_plugin.forward_context, include_pre=include_pre,
-                can_freeze=autofreeze is not None, pre_freezes_first=_pre_freezes_first(autofreeze, stack), announce=rank_zero_info,
+                can_freeze=autofreeze is not None, pre_freezes_first=_pre_freezes_first(autofreeze, stack),
+                announce=rank_zero_info,
             )  # fmt: skip
         self.engine = Engine(stack, planner, self.config.chunks, self.autocache, include_pre, announce=rank_zero_info)
         self.engine.auto_chunks = measured

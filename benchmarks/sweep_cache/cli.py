@@ -151,11 +151,14 @@ def report(records: list[SweepRun], args: argparse.Namespace) -> str:
         "|---|---:|---:|---|---:|---:|",
     ]
     for r in records:
-        hits = f"{r.first_epoch_hits:.0f} of {r.first_epoch_lookups:.0f}; {r.first_epoch_bypassed:.0f}" if r.first_epoch_lookups else "-"
+        hits = "-"
+        if r.first_epoch_lookups:
+            hits = f"{r.first_epoch_hits:.0f} of {r.first_epoch_lookups:.0f}; {r.first_epoch_bypassed:.0f}"
         acc = f"{100 * r.acc:.2f}%" if r.acc is not None else "-"
         lines.append(f"| {r.row} | {r.seed} | {r.train_s:.1f} | {' / '.join(f'{s:.1f}' for s in r.epoch_s)} | {hits} | {acc} |")
     totals = {row: sum(r.train_s for r in records if r.row == row) for row in args.row_list}
-    lines += ["", "| row | sweep total train s | vs full fine-tuning | runs after the first, each vs full |", "|---|---:|---:|---|"]
+    lines += ["", "| row | sweep total train s | vs full fine-tuning | runs after the first, each vs full |"]
+    lines += ["|---|---:|---:|---|"]
     full = totals.get("full")
     full_runs = {r.seed: r.train_s for r in records if r.row == "full"}
     for row, total in totals.items():
@@ -188,7 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f", first epoch {record.first_epoch_hits:.0f}/{record.first_epoch_lookups:.0f} hits, "
                     f"{record.first_epoch_bypassed:.0f} batch(es) not looked up" if record.first_epoch_lookups else ""
                 )
-                print(f"sweep_cache: seed {seed} {row}: train {record.train_s:.1f} s{served}, acc {100 * (record.acc or 0):.2f}%", flush=True)
+                acc = 100 * (record.acc or 0)
+                print(f"sweep_cache: seed {seed} {row}: train {record.train_s:.1f} s{served}, acc {acc:.2f}%", flush=True)
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                  "records": [asdict(r) for r in records]}, indent=1))

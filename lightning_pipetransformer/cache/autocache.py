@@ -317,7 +317,8 @@ class AutoCache:
             held = f"; {len(done.held)} folder(s) held by live runs stay" if done.held else ""
             self.announce(
                 f"AutoCache: {self.cache_dir} held more than cache_keep_bytes={self.keep_bytes} bytes of kept entries: removed "
-                f"{len(done.removed)} folder(s) of least recent use ({done.bytes_removed} bytes); {done.bytes_left} bytes left{held}."
+                f"{len(done.removed)} folder(s) of least recent use ({done.bytes_removed} bytes); "
+                f"{done.bytes_left} bytes left{held}."
             )
 
     def first_forward_store(self, num_frozen: int, hidden: Tensor, grad_free: bool) -> ActivationStore | None:
@@ -413,7 +414,8 @@ class AutoCache:
         # A module that still trains is not refused, nor is its randomness: the cache stands aside while it trains (said
         # once), and the watch checks its mode once it is frozen. (When the call order arrives, AutoFreeze freezes and puts
         # in eval mode what runs before the stack only after this check: its dropout is not the cached prefix's.)
-        frozen = [(name, m) for name, m in prefix_modules(stack, num_frozen, include_pre) if not any(p.requires_grad for p in m.parameters())]
+        modules = prefix_modules(stack, num_frozen, include_pre)
+        frozen = [(name, m) for name, m in modules if not any(p.requires_grad for p in m.parameters())]
         try:
             check_deterministic(frozen, trainable_too=False)
         except Exception as err:
@@ -424,7 +426,9 @@ class AutoCache:
             return False
         return True
 
-    def _open(self, stack: BlockStack, num_frozen: int, include_pre: bool, *, existing_only: bool = False) -> ActivationStore | None:
+    def _open(
+        self, stack: BlockStack, num_frozen: int, include_pre: bool, *, existing_only: bool = False,
+    ) -> ActivationStore | None:
         """The store of boundary ``num_frozen`` (``existing_only``: only if its folder exists already, else ``None``)."""
         fingerprint = self._fingerprint_of(stack, num_frozen, include_pre)
         if existing_only and not (Path(self.cache_dir) / folder_name(fingerprint, num_frozen, "native")).is_dir():

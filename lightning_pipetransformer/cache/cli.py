@@ -37,12 +37,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def _row(folder: StoreFolder) -> str:
     used = datetime.datetime.fromtimestamp(folder.last_used).isoformat(sep=" ", timespec="seconds")
-    return f"{folder.path.name}  {folder.bytes / 2**20:10.1f} MiB  {folder.files:8d} entries  {used}  {'kept' if folder.kept else 'per run'}"
+    kind = "kept" if folder.kept else "per run"
+    return f"{folder.path.name}  {folder.bytes / 2**20:10.1f} MiB  {folder.files:8d} entries  {used}  {kind}"
 
 
 def _said(done: Eviction) -> str:
     held = f"; {len(done.held)} held by a live run, left: " + ", ".join(f.path.name for f in done.held) if done.held else ""
-    return f"removed {len(done.removed)} folder(s), {done.bytes_removed / 2**20:.1f} MiB; {done.bytes_left / 2**20:.1f} MiB left{held}"
+    removed, left = done.bytes_removed / 2**20, done.bytes_left / 2**20
+    return f"removed {len(done.removed)} folder(s), {removed:.1f} MiB; {left:.1f} MiB left{held}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

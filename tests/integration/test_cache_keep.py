@@ -154,7 +154,8 @@ def test_boundary_moves_keep_the_earlier_folders_for_a_later_run(tmp_path):
     # Before: the move 1 -> 3 deleted boundary 1's folder (close(delete=True)), and the second run started cold.
     folder = tmp_path / "sweep"
     schedule = {0: 1, 1: 3}
-    fit("bert", cached(tmp_path, "sweep", cache_keep=True), module=with_head(1), freeze=AutoFreeze(schedule=schedule), max_epochs=2)
+    fit("bert", cached(tmp_path, "sweep", cache_keep=True), module=with_head(1), freeze=AutoFreeze(schedule=schedule),
+        max_epochs=2)
     first = {f.path.name.split("-")[1]: f for f in store_folders(folder)}
     assert sorted(first) == ["b1", "b3"] and all(f.kept for f in first.values())
     stats = EpochStats()
@@ -292,5 +293,6 @@ def test_an_early_freeze_with_dropout_in_the_embeddings_is_served_and_equals_cac
     # The first step computes the prefix (the embeddings' dropout is on until the call order is known, as in a plain
     # run); every lookup after it hits.
     assert stats.epochs[0] == {"hits": LOOKUPS - 8, "misses": 0} and stats_of(run[1])["autocache/batches_bypassed"] == 1
-    off = fit("bert", cached(tmp_path, "off", cache=False), module=with_dropout(2), freeze=AutoFreeze(schedule=EARLY), max_epochs=2)
+    off = fit("bert", cached(tmp_path, "off", cache=False), module=with_dropout(2), freeze=AutoFreeze(schedule=EARLY),
+              max_epochs=2)
     assert_same_run(run, off)

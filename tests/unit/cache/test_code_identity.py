@@ -75,5 +75,6 @@ def test_the_digest_is_the_same_in_another_process_with_another_hash_seed():
 
 def test_classes_name_their_package_version():
     lines = "\n".join(class_code_lines(_stack().blocks[:1]))
-    assert f"BertLayer {package_version('transformers')}" in lines and package_version("transformers").startswith("transformers==")
+    assert package_version("transformers").startswith("transformers==")
+    assert f"BertLayer {package_version('transformers')}" in lines
     assert package_version("tests.helpers.models") == "unversioned"
