@@ -57,6 +57,20 @@ class CacheConfig:
     what it freezes in eval mode itself). Without it such a prefix is refused before the first
     optimizer step, naming the modules. See [cache.md](cache.md#validity-by-observation)."""
 
+    keep: bool = False
+    """keep the entries in `cache_dir` after the run, for later runs: a sweep (seeds, learning
+    rates, heads) over the same frozen prefix pays for it once. Every entry is then also written
+    to disk, boundary moves keep the earlier boundaries' folders, and a later run reuses only
+    entries computed by the same thing (the prefix's weights, buffers, code, configuration, dtype,
+    device kind, the entry format, the sample's content), from its first step. Needs `cache_dir`
+    (where gigabytes may go is yours to name); content keys only (index keys stay per run). See
+    [cache.md](cache.md#kept-entries-a-sweep-pays-once)."""
+
+    keep_bytes: int = 32 * 2**30
+    """the most bytes of entries `cache_dir` keeps with `cache_keep=True`: when a boundary opens
+    and when the fit ends, the folders of least recent use go first, never one another live run
+    holds. Clear by hand with `python -m lightning_pipetransformer.cache clear DIR`."""
+
     def __post_init__(self) -> None:
         if self.mode not in (False, True, "auto") or (self.mode != "auto" and not isinstance(self.mode, bool)):
             raise ValueError(f"cache must be False, True or 'auto', got {self.mode!r}.")
@@ -69,6 +83,15 @@ class CacheConfig:
         object.__setattr__(self, "skip_embeddings", bool(self.skip_embeddings))
         if not isinstance(self.frozen_eval, bool):
             raise ValueError(f"cache_frozen_eval must be True or False, got {self.frozen_eval!r}.")
+        if not isinstance(self.keep, bool):
+            raise ValueError(f"cache_keep must be True or False, got {self.keep!r}.")
+        if isinstance(self.keep_bytes, bool) or not isinstance(self.keep_bytes, int) or self.keep_bytes <= 0:
+            raise ValueError(f"cache_keep_bytes must be a positive number of bytes, got {self.keep_bytes!r}.")
+        if self.keep and self.dir is None:
+            raise ValueError(
+                "cache_keep=True needs cache_dir: name the folder every run of the sweep shares (kept entries can take "
+                "gigabytes, so where they go is yours to choose; the default folder is per run and removed when empty)."
+            )
 
     @property
     def enabled(self) -> bool:
@@ -175,7 +198,7 @@ def _field_docs(cls: type) -> dict[str, str]:
 #: The strategy's argument for each cache field (the strategy keeps Lightning-style flat keywords).
 CACHE_ARGUMENT = {
     "mode": "cache", "key": "cache_key", "dir": "cache_dir", "memory": "cache_memory", "skip_embeddings": "cache_skip_embeddings",
-    "frozen_eval": "cache_frozen_eval",
+    "frozen_eval": "cache_frozen_eval", "keep": "cache_keep", "keep_bytes": "cache_keep_bytes",
 }
 
 
@@ -188,7 +211,8 @@ def argument_table() -> str:
             if field.name == "cache" and cls is PipeTransformerConfig:
                 continue
             default = field.default if field.default is not dataclasses.MISSING else field.default_factory()  # type: ignore[misc]
-            shown = {"memory": "4 GiB", "frozen_cost": "1/6"}.get(field.name) or (f'"{default}"' if isinstance(default, str) else repr(default))
+            shown = {"memory": "4 GiB", "keep_bytes": "32 GiB", "frozen_cost": "1/6"}.get(field.name)
+            shown = shown or (f'"{default}"' if isinstance(default, str) else repr(default))
             rows.append(f"| `{rename.get(field.name, field.name)}` | `{shown}` | {docs[field.name]} |")
     return "\n".join(rows)
 

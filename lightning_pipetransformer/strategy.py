@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import signal
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal, cast
 
@@ -103,6 +104,10 @@ class PipeTransformerStrategy(ProcessLayout):
         cache_skip_embeddings: on batches the cache serves in full, skip the embeddings too.
         cache_frozen_eval: keep the frozen prefix in eval mode while the cache is on (no dropout there), so that a
             prefix frozen by something that leaves it in train mode (``BaseFinetuning``) can be served.
+        cache_keep: keep the entries in ``cache_dir`` after the run, for later runs over the same frozen prefix (a
+            sweep); needs ``cache_dir``. Reused only when computed by the same prefix, code, dtype and sample content.
+        cache_keep_bytes: the most bytes ``cache_dir`` keeps with ``cache_keep`` (default 32 GiB); least recently used
+            folders are evicted first, never one another live run holds.
         self_check: on the first training pass after each plan is put in force, run the same blocks
             the plain way too and refuse (``SelfCheckError``) any difference in the output's structure,
             shapes, values or hook firings, before the first optimizer step (docs/user-guide.md).
@@ -127,6 +132,8 @@ class PipeTransformerStrategy(ProcessLayout):
         cache_memory: int = 4 * 2**30,
         cache_skip_embeddings: bool = True,
         cache_frozen_eval: bool = False,
+        cache_keep: bool = False,
+        cache_keep_bytes: int = 32 * 2**30,
         self_check: bool = True,
         **lightning: Any,
     ) -> None:
@@ -137,7 +144,7 @@ class PipeTransformerStrategy(ProcessLayout):
             timeout=cast(float, timeout),  # a timedelta too: the config keeps it as seconds
             cache=CacheConfig(
                 mode=cache, key=cache_key, dir=cache_dir, memory=cache_memory, skip_embeddings=cache_skip_embeddings,
-                frozen_eval=cache_frozen_eval,
+                frozen_eval=cache_frozen_eval, keep=cache_keep, keep_bytes=cache_keep_bytes,
             ),
         )  # fmt: skip
         # Lightning's own arguments through **lightning: the Trainer sets them, and LightningCLI's help
@@ -281,7 +288,8 @@ class PipeTransformerStrategy(ProcessLayout):
                 self.config.cache, stack=stack, module=module, default_root_dir=trainer.default_root_dir,
                 processes_per_node=self.num_processes, precision=str(trainer.precision),
                 forward_context=self.precision_plugin.forward_context, include_pre=include_pre,
-                can_freeze=autofreeze is not None,
+                can_freeze=autofreeze is not None, pre_freezes_first=_pre_freezes_first(autofreeze, stack),
+                announce=rank_zero_info,
             )  # fmt: skip
         self.engine = Engine(stack, planner, self.config.chunks, self.autocache, include_pre, announce=rank_zero_info)
         self.engine.auto_chunks = measured
@@ -523,6 +531,12 @@ class PipeTransformerStrategy(ProcessLayout):
 
         dev.check_optimizer(optimizer)
         return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self.autocache is not None:
+            self.autocache.after_backward()  # a first step served from kept entries cut only gradients a plain run drops
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -864,6 +878,7 @@ class PipeTransformerStrategy(ProcessLayout):
             self.autocache.close()
             trainer = module._trainer if module is not None else None
             remove_empty_folders(self.autocache, trainer.default_root_dir if trainer is not None else None, self.config.cache.dir)
+            self.autocache.keep_within_cap()  # cache_keep: the folder under its cap once this run lets go of its own
         for config in self._kv_cache_configs:
             config.use_cache = True
         self._kv_cache_configs = []
@@ -942,6 +957,14 @@ def _moves_batches_as_is(module: pl.LightningModule | None) -> bool:
     trainer = module._trainer
     owners = [module, trainer.datamodule if trainer is not None else None]
     return not any(is_overridden(hook, owner) for owner in owners if owner is not None for hook in _BATCH_TRANSFER_HOOKS)
+
+
+def _pre_freezes_first(autofreeze: FreezeSource | None, stack: BlockStack) -> Callable[[], bool]:
+    """Whether AutoFreeze, watching ``stack``, freezes what runs before it with the first block once the first training
+    forward shows the call order, before that step's backward (the cache's first step from kept entries relies on it)."""
+    if autofreeze is None or autofreeze.stack is not stack:
+        return lambda: False
+    return lambda: bool(autofreeze.freeze_embeddings and autofreeze.num_frozen > 0)
 
 
 def _autofreeze_of(trainer: pl.Trainer) -> FreezeSource | None:

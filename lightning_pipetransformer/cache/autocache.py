@@ -44,6 +44,7 @@ import contextlib
 import re
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -53,8 +54,10 @@ from lightning_pipetransformer.cache.arguments import ENTRY_FORMAT, shared_once
 from lightning_pipetransformer.cache.boundaries import Boundaries
 from lightning_pipetransformer.cache.budget import BatchBytes
 from lightning_pipetransformer.cache.embeddings import EmbeddingsWatch, Pending
+from lightning_pipetransformer.cache.first_forward import FirstForward, input_leaves, why_not
 from lightning_pipetransformer.cache.first_hit import FirstHitCheck
 from lightning_pipetransformer.cache.indices import BatchIndices
+from lightning_pipetransformer.cache.kept import evict, folder_name
 from lightning_pipetransformer.cache.keys import content_keys
 from lightning_pipetransformer.cache.metrics import BatchCounters, PeriodHits, cache_metrics
 from lightning_pipetransformer.cache.prefix import Verdicts, with_block_arguments
@@ -96,6 +99,10 @@ class AutoCache:
             first-hit verification is skipped).
         skip_embeddings: skip the first module before the stack on batches the cache serves
             (see :class:`~lightning_pipetransformer.cache.embedding_skip.EmbeddingSkipper`).
+        keep: the entries outlive the run (``cache_keep``): written through, their folders kept
+            (:mod:`~lightning_pipetransformer.cache.kept`), found by later runs from their first step
+            (:mod:`~lightning_pipetransformer.cache.first_forward`).
+        keep_bytes: with ``keep``, the most bytes ``cache_dir`` keeps (least recently used folders go first).
     """
 
     def __init__(
@@ -106,6 +113,8 @@ class AutoCache:
         write_through: bool = False,
         key: Literal["content", "index"] = "content",
         skip_embeddings: bool = True,
+        keep: bool = False,
+        keep_bytes: int | None = None,
     ) -> None:
         self.mode = mode
         #: Batches served, looked up and run without the cache; forwards that skipped the embeddings.
@@ -118,6 +127,18 @@ class AutoCache:
         self.cache_dir = cache_dir
         self.memory_budget = memory_budget
         self.write_through = write_through
+        self.keep = keep
+        self.keep_bytes = keep_bytes
+        #: The first training forward served from kept entries (cache/first_forward.py).
+        self.first_forward = FirstForward()
+        #: Whether AutoFreeze freezes the modules before the stack with the first block before this step's backward
+        #: (set by the strategy): the first forward may then cut their gradient, which the plain run drops too.
+        self.pre_freezes_first: Callable[[], bool] = lambda: False
+        #: Where notes that are not warnings go (the strategy's rank-zero info).
+        self.announce: Callable[[str], None] = lambda message: None
+        self._told = WarnOnce(lambda message, stacklevel: self.announce(message))
+        #: The watch is armed again at the next check (the early store's prefix froze since it opened).
+        self._rearm_due = False
         self.enabled = bool(mode)
         self.compute_time: float | None = None  # seconds per sample through the frozen prefix
         self.first_hit = FirstHitCheck()
@@ -284,15 +305,119 @@ class AutoCache:
         """End of the fit: let go of the earlier boundaries' entries (the current store stays for validate/test)."""
         self.boundaries.close()
 
+    # ------------------------------------------------------------------ kept entries (cache/kept.py, cache/first_forward.py)
+
+    def keep_within_cap(self) -> None:
+        """``keep``: bring ``cache_dir`` under ``keep_bytes``, least recently used folders first (never one a live run
+        holds, this one's current store included); said each time something goes."""
+        if not self.keep or self.keep_bytes is None:
+            return
+        done = evict(self.cache_dir, self.keep_bytes)
+        if done.removed:
+            held = f"; {len(done.held)} folder(s) held by live runs stay" if done.held else ""
+            self.announce(
+                f"AutoCache: {self.cache_dir} held more than cache_keep_bytes={self.keep_bytes} bytes of kept entries: removed "
+                f"{len(done.removed)} folder(s) of least recent use ({done.bytes_removed} bytes); "
+                f"{done.bytes_left} bytes left{held}."
+            )
+
+    def first_forward_store(self, num_frozen: int, hidden: Tensor, grad_free: bool) -> ActivationStore | None:
+        """A forward before the call order is known (the first training forward): the store of entries kept by an
+        earlier run to serve it from, read-only, or ``None`` (the prefix is computed, as without the cache).
+
+        ``hidden``/``grad_free``: the stack's input and whether it requires grad only because a hook marked it."""
+        early = self.first_forward
+        store = self.boundaries.current if early.read_only else None
+        deferred = self.boundaries.deferred
+        if not (self.keep and self.key == "content" and self.enabled) or self.verdicts.pending is not None:
+            return None
+        if store is not None:
+            if store.boundary != num_frozen or self._prefix is None:
+                return None
+            stack, include_pre = self._prefix[0], self._prefix[2]
+        elif early.tried or deferred is None or not deferred.unchecked or deferred.num_frozen != num_frozen:
+            return None
+        else:
+            stack, include_pre = deferred.stack, deferred.include_pre
+        modules = prefix_modules(stack, num_frozen, include_pre)
+        loose = list(stack.pre_params) if include_pre else []
+        leaves = input_leaves(hidden) if torch.is_grad_enabled() and hidden.requires_grad and not grad_free else []
+        reason = why_not(modules, loose, leaves, self.pre_freezes_first())
+        if reason is not None:
+            self._told(
+                ("first forward", reason),
+                f"AutoCache: a forward before the call order is known (the first training step) computes the frozen prefix "
+                f"instead of reading kept entries: {reason}.",
+            )
+            return None
+        if store is None:
+            early.tried = True
+            store = self.boundaries.open_early()
+            if store is None:
+                return None  # no folder kept for this prefix: it waits for the call order, as without cache_keep
+            early.opened(modules)
+            self._told(
+                "first forward served",
+                f"AutoCache: entries kept in {store.directory} serve from the first step (read-only until the call order "
+                "is known; the first batch with hits is recomputed and compared).",
+            )
+        early.note_cut(self.parameter_names, leaves or [])
+        return store
+
+    def refined(self) -> None:
+        """The call order is known (the stack's ``pre`` was refined): a store opened early on the provisional prefix
+        stays if that is the prefix as observed, else the boundary opens again on it; a waiting boundary is checked."""
+        stack_prefix = self._prefix
+        same = None
+        if stack_prefix is not None:
+            same = self.first_forward.confirm(prefix_modules(*stack_prefix))
+        if same is not None:
+            self.boundaries.settle_early(same)
+            if same:
+                # The embeddings froze after the store opened (AutoFreeze freezes them now): the watch is armed again
+                # on the prefix as it is at the next check, which compares the fingerprint with the store's first.
+                self.watch.disarm()
+                self._rearm_due = True
+            else:
+                self.watch.disarm()
+                self.changed, self._prefix = None, None
+                self.announce(
+                    "AutoCache: the call order shows another prefix than registration order; the store opened for the "
+                    "first step is let go (what it served was recomputed and compared) and the boundary opens on the "
+                    "prefix as observed."
+                )
+        self.boundaries.check_deferred()
+
+    def after_backward(self) -> None:
+        """After a training step's backward: a first step served from kept entries cut only gradients the plain run
+        drops too (:meth:`FirstForward.check_cut`)."""
+        if self.first_forward.cut:
+            self.first_forward.check_cut()
+
+    def _rearm(self) -> PrefixChange | None:
+        """Arm the watch on the early store's prefix as it is now, if its fingerprint is still the store's."""
+        self._rearm_due = False
+        store, prefix = self.boundaries.current, self._prefix
+        if store is None or prefix is None:
+            return None
+        if self._fingerprint_of(*prefix) != store.fingerprint:
+            return PrefixChange(("the frozen weights changed between the first step and the second",), structural=False)
+        self.watch.arm(prefix_modules(*prefix), list(prefix[0].pre_params) if prefix[2] else [])
+        return None
+
     def _cacheable(self, stack: BlockStack, num_frozen: int, include_pre: bool) -> bool:
         """Whether the prefix up to ``num_frozen`` may be cached; raises (``True``) or turns off (``"auto"``)."""
         if num_frozen == 0 or not self.mode:
             return False
         if self.frozen_eval:  # the modules before the stack too, even while they are known from registration order only
             self._frozen_to_eval(stack, num_frozen, True)
+        # A module that still trains is not refused, nor is its randomness: the cache stands aside while it trains (said
+        # once), and the watch checks its mode once it is frozen. (When the call order arrives, AutoFreeze freezes and puts
+        # in eval mode what runs before the stack only after this check: its dropout is not the cached prefix's.)
+        modules = prefix_modules(stack, num_frozen, include_pre)
+        frozen = [(name, m) for name, m in modules if not any(p.requires_grad for p in m.parameters())]
         try:
-            # A trainable module before the stack is not refused: the cache stands aside while it trains (said once).
-            check_deterministic(prefix_modules(stack, num_frozen, include_pre), trainable_too=False)
+            check_deterministic(frozen, trainable_too=False)
         except Exception as err:
             if self.mode is True:
                 raise
@@ -301,13 +426,22 @@ class AutoCache:
             return False
         return True
 
-    def _open(self, stack: BlockStack, num_frozen: int, include_pre: bool) -> ActivationStore:
+    def _open(
+        self, stack: BlockStack, num_frozen: int, include_pre: bool, *, existing_only: bool = False,
+    ) -> ActivationStore | None:
+        """The store of boundary ``num_frozen`` (``existing_only``: only if its folder exists already, else ``None``)."""
         fingerprint = self._fingerprint_of(stack, num_frozen, include_pre)
+        if existing_only and not (Path(self.cache_dir) / folder_name(fingerprint, num_frozen, "native")).is_dir():
+            return None
         store = ActivationStore(
             self.cache_dir, fingerprint, num_frozen, self.memory_budget,
             write_through=self.write_through, warn=self._store_warning,
             strict=False,  # cache_dir was checked before training: a disk failing later stops disk writes only
+            keep=self.keep,
         )
+        self._rearm_due = False
+        if self.keep:
+            self.keep_within_cap()
         self.first_hit.reset()
         self.counters.new_boundary()  # per boundary, like the new store's hits
         # What the entries are computed from: served only while the model still computes the prefix so.
@@ -329,8 +463,14 @@ class AutoCache:
         """What changed in the current store's prefix since its entries were computed; ``None`` when nothing did
         (or no store is open). A host-side walk before every forward the cache would serve; said once per kind,
         counted in ``prefix_changes``."""
+        if self._rearm_due:
+            stale = self._rearm()
+            if stale is not None:
+                self.changed = stale
+                self._said(("prefix changed", stale.reasons), f"AutoCache: {stale.describe()}: the boundary opens again.")
+                return stale
         if self.boundaries.current is None or not self.watch.armed:
-            return None
+            return self.changed if self.changed is not None and self.boundaries.current is not None else None
         if self.frozen_eval and self._prefix is not None:
             self._frozen_to_eval(*self._prefix)
         full, self._full_check_due = self._full_check_due, False
@@ -370,6 +510,8 @@ class AutoCache:
         self.boundaries.retire()
         self.watch.disarm()
         self.changed, self._prefix = None, None
+        self._rearm_due = False
+        self.first_forward = FirstForward()
 
     def _frozen_to_eval(self, stack: BlockStack, num_frozen: int, include_pre: bool) -> None:
         """``cache_frozen_eval``: the prefix's modules with no trainable parameter in eval mode (no dropout there)."""

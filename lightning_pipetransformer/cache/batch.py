@@ -87,6 +87,8 @@ class CachedBatch:
         older: where entries of earlier boundaries come from (a lazy advance); ``None``: nowhere (then
             the misses' rows are not even listed for it).
         sample_shape, dtype, device: of one activation, as the first active block expects it.
+        store_misses: ``False``: read-only, the misses are computed but not stored (the first forward served from
+            kept entries before the call order is known: cache/first_forward.py).
 
     After :meth:`boundary`: ``hit_mask`` and ``hits`` (the rows the store held), ``served`` (those plus the
     rows an earlier boundary held: the cache answered them), ``compute_seconds`` (per sample through
@@ -107,8 +109,10 @@ class CachedBatch:
         sample_shape: Sequence[int] | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
+        store_misses: bool = True,
     ) -> None:
         self.store = store
+        self.store_misses = store_misses
         self.keys = list(keys)
         self.rows = rows
         self.calls = calls
@@ -135,7 +139,8 @@ class CachedBatch:
             return hits
         miss = ~hit_mask
         computed = self._run_misses(miss)
-        self._store(miss, [k for k, found in zip(self.keys, hit) if not found], computed)
+        if self.store_misses:
+            self._store(miss, [k for k, found in zip(self.keys, hit) if not found], computed)
         return merge_rows(hit_mask, hits, computed)
 
     def _run_misses(self, miss: Tensor) -> Tensor:

@@ -11,6 +11,11 @@ three ways:
 - **deferred** (:meth:`Boundaries.defer` then :meth:`Boundaries.sync`, several processes): the store
   opens only once every rank holds the final weights, and the ranks advance their shards together.
 
+A boundary that waits for the call order (the first training forward) opens at the first lookup after it; with
+entries kept by an earlier run it may open in that forward already (:meth:`Boundaries.open_early`,
+:mod:`~lightning_pipetransformer.cache.first_forward`). With kept entries (``cache_keep``) the earlier boundaries'
+folders are closed, never deleted: a later run with the same early freeze may want them (eviction removes them).
+
 :class:`Boundaries` answers "which store is current?" (:attr:`Boundaries.current`) and holds the stores
 kept for a move in progress; what a store may hold (the determinism check) and how it is opened are
 given to it by AutoCache.
@@ -53,7 +58,8 @@ class Boundaries:
     Args:
         cacheable: ``cacheable(stack, num_frozen, include_pre)``: whether that prefix may be cached
             (it may raise, or turn the cache off, and say why).
-        open_store: ``open_store(stack, num_frozen, include_pre)``: a new store for that boundary.
+        open_store: ``open_store(stack, num_frozen, include_pre, existing_only=False)``: a new store for that
+            boundary (``existing_only``: only if its folder exists already, else ``None``).
         forward_context: the context a forward runs in (autocast): an advance must compute what a
             forward would.
     """
@@ -61,7 +67,7 @@ class Boundaries:
     def __init__(
         self,
         cacheable: Callable[[BlockStack, int, bool], bool],
-        open_store: Callable[[BlockStack, int, bool], ActivationStore],
+        open_store: Callable[..., ActivationStore | None],
         forward_context: Callable[[], contextlib.AbstractContextManager[Any]],
     ) -> None:
         self._cacheable = cacheable
@@ -79,6 +85,8 @@ class Boundaries:
         self.where: tuple[BlockStack, torch.device] | None = None
         #: Entries this process advanced into the current store since it opened.
         self.advanced = 0
+        #: The boundary whose store :meth:`open_early` opened before the call order was known.
+        self._early: Deferred | None = None
 
     # ------------------------------------------------------------------ which store
 
@@ -111,7 +119,7 @@ class Boundaries:
         the first training forward; a first store is then checked and opened at the first lookup.
         """
         previous = self.current
-        self.deferred = None
+        self.deferred = self._early = None
         if self._replaced is not None:
             self._replaced.close()
             self._replaced = None
@@ -178,6 +186,30 @@ class Boundaries:
         self._share_budget()
         return found
 
+    def open_early(self) -> ActivationStore | None:
+        """The first training forward, before the call order is known: the waiting boundary's store now, if its folder
+        exists already (kept by an earlier run); ``None`` otherwise (it keeps waiting for the order)."""
+        deferred = self.deferred
+        if deferred is None or not deferred.unchecked or self.current is not None:
+            return None
+        store = self._open_store(deferred.stack, deferred.num_frozen, deferred.include_pre, existing_only=True)
+        if store is None:
+            return None
+        self.current, self.advanced, self._early, self.deferred = store, 0, deferred, None
+        return store
+
+    def settle_early(self, same: bool) -> None:
+        """The call order is known. ``same``: the store :meth:`open_early` opened is on the prefix as observed, and
+        stays. Otherwise let go of it (its folder stays) and wait again, to be checked and opened on the prefix as
+        observed at the next lookup."""
+        early, self._early = self._early, None
+        if early is None or same:
+            return
+        if self.current is not None:
+            self.current.close()
+        self.current = None
+        self.deferred = Deferred(early.stack, early.num_frozen, early.include_pre, early.device, unchecked=True)
+
     def check_deferred(self) -> None:
         """What runs before the stack is known now (the first training forward, before its backward): a boundary
         waiting for it is checked now, so that a prefix the cache cannot serve is refused before the first
@@ -199,7 +231,7 @@ class Boundaries:
             self._replaced.close(delete=True)
             self._replaced = None
         self._drop_older()
-        self.deferred = None
+        self.deferred = self._early = None
         self.advanced = 0
 
     @property
@@ -310,5 +342,6 @@ class Boundaries:
 
     def _open(self, stack: BlockStack, num_frozen: int, include_pre: bool) -> ActivationStore:
         store = self._open_store(stack, num_frozen, include_pre)
+        assert store is not None
         self.advanced = 0
         return store

@@ -66,10 +66,17 @@ class CachedStack:
         cache, frozen = self.cache, self.num_frozen
         hidden, prefix_calls = given.hidden, call.calls[:frozen]
         if frozen and cache.order_pending():
-            # The first training forward, whose call order decides what the prefix is (stack/execution.py):
-            # computed as without the cache (with its graph, should something before the stack still train).
-            cache.counters.skipped += 1
-            return self._prefix(given.full(), prefix_calls)
+            # The first training forward, whose call order decides what the prefix is (stack/execution.py): computed as
+            # without the cache (with its graph, should something before the stack still train), unless an earlier
+            # run kept entries for this prefix: then served read-only (cache/first_forward.py).
+            early = None
+            if not call.observed and not (torch.is_grad_enabled() and first_trainable(prefix_calls)):
+                early = cache.first_forward_store(frozen, hidden, given.grad_free)
+            keys = cache.keys_for(hidden, call.calls, pending) if early is not None else None
+            if early is None or keys is None:
+                cache.counters.skipped += 1
+                return self._prefix(given.full(), prefix_calls)
+            return self._serve(early, keys, {}, given, prefix_calls, store_misses=False)
         store = cache.boundaries.store_for(frozen)
         if store is not None and cache.prefix_change() is not None:
             # The prefix is no longer what computed the entries (unfrozen, edited, swapped: cache/watch.py). It runs as
@@ -115,14 +122,19 @@ class CachedStack:
             return self._prefix_plain(given.full(), prefix_calls)
         return self._serve(store, keys, extras, given, prefix_calls)
 
-    def _serve(self, store: Any, keys: list[str], extras: dict[str, Tensor], given: StackInput, calls: Sequence[BlockArgs]) -> Tensor:
-        """Look up, run what missed, store (:class:`CachedBatch`); then count and check what the store returned."""
+    def _serve(
+        self, store: Any, keys: list[str], extras: dict[str, Tensor], given: StackInput, calls: Sequence[BlockArgs],
+        store_misses: bool = True,
+    ) -> Tensor:
+        """Look up, run what missed, store (:class:`CachedBatch`; ``store_misses=False``: read-only); then count and
+        check what the store returned."""
         cache, hidden = self.cache, given.hidden
         shape_in = tuple(hidden.shape[1:])
         served = CachedBatch(
             store, keys, rows=given.rows, calls=calls, extras=extras, blocks=self.blocks[: self.num_frozen], prefix=self._prefix,
             older=functools.partial(cache.boundaries.older, dtype=hidden.dtype, device=hidden.device) if cache.boundaries.holds_older else None,
             sample_shape=self._boundary_shapes.get(shape_in, shape_in), dtype=hidden.dtype, device=hidden.device,
+            store_misses=store_misses,
         )
         start = time.perf_counter()
         boundary = served.boundary()

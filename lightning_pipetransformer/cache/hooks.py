@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipetransformer.cache.autocache import AutoCache
-from lightning_pipetransformer.cache.budget import check_batch_fits
+from lightning_pipetransformer.cache.budget import CacheConfigError, check_batch_fits
 from lightning_pipetransformer.cache.folders import default_cache_dir
 from lightning_pipetransformer.cache.store import probe_cache_dir
 from lightning_pipetransformer.config import CacheConfig
@@ -38,6 +38,8 @@ def make_autocache(
     forward_context: Callable[[], Any],
     include_pre: bool,
     can_freeze: bool = True,
+    pre_freezes_first: Callable[[], bool] = lambda: False,
+    announce: Callable[[str], None] = lambda message: None,
 ) -> AutoCache:
     """AutoCache for one fit: its directory checked now (before training), keyed on the right inputs.
 
@@ -46,14 +48,37 @@ def make_autocache(
     ``can_freeze``: something in the run can freeze blocks (AutoFreeze). Without it, and with no
     leading block frozen before fit, the cache can never serve: said once now, and logged as
     ``autocache_diagnostics/can_engage`` = 0, rather than a cache that silently never turns on.
+    ``pre_freezes_first``: whether AutoFreeze freezes the modules before the stack with the first block before the
+    first step's backward (a first step served from kept entries may then cut their gradient); ``announce``: where
+    notes that are not warnings go.
     """
     directory = config.dir or default_cache_dir(default_root_dir)
-    probe_cache_dir(directory)
+    try:
+        probe_cache_dir(directory)
+    except CacheConfigError as err:
+        if not config.keep:
+            raise
+        # A folder of kept entries that cannot be written (a read-only mount of an earlier sweep's): what it holds is
+        # still read; this run's entries stay in its memory (a per-run cache), said once here and by each store.
+        warnings.warn(f"AutoCache: {err} With cache_keep=True the entries kept there are read; this run keeps its own in "
+                      "memory only (a per-run cache).", stacklevel=2)
+    # Index keys name a sample of this run only (a per-run namespace): kept for later runs they could never be found.
+    keep = config.keep and config.key == "content"
     cache = AutoCache(
         # The node's budget, split over its processes: 8 replicas must not hold 8 x cache_memory.
         config.mode, directory, config.memory // max(1, processes_per_node), write_through=processes_per_node > 1,
-        key=config.key, skip_embeddings=config.skip_embeddings,
+        key=config.key, skip_embeddings=config.skip_embeddings, keep=keep, keep_bytes=config.keep_bytes,
     )
+    cache.announce = announce
+    cache.pre_freezes_first = pre_freezes_first
+    if config.keep and not keep and int(os.environ.get("RANK", "0")) == 0:
+        warnings.warn(
+            "cache_keep=True with cache_key='index': index keys name a sample of this run only (an index says nothing of "
+            "the sample's content, so another run's index 7 may be another sample), so this run's entries stay per run: "
+            "nothing is kept for later runs and nothing kept is read. To share entries across runs, use "
+            "cache_key='content'.",
+            stacklevel=2,
+        )
     # Entries computed at another precision must never be returned; index keys are only unique
     # within this set-up (this run, these loaders; several processes take rank 0's namespace).
     cache.fingerprint_extra = f"precision={precision}"
@@ -63,8 +88,9 @@ def make_autocache(
     cache.forward_context = forward_context
     cache.order_pending = lambda: stack.provisional
     cache.frozen_eval = config.frozen_eval
-    # A boundary opened before the call order was known is checked as soon as it is (before the first optimizer step).
-    stack.when_refined(cache.boundaries.check_deferred)
+    # A boundary opened before the call order was known is checked as soon as it is (before the first optimizer step);
+    # a store opened early on kept entries is confirmed or let go then (cache/first_forward.py).
+    stack.when_refined(cache.refined)
     tied = tied_outside(stack, module)
     if tied and not include_pre:
         listed = ", ".join(f"{a} is {b}" for a, b in tied[:3])
@@ -104,7 +130,7 @@ def reuse_autocache(cache: AutoCache, *, stack: BlockStack, module: nn.Module, i
     entries stay in memory after the fit), its index namespace and its counters carry on; attached to this call's
     view of the stack (served wherever the keys and the prefix match: the watch compares the prefix first)."""
     cache.order_pending = lambda: stack.provisional
-    stack.when_refined(cache.boundaries.check_deferred)
+    stack.when_refined(cache.refined)
     if include_pre:
         cache.attach(stack, module)
     return cache

@@ -39,6 +39,10 @@ that is full (``ENOSPC``/``EDQUOT``) or refuses a write stops disk writes at thi
 one warning (``stats().unwritten`` counts the entries not written): they are recomputed when
 needed, exactly as without a cache.
 
+With ``keep=True`` (``cache_keep``) the entries are for later runs too: every entry is written to disk (write-through),
+the folder is marked kept (:mod:`~lightning_pipetransformer.cache.kept`) and :meth:`ActivationStore.close` never deletes
+it (nor does a store that does not keep, sharing it); eviction by size and last use does.
+
 Storage dtype is the activation's own by default (exact). ``storage_dtype=torch.bfloat16`` or
 ``torch.float16`` halves memory and disk but is *lossy*: the active blocks then see rounded
 inputs and cache-on does not equal cache-off bit for bit: an option of the store alone (the strategy
@@ -67,6 +71,7 @@ from torch import Tensor
 
 from lightning_pipetransformer.cache.budget import CacheConfigError, check_batch_fits
 from lightning_pipetransformer.cache.folders import LOCKING, lock_directory, remove_directory, unlock
+from lightning_pipetransformer.cache.kept import folder_name, is_kept, mark_used
 from lightning_pipetransformer.cache.keys import KEY_PATTERN
 from lightning_pipetransformer.cache.validity import FORMAT_VERSION
 from lightning_pipetransformer.warn_once import WarnOnce
@@ -230,6 +235,8 @@ class ActivationStore:
             stores of all its boundaries). Default: each reason said once by this store.
         strict: whether a directory that cannot be made or written (other than a full disk) is a
             :class:`CacheConfigError`; ``False``: disk writes stop, with the warning, as for a full disk.
+        keep: the entries outlive the run (``cache_keep``): all written to disk (``write_through``), the folder
+            marked kept, never deleted by :meth:`close` (only evicted, :mod:`~lightning_pipetransformer.cache.kept`).
 
     The store holds a shared lock on its directory from construction until :meth:`close`
     (or garbage collection): while it does, no other store deletes that directory.
@@ -250,6 +257,7 @@ class ActivationStore:
         write_through: bool = False,
         warn: Callable[[str, str], None] | None = None,
         strict: bool = True,
+        keep: bool = False,
     ) -> None:
         self._lock: int | None = None  # first: __del__ reads it even if a check below raises
         if not isinstance(fingerprint, str) or not KEY_PATTERN.match(fingerprint):
@@ -267,10 +275,12 @@ class ActivationStore:
         self.boundary = boundary
         self.memory_budget = memory_budget
         self.storage_dtype = storage_dtype
-        self.write_through = write_through
+        self.keep = keep
+        # Kept entries are for other runs: they must be on disk, whatever fits in this run's memory.
+        self.write_through = write_through or keep
         storage = _dtype_name(storage_dtype) if storage_dtype is not None else "native"
         self.root = Path(cache_dir)
-        self.directory = self.root / f"{fingerprint}-b{boundary}-{storage}"
+        self.directory = self.root / folder_name(fingerprint, boundary, storage)
         self._mem: dict[str, _Entry] = {}
         self._mem_bytes = 0
         self._reserved = 0  # see reserve()
@@ -310,6 +320,8 @@ class ActivationStore:
             probe = self.directory / f".probe-{os.getpid()}-{secrets.token_hex(4)}"
             os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
             os.unlink(probe)
+            if self.keep:
+                mark_used(self.directory)
         except OSError as err:
             if err.errno in _NO_SPACE or not self.strict:
                 self._stop_disk(err)
@@ -565,7 +577,8 @@ class ActivationStore:
 
         ``delete=True``: also delete this prefix's directory, unless another store (another run on
         the same frozen weights, a process of this node that has not closed its store yet) holds its
-        lock: it is then left for the last one to delete. With several processes, close every store
+        lock: it is then left for the last one to delete; and never a kept folder (``keep``, or marked
+        kept by another run's store): that one goes only by eviction. With several processes, close every store
         before one of them deletes (the strategy's barrier). ``delete="if_empty"`` (the end of a
         fit): the memory entries stay readable (validate/test after fit) and the directory goes only
         if it holds no entry file. The store stays usable: a later write takes the lock again (and
@@ -574,6 +587,8 @@ class ActivationStore:
         if delete != "if_empty":
             self._mem.clear()
             self._mem_bytes = 0
+        if self.keep and self._lock is not None:
+            mark_used(self.directory)  # its last use: eviction goes oldest first
         unlock(self._lock)
         self._lock = None
         if delete == "if_empty":
@@ -585,6 +600,8 @@ class ActivationStore:
                 return True
         if not delete:
             return True
+        if delete is True and (self.keep or is_kept(self.directory)):
+            return False  # kept for later runs: eviction's to remove
         gone = remove_directory(self.directory)
         if gone:
             self._forget_files()
@@ -666,6 +683,8 @@ class ActivationStore:
         except OSError:
             return False
         self._stats.recreated += 1
+        if self.keep:
+            mark_used(self.directory)
         self._warn(
             "recreated",
             f"AutoCache's directory {self.directory} was removed while in use ({err.strerror}); it was made again. "

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
+from lightning_pipetransformer.cache.code_identity import class_code_lines, interpreter
 from lightning_pipetransformer.cache.keys import tensor_digest
 from lightning_pipetransformer.stack.discovery import BlockStack
 
@@ -45,7 +46,8 @@ __all__ = [
 # Bump when the meaning of a fingerprint or of a cache file changes: old directories then miss.
 # 2: every file carries a CRC-32 of each tensor (files of version 1 have none).
 # 3: the fingerprint leaves out the modules' training flags.
-FORMAT_VERSION = 3
+# 4: the fingerprint covers the prefix's code (its classes' code objects, their packages' versions) and the interpreter.
+FORMAT_VERSION = 4
 
 # Attribute names of stochastic-depth / dropout probabilities held as plain floats
 # (Hugging Face attention's ``dropout`` float, timm's DropPath ``drop_prob``).
@@ -112,9 +114,10 @@ def prefix_fingerprint(
     """32 hex digits identifying the function ``input -> activation at boundary num_frozen``.
 
     Covers: the boundary, whether ``pre`` is included, every frozen module's class, plain
-    attributes and (if it has one) its Hugging Face config, every parameter and buffer (name,
-    dtype, shape, device type, bits), the ``pre_params``, the torch version and
-    :data:`FORMAT_VERSION`. ``extra`` is anything else the caller knows changes the prefix's
+    attributes and (if it has one) its Hugging Face config, the code of every class among them
+    and the version of its package (:func:`~lightning_pipetransformer.cache.code_identity.class_code_lines`),
+    every parameter and buffer (name, dtype, shape, device type, bits), the ``pre_params``, the
+    torch and Python versions and :data:`FORMAT_VERSION`. ``extra`` is anything else the caller knows changes the prefix's
     output (e.g. an autocast dtype): different ``extra``, different fingerprint.
     """
     h = hashlib.blake2b(digest_size=16)
@@ -123,10 +126,13 @@ def prefix_fingerprint(
         h.update(text.encode())
         h.update(b"\n")
 
-    feed(f"pipetransformer-cache v{FORMAT_VERSION} torch {torch.__version__}")
+    feed(f"pipetransformer-cache v{FORMAT_VERSION} torch {torch.__version__} {interpreter()}")
     feed(f"boundary={num_frozen} include_pre={include_pre} stack={stack.path} extra={extra}")
     tensors: list[tuple[str, Tensor]] = []
-    for name, module in prefix_modules(stack, num_frozen, include_pre):
+    modules = prefix_modules(stack, num_frozen, include_pre)
+    for line in class_code_lines(module for _, module in modules):
+        feed(line)
+    for name, module in modules:
         for line in config_lines(name, module):
             feed(line)
         tensors += [(f"{name}.{n}", p) for n, p in module.named_parameters(recurse=True)]
