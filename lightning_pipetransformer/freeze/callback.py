@@ -194,6 +194,7 @@ class AutoFreeze(Callback):
         self._next_point: int | None = None
         self._points = 0
         self._interval_steps: int | None = None
+        self._last_rate: float | None = None  # the learning rate of the last optimizer step (FreezePoint)
 
     # ------------------------------------------------------------------ set-up and checks
 
@@ -463,6 +464,7 @@ class AutoFreeze(Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self.stack is not None:
             self.freeze_rule.observe(self.stack, self.num_frozen)
+        self._last_rate = _rate_of(optimizer)  # a Python float of the optimizer's first group: no device sync
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         pl_module.log("autofreeze/num_frozen", float(self.num_frozen), on_step=False, on_epoch=True, sync_dist=True)
@@ -504,7 +506,9 @@ class AutoFreeze(Callback):
         return self._points
 
     def _point(self, index: int, epoch: int, learning_rate: float | None = None) -> FreezePoint:
-        return FreezePoint(index, epoch, self.num_frozen, self.num_blocks, self.max_frozen, self._untrainable, learning_rate)
+        return FreezePoint(
+            index, epoch, self.num_frozen, self.num_blocks, self.max_frozen, self._untrainable, learning_rate, self._last_rate
+        )
 
     def _decides_here(self, trainer: pl.Trainer) -> bool:
         """AutoDP: global rank 0 alone decides (an idle rank has no gradient statistics, and stale
@@ -666,6 +670,7 @@ class AutoFreeze(Callback):
             "next_point": self._next_point,
             "points": self._points,
             "pre_frozen": self._pre_frozen,
+            "last_rate": self._last_rate,
             # anneal: the interval that anneals now (blocks, steps); None without one.
             "anneal": self._anneal.state_dict() if self._anneal is not None else None,
             # What runs before and after the stack, once observed: a resumed run freezes the same modules.
@@ -690,6 +695,7 @@ class AutoFreeze(Callback):
         self.step_history = [(int(a), int(b)) for a, b in state_dict.get("step_history", [])]
         self._next_point = state_dict.get("next_point")
         self._points = int(state_dict.get("points", 0))
+        self._last_rate = state_dict.get("last_rate")
         self._pre_frozen = bool(state_dict.get("pre_frozen", self.freeze_embeddings and self.num_frozen > 0))
         self.freeze_rule.load_state_dict(state_dict, self.stack)
         if self._anneal is not None:
@@ -723,7 +729,12 @@ def _learning_rate(trainer: pl.Trainer) -> float | None:
     """The learning rate the next optimizer step will use (the first optimizer's first group), for the rules that
     read it (``"plasticity"`` waits for the warm-up to end); None without an optimizer."""
     optimizers = getattr(trainer, "optimizers", None) or []
-    groups = getattr(optimizers[0], "param_groups", None) if optimizers else None
+    return _rate_of(optimizers[0]) if optimizers else None
+
+
+def _rate_of(optimizer: Any) -> float | None:
+    """The ``lr`` of an optimizer's first parameter group (Lightning's wrapper passes ``param_groups`` through)."""
+    groups = getattr(optimizer, "param_groups", None)
     value = groups[0].get("lr") if groups else None
     return float(value) if isinstance(value, (int, float)) or torch.is_tensor(value) else None
 

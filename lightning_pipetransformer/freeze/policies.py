@@ -21,7 +21,7 @@ The built-in rules (``"paper"``, ``"schedule"``, ``"autofreeze"``, ``"plasticity
 :mod:`lightning_pipetransformer.freeze.rules` as pure functions; the classes here hold the state
 between points (statistics of :mod:`lightning_pipetransformer.freeze.statistics`) and checkpoint it
 as flat keys of the callback's state (``norm_sum``, ``norm_steps``, ``previous_l1``, ``grad_sums``,
-``plasticity_previous``, ``plasticity_rate``, ``plasticity_reference``), so that a checkpoint loads whichever rule wrote it.
+``plasticity_previous``, ``plasticity_reference``), so that a checkpoint loads whichever rule wrote it.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ class FreezePoint:
     coming point's epoch; inside epochs, the current one). ``untrainable``: leading blocks that had
     no trainable parameter at set-up (frozen before fit): they count as frozen whatever a rule says.
     ``learning_rate``: the rate of the coming optimizer step (the first optimizer's first parameter
-    group), None where unknown; ``"plasticity"`` reads whether it still rises (a warm-up).
+    group) and ``previous_learning_rate`` the last step's, None where unknown; ``"plasticity"`` reads
+    whether it still rises (a warm-up).
     """
 
     index: int
@@ -85,6 +86,7 @@ class FreezePoint:
     max_frozen: int
     untrainable: int = 0
     learning_rate: float | None = None
+    previous_learning_rate: float | None = None
 
 
 @runtime_checkable
@@ -263,7 +265,7 @@ class PlasticityRule(FreezeRuleBase):
     """
 
     name = "plasticity"
-    points_before_first_freeze = 3  # the first point sees no earlier rate; a candidate needs a second reading
+    points_before_first_freeze = 2  # a candidate needs a second reading
     #: The freeze interval ``AutoFreeze(rule="plasticity")`` uses when none is given: an eighth of an epoch.
     default_interval = 0.125
 
@@ -271,7 +273,6 @@ class PlasticityRule(FreezeRuleBase):
         self.ratio = validate_ratio(ratio)
         self.statistics = Displacement()
         self.previous: int | None = None  # the candidate at the last point (None: none yet, or warming up)
-        self.last_rate: float | None = None  # the learning rate at the last point
         self._stack: BlockStack | None = None
 
     def observe(self, stack: BlockStack, num_frozen: int) -> None:
@@ -285,16 +286,15 @@ class PlasticityRule(FreezeRuleBase):
         moved = self.statistics.relative(self._stack, num_frozen)
         return None if moved is None else plasticity_num_frozen(num_frozen, moved, self.ratio)
 
-    def warming_up(self, learning_rate: float | None) -> bool:
-        """Whether the learning rate rose since the last point (the first point with a rate counts as rising:
-        nothing to compare with). An unknown rate gates nothing."""
-        last, self.last_rate = self.last_rate, learning_rate
-        if learning_rate is None:
-            return False
-        return last is None or learning_rate > last * (1 + 1e-9)
+    @staticmethod
+    def warming_up(point: FreezePoint) -> bool:
+        """Whether the coming optimizer step's learning rate is above the last step's (a warm-up). Unknown rates
+        (no optimizer step yet, no ``lr`` in the optimizer) gate nothing."""
+        now, last = point.learning_rate, point.previous_learning_rate
+        return now is not None and last is not None and now > last * (1 + 1e-9)
 
     def decide(self, point: FreezePoint) -> int:
-        now = None if self.warming_up(point.learning_rate) else self.candidate(point.num_frozen)
+        now = None if self.warming_up(point) else self.candidate(point.num_frozen)
         previous, self.previous = self.previous, now
         if now is None or previous is None:
             return point.num_frozen
@@ -303,12 +303,10 @@ class PlasticityRule(FreezeRuleBase):
     def state_dict(self, full: bool = True) -> dict[str, Any]:
         # The copy of the weights is the active blocks' size (~340 MB for MPNet-base), read only by the deciding
         # process: checkpoints keep it, the agree message does not.
-        state = {"plasticity_previous": self.previous, "plasticity_rate": self.last_rate}
-        return {**state, **(self.statistics.state_dict() if full else {})}
+        return {"plasticity_previous": self.previous, **(self.statistics.state_dict() if full else {})}
 
     def load_state_dict(self, state: Mapping[str, Any], stack: BlockStack | None) -> None:
         self.previous = state.get("plasticity_previous")
-        self.last_rate = state.get("plasticity_rate")
         if stack is not None:
             self._stack = stack
         if "plasticity_reference" in state:  # absent from an agree message: the deciding process keeps its own

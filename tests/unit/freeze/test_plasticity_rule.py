@@ -18,8 +18,9 @@ from lightning_pipetransformer.stack.discovery import BlockStack
 L = 6
 
 
-def point(index: int, num_frozen: int = 0, lr: float | None = None) -> FreezePoint:
-    return FreezePoint(index, 0, num_frozen, L, L - 1, learning_rate=lr)
+def point(index: int, num_frozen: int = 0, lr: float | None = None, last: float | None = None) -> FreezePoint:
+    """A point whose coming optimizer step runs at ``lr`` and whose last one ran at ``last``."""
+    return FreezePoint(index, 0, num_frozen, L, L - 1, learning_rate=lr, previous_learning_rate=last)
 
 
 def weight_stack(start: list[float]) -> BlockStack:
@@ -135,12 +136,11 @@ def test_nothing_is_read_while_the_learning_rate_rises():
     stack, rule = weight_stack([1.0] * 6), PlasticityRule()
     rule.observe(stack, 0)
     move(stack, [0.1, 0.1, 0.1, 0.7, 0.8, 0.9])  # candidate 3 whenever it is read
-    assert rule.decide(point(1, lr=1e-5)) == 0 and rule.previous is None  # the first rate: nothing to compare with
-    assert rule.decide(point(2, lr=2e-5)) == 0 and rule.previous is None  # warming up
-    assert rule.decide(point(3, lr=2e-5)) == 0 and rule.previous == 3  # flat: read, recorded
-    assert rule.decide(point(4, lr=1.5e-5)) == 3  # falling: read again, the two agree
-    assert rule.decide(point(5, num_frozen=3, lr=3e-5)) == 3 and rule.previous is None  # a rise (a restart) resets the reading
-    assert rule.decide(point(6, num_frozen=3, lr=3e-5)) == 3 and rule.previous == 3
+    assert rule.decide(point(1, lr=2e-5, last=1e-5)) == 0 and rule.previous is None  # warming up: not read
+    assert rule.decide(point(2, lr=2e-5, last=2e-5)) == 0 and rule.previous == 3  # flat: read, recorded
+    assert rule.decide(point(3, lr=1.5e-5, last=1.6e-5)) == 3  # falling: read again, the two agree
+    assert rule.decide(point(4, num_frozen=3, lr=3e-5, last=1e-5)) == 3 and rule.previous is None  # a rise (a restart) resets
+    assert rule.decide(point(5, num_frozen=3, lr=1e-5)) == 3 and rule.previous == 3  # no step yet: the rate gates nothing
 
 
 def test_the_rule_checkpoints_its_copy_and_its_last_candidate():
@@ -149,8 +149,7 @@ def test_the_rule_checkpoints_its_copy_and_its_last_candidate():
     move(stack, [0.1, 0.1, 0.1, 0.1, 0.1, 3.0])
     rule.decide(point(1))
     full, decisions = rule.state_dict(), rule.state_dict(full=False)
-    assert set(full) == {"plasticity_previous", "plasticity_rate", "plasticity_reference"}
-    assert set(decisions) == {"plasticity_previous", "plasticity_rate"}
+    assert set(full) == {"plasticity_previous", "plasticity_reference"} and set(decisions) == {"plasticity_previous"}
     restored = PlasticityRule(ratio=0.5)
     restored.load_state_dict(full, stack)  # a resumed run: the copy of the starting weights comes back
     assert restored.previous == rule.previous == 5
