@@ -203,7 +203,8 @@ def test_a_paper_checkpoint_of_the_old_format_loads_and_decides_the_same():
     again = callback(rule="paper", alpha=0.5)
     again.load_state_dict(OLD_PAPER)
     # (The callback's own "last_rate", the last optimizer step's learning rate, came later: None before a step.)
-    assert {k: v for k, v in OLD_PAPER.items() if k not in ("previous_l1", "grad_sums")} | {"last_rate": None} == again.state_dict()
+    old = {k: v for k, v in OLD_PAPER.items() if k not in ("previous_l1", "grad_sums")}
+    assert old | {"last_rate": None} == again.state_dict()
 
 
 def test_an_autofreeze_checkpoint_of_the_old_format_loads_mid_interval():
