@@ -424,8 +424,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         + "; ".join(f"{name} {sec:.0f}" for name, sec in per_run.items()) + ".\n"
         f"time_to_accuracy: estimated duration on {CALIBRATIONS[args.model].machine}{skipped}: {est / 60:.0f} min "
         + ("(+-30%: calibrated on the 2026-12-01 run of this benchmark; " if args.model == "minilm-l6" else
-           "(from a few timed training steps on one core, not from a run: +-50%; the freeze rows' step ratios are the "
-           "MiniLM run's at the same share of frozen blocks, the EarlyStopping row is counted as if it never stopped; ")
+           "(from a few timed training steps on one core, not from a run: +-50%; the freeze rows' step costs are issue "
+           "41's measurement of MPNet's steps with 6, 8 and 10 blocks frozen, the EarlyStopping row is counted as if it "
+           "never stopped; ")
         + "the sub-epoch rules' freezing is an assumption, see planned_frozen; a loaded machine takes longer"
         + ("; on CUDA the estimate does not apply: it is for the CPU" if args.accelerator in ("cuda", "gpu") else "")
         + f"). {len(requested)} rows x {len(args.seed_list)} seeds.",

@@ -71,7 +71,7 @@ def test_the_estimate_plans_the_static_rows_count_and_the_early_rules_pilot_plan
     assert set(planned_frozen(Variant("lorac", blocks=6), 3, 51, args, blocks=12)) == {6}
     early = Variant("early", 2 / 3, "2/3", rule="plasticity", interval=0.125, interval_text="0.125")
     plan = planned_frozen(early, 3, 50, args, 12)
-    assert plan[:20] == [0] * 20 and plan[20] == 6 and plan[-1] == 8  # 0.4 epoch unfrozen, half, +1 per epoch
+    assert plan[:30] == [0] * 30 and set(plan[30:]) == {6}  # 0.6 epoch unfrozen, then half the stack
 
 
 # ----------------------------------------------------------------------------- the verdict, on made-up records
@@ -138,3 +138,57 @@ def test_the_automatic_rule_out_of_the_accuracy_bound_fails_part_two_and_its_bou
     bounds = "\n".join(bound_lines(records({BFTC8: 2.0}, {}), ROWS))
     assert f"**{BFTC8}**: first epoch 214 s, later epochs 143 s each" in bounds and "2.33x" in bounds  # 1000 / (3 x 142.9)
     assert "first freeze at step 24" in bounds and "10% of the training time before it" in bounds and "8.0 blocks" in bounds
+
+
+# ----------------------------------------------------------------------------- the rows engage the cache (a tiny MPNet)
+
+
+def tiny_run(kind: str, tmp_path, blocks: int = 2):
+    """Fit one of issue 41's rows of ours on a tiny random MPNet (4 blocks) for 3 epochs of 4 batches through the
+    benchmark's own build_model/build_trainer; the Trainer, the module and the timeline's rows."""
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader
+
+    from benchmarks.time_to_accuracy.runner import build_model, build_trainer
+    from lightning_pipetransformer import PipeTransformerTimeline
+    from tests.benchmarks.test_twelve_layer_setting import Module
+
+    Module().model.save_pretrained(tmp_path / "mpnet")
+    args = types.SimpleNamespace(
+        model="mpnet-base", accelerator="cpu", epochs=3, steps_per_epoch=4, val_every=1.0, val_subset=None, lr=5e-3,
+        lora_lr=5e-3, lora_r=4, lora_alpha=8, lora_dropout=0.0, bft_blocks=blocks, percentile=50.0,
+    )  # fmt: skip
+    variants = {
+        "bftc": Variant("bftc", blocks=blocks),
+        "lorac": Variant("lorac", detail="r=4 (q, v)", blocks=blocks),
+        "early": Variant("early", 2 / 3, "2/3", rule="plasticity", interval=0.25, interval_text="0.25"),
+    }
+    variant = variants[kind]
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 100, (16, 8), generator=gen)
+    data = [{"input_ids": ids[i], "attention_mask": torch.ones(8, dtype=torch.long), "labels": ids[i, 0] % 2} for i in range(16)]
+    pl.seed_everything(0, verbose=False)
+    module = build_model(variant, args, str(tmp_path / "mpnet"))
+    trainer = build_trainer(variant, args, str(tmp_path / "cache"))
+    trainer.fit(module, DataLoader(data, batch_size=4, shuffle=False))
+    timeline = next(c for c in trainer.callbacks if isinstance(c, PipeTransformerTimeline))  # type: ignore[attr-defined]
+    return trainer, module, timeline.rows
+
+
+@pytest.mark.parametrize("kind", ["bftc", "lorac"])
+def test_a_freeze_that_is_not_autofreezes_is_served_by_the_cache(kind, tmp_path):
+    trainer, module, rows = tiny_run(kind, tmp_path)
+    assert trainer.strategy.config.cache.frozen_eval  # type: ignore[attr-defined]  # BaseFinetuning/peft leave train mode
+    layers = module.model.mpnet.encoder.layer if kind == "bftc" else module.model.base_model.model.mpnet.encoder.layer
+    assert [any(p.requires_grad for p in block.parameters()) for block in layers] == [False, False, True, True]
+    assert rows[0].cache_hit_count == 0 and rows[-1].cache_hit_count == rows[-1].cache_lookups > 0  # every lookup served
+
+
+def test_the_early_rule_row_runs_autofreezes_plasticity_rule_with_mpnets_pre_under_the_cache(tmp_path):
+    # What it freezes is the rule's (tests/integration/test_autofreeze_plasticity.py); here, that the row builds it.
+    trainer, module, rows = tiny_run("early", tmp_path)
+    freeze = next(c for c in trainer.callbacks if type(c).__name__ == "AutoFreeze")  # type: ignore[attr-defined]
+    assert freeze.rule == "plasticity" and freeze.freeze_interval == 0.25 and freeze.freeze_rule.ratio == pytest.approx(2 / 3)
+    assert freeze.pre == ["model.mpnet.embeddings", "model.mpnet.encoder.relative_attention_bias"]
+    assert trainer.strategy.config.cache.enabled and len(rows) == 3  # type: ignore[attr-defined]
