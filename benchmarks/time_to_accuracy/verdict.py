@@ -44,7 +44,8 @@ class Verdict:
 
 
 def _within(row: PairedRow) -> bool:
-    return not math.isnan(row.acc.mean) and row.acc.mean >= -GOAL_DROP
+    """Mean accuracy no more than 0.3 points below full fine-tuning's (a rounding's worth of slack: -0.3 is within)."""
+    return not math.isnan(row.acc.mean) and row.acc.mean >= -GOAL_DROP - 1e-9
 
 
 def issue41_verdict(rows: Sequence[PairedRow], variants: Sequence[Variant]) -> Verdict:
