@@ -191,8 +191,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--early-ratio", default="2/3",
                    help="early row: PlasticityRule(ratio=...), the share of the most-moved block below which a leading "
                         "block freezes (default 2/3, the rule's default)")  # fmt: skip
-    p.add_argument("--early-interval", default="0.125",
-                   help="early row: AutoFreeze(freeze_interval=...), a fraction of an epoch (default 0.125, the rule's default)")
+    p.add_argument("--early-interval", default="0.0625",
+                   help="early row: AutoFreeze(freeze_interval=...), a fraction of an epoch (default 0.0625, the rule's default)")
     p.add_argument("--lorac-blocks", type=int, default=6,
                    help="lorac row (issue 41): LoRA (--lora-*) on the blocks above this many, which stay frozen with the "
                         "embeddings and are served by the cache (default 6)")  # fmt: skip
@@ -333,7 +333,7 @@ def _finish(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Na
     args.early_ratio_value = parse_alphas(args.early_ratio)[0]
     interval = parse_intervals(args.early_interval)[0][0]
     if not isinstance(interval, float):
-        p.error(f"--early-interval is a fraction of an epoch (0.125), got {args.early_interval!r}.")
+        p.error(f"--early-interval is a fraction of an epoch (0.0625), got {args.early_interval!r}.")
     args.early_interval_value = interval
     args.alpha_list = parse_alphas(args.alphas)
     args.sweep_list = [a for a in parse_alphas(args.sweep_alphas) if a not in args.alpha_list] if args.sweep_alphas else []

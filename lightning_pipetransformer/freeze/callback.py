@@ -84,7 +84,7 @@ class AutoFreeze(Callback):
             (since the previous interval) freeze. It needs two intervals before its first freeze.
             ``"plasticity"`` (issue 41): early freezing without a block count: the leading blocks whose
             weights moved less than 2/3 of the most-moved active block's since the start of fit
-            (relative to their size) freeze once two points in a row agree; it decides every 1/8 of
+            (relative to their size) freeze once two points in a row agree; it decides every 1/16 of
             an epoch unless ``freeze_interval`` is given (``PlasticityRule(ratio=...)`` for another share).
             Or a rule of your own: an object implementing
             :class:`~lightning_pipetransformer.freeze.policies.FreezeRule` (subclass
@@ -103,7 +103,7 @@ class AutoFreeze(Callback):
         freeze_interval: freeze points inside epochs instead: an int is a number of optimizer
             steps, a float in (0, 1] a fraction of an epoch's optimizer steps (like
             ``val_check_interval``). The first point comes after one interval. A rule meant for points
-            inside epochs (``"plasticity"``: 0.125) brings its own when none is given. With several
+            inside epochs (``"plasticity"``: 0.0625) brings its own when none is given. With several
             processes under ``strategy="pipetransformer"`` a point that falls inside an epoch is
             applied at the next epoch start, where AutoDP can change the replicas (logged once).
         percentile: the ``"autofreeze"`` rule's threshold (the original's default, 50: the median).

@@ -255,7 +255,7 @@ class PlasticityRule(FreezeRuleBase):
     Blocks keep freezing as the run goes on: the blocks near the head keep moving, the ones below them fall
     under the line; the most-moved block never freezes, so the rule stops by itself where the active blocks
     move alike. It is meant for points inside the first epoch: ``AutoFreeze(rule="plasticity")`` decides
-    every ``default_interval`` of an epoch (1/8) unless ``freeze_interval`` is given. Memory: one copy of the
+    every ``default_interval`` of an epoch (1/16) unless ``freeze_interval`` is given. Memory: one copy of the
     active blocks (dropped block by block as they freeze). Checkpoints carry it; AutoDP's agree message
     (``full=False``) does not.
 
@@ -266,8 +266,8 @@ class PlasticityRule(FreezeRuleBase):
 
     name = "plasticity"
     points_before_first_freeze = 2  # a candidate needs a second reading
-    #: The freeze interval ``AutoFreeze(rule="plasticity")`` uses when none is given: an eighth of an epoch.
-    default_interval = 0.125
+    #: The freeze interval ``AutoFreeze(rule="plasticity")`` uses when none is given: a sixteenth of an epoch.
+    default_interval = 0.0625
 
     def __init__(self, ratio: float = 2 / 3) -> None:
         self.ratio = validate_ratio(ratio)

@@ -18,7 +18,7 @@ FULL = "full fine-tuning"
 ES, LORA = "full fine-tuning, EarlyStopping patience 2", "LoRA r=8 (q, v) lr=0.0005"
 BFT = "BaseFinetuning (embeddings + 6 lower blocks)"
 BFTC6, BFTC8 = "BaseFinetuning (embeddings + 6 lower blocks) + cache", "BaseFinetuning (embeddings + 8 lower blocks) + cache"
-EARLY = "AutoFreeze plasticity 2/3, every 0.125 epoch + cache"
+EARLY = "AutoFreeze plasticity 2/3, every 0.0625 epoch + cache"
 LORAC = "LoRA r=8 (q, v) lr=0.0005 on the upper blocks, embeddings + 6 lower blocks frozen + cache"
 
 
@@ -69,7 +69,7 @@ def test_the_estimate_plans_the_static_rows_count_and_the_early_rules_pilot_plan
     args = types.SimpleNamespace(bft_blocks=6, percentile=50.0, sub_min_active=1)
     assert set(planned_frozen(Variant("bftc", blocks=8), 3, 51, args, blocks=12)) == {8}
     assert set(planned_frozen(Variant("lorac", blocks=6), 3, 51, args, blocks=12)) == {6}
-    early = Variant("early", 2 / 3, "2/3", rule="plasticity", interval=0.125, interval_text="0.125")
+    early = Variant("early", 2 / 3, "2/3", rule="plasticity", interval=0.0625, interval_text="0.0625")
     plan = planned_frozen(early, 3, 50, args, 12)
     assert plan[:30] == [0] * 30 and set(plan[30:]) == {6}  # 0.6 epoch unfrozen, then half the stack
 
@@ -78,7 +78,7 @@ def test_the_estimate_plans_the_static_rows_count_and_the_early_rules_pilot_plan
 
 ROWS = [Variant("full"), Variant("es", detail="patience 2"), Variant("lora", detail="r=8 (q, v) lr=0.0005"),
         Variant("bft", detail="(embeddings + 6 lower blocks)", blocks=6), Variant("bftc", blocks=6), Variant("bftc", blocks=8),
-        Variant("early", 2 / 3, "2/3", rule="plasticity", interval=0.125, interval_text="0.125"),
+        Variant("early", 2 / 3, "2/3", rule="plasticity", interval=0.0625, interval_text="0.0625"),
         Variant("lorac", detail="r=8 (q, v) lr=0.0005", blocks=6)]  # fmt: skip
 
 

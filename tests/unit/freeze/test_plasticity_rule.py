@@ -159,9 +159,9 @@ def test_the_rule_checkpoints_its_copy_and_its_last_candidate():
     assert follower.previous == 5 and follower.statistics.reference is None
 
 
-def test_autofreeze_takes_the_rule_by_name_with_points_every_eighth_of_an_epoch():
+def test_autofreeze_takes_the_rule_by_name_with_points_every_sixteenth_of_an_epoch():
     freeze = AutoFreeze(rule="plasticity")
-    assert isinstance(freeze.freeze_rule, PlasticityRule) and freeze.freeze_interval == 0.125
+    assert isinstance(freeze.freeze_rule, PlasticityRule) and freeze.freeze_interval == 0.0625
     assert AutoFreeze(rule="plasticity", freeze_interval=5).freeze_interval == 5  # a given interval wins
     assert AutoFreeze(rule=PlasticityRule(ratio=0.5)).freeze_rule.ratio == 0.5  # type: ignore[attr-defined]
     assert AutoFreeze(rule="paper").freeze_interval is None  # the other rules keep epoch-level points
