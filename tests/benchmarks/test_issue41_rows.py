@@ -71,7 +71,7 @@ def test_the_estimate_plans_the_static_rows_count_and_the_early_rules_pilot_plan
     assert set(planned_frozen(Variant("lorac", blocks=6), 3, 51, args, blocks=12)) == {6}
     early = Variant("early", 2 / 3, "2/3", rule="plasticity", interval=0.0625, interval_text="0.0625")
     plan = planned_frozen(early, 3, 50, args, 12)
-    assert plan[:30] == [0] * 30 and set(plan[30:]) == {6}  # 0.6 epoch unfrozen, then half the stack
+    assert plan[:20] == [0] * 20 and set(plan[20:]) == {6}  # 0.4 epoch unfrozen, then half the stack
 
 
 # ----------------------------------------------------------------------------- the verdict, on made-up records
