@@ -75,7 +75,15 @@ GPU. docs/benchmarks_12layer.md says what was chosen and why::
     python -m benchmarks.time_to_accuracy --model mpnet-base --dry-run
     bash benchmarks/time_to_accuracy/launch_12layer.sh      # the 3-seed run, background, one core, resumable
 
+Issue 41 (``--issue 41``, the same setting): 5 seeds, the peers (EarlyStopping, LoRA, BaseFinetuning-6) and rows of
+ours that freeze otherwise than AutoFreeze's alpha rows: the BaseFinetuning callback under the cache (6 and 8 blocks),
+AutoFreeze's ``"plasticity"`` rule + cache, LoRA on the upper blocks + cache; the goal read by :mod:`.verdict`::
+
+    python -m benchmarks.time_to_accuracy --issue 41 --dry-run
+    bash benchmarks/time_to_accuracy/launch_41.sh           # the 5-seed run, background, one core, resumable
+
 Modules: :mod:`.data` (the data module, length buckets), :mod:`.models` (the encoders: MiniLM-L6, MPNet-base),
+:mod:`.verdict` (issue 41's goal against every peer),
 :mod:`.variants` (the rows and a run's record),
 :mod:`.runner` (the Trainer of a variant, one fit), :mod:`.estimate` (``--dry-run``'s duration estimate),
 :mod:`.summary` (means over seeds, the goal), :mod:`.report` and :mod:`.plots` (the ``--docs`` page and its

@@ -50,11 +50,13 @@ from .variants import (
     RunRecord,
     Variant,
     early_stopping_variants,
+    issue41_variants,
     llrd_variants,
     peer_variants,
     smooth_variants,
     sub_epoch_variants,
 )
+from .verdict import verdict_text
 
 __all__ = ["main", "parse_args"]
 
@@ -82,6 +84,17 @@ MPNET: dict[str, Any] = {
     "variants": "full,es,cache,sub,lora,bft", "intervals": "0.25", "sub_rules": "autofreeze", "bft_blocks": 6,
     "val_subset": "250", "llrd": "none", "tta_target": "plateau", "docs": ROOT / "docs" / "benchmarks_34.md",
     "json": ROOT / "docs" / "time_to_accuracy_34.json", "compare": ROOT / "docs" / "time_to_accuracy.json",
+}  # fmt: skip
+#: Issue 41 (``--issue 41``, MPNet-base): every row paired with full fine-tuning of the same seed, 5 seeds on one core.
+#: The peers (BaseFinetuning of the embeddings + 6 lower blocks, LoRA r=8, EarlyStopping) and the rows of ours:
+#: the same BaseFinetuning callback under the cache, with 6 and with 8 lower blocks (a static freeze + cache; the 8
+#: from issue 41's step-cost table: 2.4-2.5x projected), AutoFreeze's early rule ("plasticity", no block count) +
+#: cache, and LoRA on the upper blocks with the embeddings + 6 lower blocks frozen and served by the cache. Its
+#: own report and records (issue 34's stay as they are), issue 34's records beside it (``--compare``).
+ISSUE41: dict[str, Any] = {
+    **MPNET, "seeds": "0,1,2,3,4", "variants": "full,es,lora,bft,bftc,early,lorac", "bftc_blocks": "6,8",
+    "docs": ROOT / "docs" / "benchmarks_41.md", "json": ROOT / "docs" / "time_to_accuracy_41.json",
+    "compare": ROOT / "docs" / "time_to_accuracy_34.json",
 }  # fmt: skip
 #: ``--model mpnet-base --smoke``: one seed, tiny sizes, every row (a few minutes on one idle core).
 MPNET_SMOKE: dict[str, Any] = {
@@ -149,7 +162,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = _parser()
     # The model picks the setting: its preset becomes the defaults, so any flag given still wins.
     first, _ = p.parse_known_args(argv)
-    if first.model == "mpnet-base":
+    if first.issue == 41:  # the 12-layer setting with issue 41's rows, seeds, report and records
+        smoke = {**MPNET_SMOKE, "variants": ISSUE41["variants"], "bftc_blocks": ISSUE41["bftc_blocks"],
+                 "docs": ROOT / "outputs" / "smoke41" / "benchmarks.md"}  # fmt: skip
+        p.set_defaults(model="mpnet-base", **(smoke if first.smoke else ISSUE41))
+    elif first.model == "mpnet-base":
         p.set_defaults(**(MPNET_SMOKE if first.smoke else MPNET))
     args = p.parse_args(argv)
     return _finish(p, args)
@@ -161,6 +178,24 @@ def _parser() -> argparse.ArgumentParser:
                    help="the pretrained encoder (default minilm-l6, the 6-block setting of issues 8-25). mpnet-base: the "
                         "12-layer setting of issue 34, whose preset sets every default below that it names (see "
                         "benchmarks/time_to_accuracy/README.md)")  # fmt: skip
+    p.add_argument("--issue", type=int, choices=(41,), default=None,
+                   help="41: the 12-layer setting (implies --model mpnet-base) with issue 41's rows (full, es, lora, bft, "
+                        "bftc, early, lorac), seeds 0-4, the report docs/benchmarks_41.md and the records "
+                        "docs/time_to_accuracy_41.json; issue 34's records stay as they are")  # fmt: skip
+    p.add_argument("--bftc-blocks", default="6",
+                   help="bftc rows (issue 41): the BaseFinetuning callback under PipeTransformerStrategy(cache=True, "
+                        "cache_frozen_eval=True), one row per count of lower blocks frozen with the embeddings "
+                        "(--issue 41: 6,8)")  # fmt: skip
+    p.add_argument("--early-rule", default="plasticity", choices=("plasticity", "paper", "autofreeze"),
+                   help="early row (issue 41): AutoFreeze's rule, with the cache (default plasticity: no block count)")
+    p.add_argument("--early-ratio", default="2/3",
+                   help="early row: PlasticityRule(ratio=...), the share of the most-moved block below which a leading "
+                        "block freezes (default 2/3, the rule's default)")  # fmt: skip
+    p.add_argument("--early-interval", default="0.0625",
+                   help="early row: AutoFreeze(freeze_interval=...), a fraction of an epoch (default 0.0625, the rule's default)")
+    p.add_argument("--lorac-blocks", type=int, default=6,
+                   help="lorac row (issue 41): LoRA (--lora-*) on the blocks above this many, which stay frozen with the "
+                        "embeddings and are served by the cache (default 6)")  # fmt: skip
     p.add_argument("--es-patience", type=int, default=2,
                    help="the EarlyStopping row (es): validation checks without improvement before it stops (default 2: half an epoch at --val-every 0.25)")
     p.add_argument("--tta-target", choices=("last", "plateau"), default="last",
@@ -291,6 +326,15 @@ def _finish(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Na
     if "es" in kinds and args.val_subset is None and args.val_every >= 1.0:
         p.error("the EarlyStopping row needs validation checks inside the run: keep --val-every below 1 or a --val-subset.")
     args.kinds = kinds
+    try:
+        args.bftc_block_list = [int(b) for b in str(args.bftc_blocks).split(",") if b.strip()]
+    except ValueError:
+        p.error(f"--bftc-blocks takes comma-separated block counts, got {args.bftc_blocks!r}.")
+    args.early_ratio_value = parse_alphas(args.early_ratio)[0]
+    interval = parse_intervals(args.early_interval)[0][0]
+    if not isinstance(interval, float):
+        p.error(f"--early-interval is a fraction of an epoch (0.0625), got {args.early_interval!r}.")
+    args.early_interval_value = interval
     args.alpha_list = parse_alphas(args.alphas)
     args.sweep_list = [a for a in parse_alphas(args.sweep_alphas) if a not in args.alpha_list] if args.sweep_alphas else []
     return args
@@ -325,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     variants += sweep
     sub = sub_epoch_variants(args) if "sub" in args.kinds else []
     smooth = smooth_variants(args) if "smooth" in args.kinds else []
-    variants += sub + smooth + peer_variants(args)
+    variants += sub + smooth + peer_variants(args) + issue41_variants(args)
     sweep_seeds = args.seed_list[: args.sweep_seeds] if args.sweep_seeds is not None else args.seed_list
     requested = list(variants)
     cache_note = "" if has_cache else "**Skipped in this run: variant 3 needs AutoCache (not merged yet).**"
@@ -380,8 +424,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         + "; ".join(f"{name} {sec:.0f}" for name, sec in per_run.items()) + ".\n"
         f"time_to_accuracy: estimated duration on {CALIBRATIONS[args.model].machine}{skipped}: {est / 60:.0f} min "
         + ("(+-30%: calibrated on the 2026-12-01 run of this benchmark; " if args.model == "minilm-l6" else
-           "(from a few timed training steps on one core, not from a run: +-50%; the freeze rows' step ratios are the "
-           "MiniLM run's at the same share of frozen blocks, the EarlyStopping row is counted as if it never stopped; ")
+           "(from a few timed training steps on one core, not from a run: +-50%; the freeze rows' step costs are issue "
+           "41's measurement of MPNet's steps with 6, 8 and 10 blocks frozen, the EarlyStopping row is counted as if it "
+           "never stopped; ")
         + "the sub-epoch rules' freezing is an assumption, see planned_frozen; a loaded machine takes longer"
         + ("; on CUDA the estimate does not apply: it is for the CPU" if args.accelerator in ("cuda", "gpu") else "")
         + f"). {len(requested)} rows x {len(args.seed_list)} seeds.",
@@ -501,14 +546,15 @@ ROW_ARGS = {
     "bft": ("bft_blocks",),
     "es": ("es_patience",),
     "sub": ("percentile", "sub_min_active"),
+    "lorac": ("lora_r", "lora_alpha", "lora_dropout", "lora_lr"),
     "smooth": ("percentile", "sub_min_active"),
     "epoch-level": ("rule",),
 }
 
 
 def _row_group(v: Variant) -> str:
-    if v.kind in ("lora", "bft", "llrd", "es"):
-        return v.kind
+    if v.kind in ("lora", "bft", "llrd", "es", "bftc", "early", "lorac"):
+        return v.kind  # bftc's count and early's rule, ratio and interval are in their names
     if v.anneal:
         return "smooth"
     return "sub" if v.sub_epoch else ("epoch-level" if v.autofreeze else "full")
@@ -572,6 +618,8 @@ def paired_section(
         + (f"![frontier]({frontier_plot_path_for(args.docs).name})\n\n" if times else "")
         + paired_goal_text(rows, variants, curves, times)
     )
+    if any(v.kind in ("bftc", "early", "lorac") for v in variants):  # issue 41's rows: its goal, read from the same rows
+        text += "\n\n" + verdict_text(rows, variants, records)
     if args.compare is not None and args.compare.is_file():
         other = [RunRecord(**r) for r in json.loads(args.compare.read_text())["records"]]
         other_names = list(dict.fromkeys(r.variant for r in other))

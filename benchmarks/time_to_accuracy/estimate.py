@@ -30,14 +30,18 @@ SETUP_S = 10.0  # model load + Trainer set-up per run
 
 @dataclass(frozen=True)
 class Calibration:
-    """What one model costs on the machine its estimate is for. ``STEP_RATIO`` and ``STEP_RATIO_CACHED`` are
-    read at the same SHARE of frozen blocks (F of 6 for MiniLM, 2F of 12 for MPNet): an assumption for the
-    12-layer model, where no freeze run has been timed yet."""
+    """What one model costs on the machine its estimate is for. Without tables of its own (``step_ratio``,
+    ``cached_ratio``: step cost relative to full fine-tuning by frozen blocks of this model), ``STEP_RATIO`` and
+    ``STEP_RATIO_CACHED`` are read at the same SHARE of frozen blocks (F of 6 for MiniLM)."""
 
     train_s_per_token: float
     val_s_per_token: float
     setup_s: float
     machine: str
+    step_ratio: dict[int, float] | None = None  # keyed by frozen blocks of this model; None: the MiniLM share tables
+    cached_ratio: dict[int, float] | None = None
+    bft_ratio: float = BFT_STEP_RATIO
+    lora_ratio: float = LORA_STEP_RATIO
 
 
 CALIBRATIONS = {
@@ -47,8 +51,15 @@ CALIBRATIONS = {
     # 7.1 ms per token; a no-grad forward of the same batch 2.6 s (2.5 ms per token). MiniLM-L6 costs ~0.9 ms
     # per token on one thread: 8x less, as its blocks' sizes say (6 x 384-wide against 12 x 768-wide).
     # Under the heavy load of that session (load average 6-8 on 2 cores) the same step took 20-34 s.
-    "mpnet-base": Calibration(7.1e-3, 2.5e-3, 25.0, "one idle core (1 torch thread)"),
-}
+    # Step costs with F frozen from issue 41's measurement on one core (batch 32 x 64 tokens): the frozen prefix run
+    # forward (a filling epoch, or no cache) 0.67 / 0.56 / 0.44 at F = 6 / 8 / 10, served from the cache 0.53 / 0.34 /
+    # 0.16 (11: extrapolated); BaseFinetuning-6 and LoRA from issue 34's records (651 and 733 s against 1043 s).
+    "mpnet-base": Calibration(
+        7.1e-3, 2.5e-3, 25.0, "one idle core (1 torch thread)",
+        step_ratio={0: 1.0, 6: 0.67, 8: 0.56, 10: 0.44, 11: 0.38}, cached_ratio={0: 1.0, 6: 0.53, 8: 0.34, 10: 0.16, 11: 0.12},
+        bft_ratio=0.62, lora_ratio=0.70,
+    ),
+}  # fmt: skip
 
 
 def _interp(table: dict[int, float], f: float) -> float:
@@ -72,8 +83,10 @@ def planned_frozen(variant: Variant, epochs: int, steps: int, args: argparse.Nam
     their plan is shifted by one interval; ``schedule`` freezes at the same points as without.
     """
     total = epochs * steps
-    if variant.kind == "bft":
-        return [args.bft_blocks] * total
+    if variant.kind in ("bft", "bftc", "lorac"):
+        return [variant.blocks if variant.blocks is not None else args.bft_blocks] * total
+    if variant.kind == "early":
+        return early_plan(epochs, steps, blocks)
     if not variant.autofreeze:
         return [0] * total
     limit = blocks - variant.min_active
@@ -98,6 +111,15 @@ def planned_frozen(variant: Variant, epochs: int, steps: int, args: argparse.Nam
     return out
 
 
+def early_plan(epochs: int, steps: int, blocks: int) -> list[int]:
+    """What the duration estimate assumes of AutoFreeze's early rule (``"plasticity"``, issue 41), from its pilots on
+    MPNet-base (every 1/16 epoch, seed 0: 6 of 12 blocks at step 21 of 51, 7 at step 39, nothing after; every 1/8
+    epoch, seeds 0 and 1: 6-7 by step 42): nothing frozen for the first 0.4 epoch (the warm-up and two readings),
+    then half the stack for the rest of the run."""
+    first = round(0.4 * steps)
+    return [0 if s < first else blocks // 2 for s in range(epochs * steps)]
+
+
 def estimate_seconds(
     variant: Variant, epochs: int, steps: int, tokens: float, val_tokens: float, n_train: int, n_val: int, args: argparse.Namespace,
     check_every: int | None = None, check_tokens: float | None = None,
@@ -120,7 +142,15 @@ def estimate_seconds(
     full_val = cal.val_s_per_token * val_tokens
     check = cal.val_s_per_token * (check_tokens if check_tokens is not None else val_tokens)
     total, stored, prev, val_at = cal.setup_s, 0.0, 0, 0  # stored: share of training snippets in the cache
-    cached = variant.kind == "cache"
+    cached = variant.cached
+    own, own_cached = cal.step_ratio, cal.cached_ratio
+
+    def ratio(f: int) -> float:  # a step with f frozen, the prefix run forward (no cache, or a miss)
+        return _interp(own, f) if own else _interp(STEP_RATIO, f * share)
+
+    def served(f: int) -> float:  # a step served from the cache
+        return _interp(own_cached, f) if own_cached else _interp(STEP_RATIO_CACHED, f * share)
+
     val_stored = n_val if check_every is None or not val_tokens else n_val * check / full_val  # validation snippets in the cache
     step = 0
     for e in range(epochs):
@@ -131,14 +161,14 @@ def estimate_seconds(
                 total += check * (blocks_active(f, blocks) if cached and val_at else 1.0)
                 val_at = f if cached and f > 0 else 0
             if variant.kind in ("lora", "bft"):
-                total += full_step * (LORA_STEP_RATIO if variant.kind == "lora" else BFT_STEP_RATIO)
+                total += full_step * (cal.lora_ratio if variant.kind == "lora" else cal.bft_ratio)
                 continue
             if cached and f > prev:
                 now = 1 - (1 - stored) * (1 - seen_frozen / steps)
                 per_block = ADVANCE_S_PER_BLOCK_PER_SAMPLE * cal.train_s_per_token / TRAIN_S_PER_TOKEN
                 total += (f - prev) * per_block * (now * n_train + (val_stored if val_at else 0))
             hit = stored if cached and f > 0 else 0.0
-            total += full_step * (hit * _interp(STEP_RATIO_CACHED, f * share) + (1 - hit) * _interp(STEP_RATIO, f * share))
+            total += full_step * (hit * served(f) + (1 - hit) * ratio(f))
             seen_frozen += f > 0
             prev = f
         stored = 1 - (1 - stored) * (1 - seen_frozen / steps) if cached else 0.0

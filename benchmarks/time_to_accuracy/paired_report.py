@@ -54,8 +54,8 @@ def paired_goal_text(
     """The goal read from the paired statistics, per row of ours: speed, accuracy, time to accuracy and the
     frontier against every peer row (the baseline, EarlyStopping, LoRA, BaseFinetuning), and whether 3
     seeds resolve the accuracy part (the interval clear of the -0.3-point line)."""
-    ours = {v.name for v in variants if v.autofreeze}
-    peers = {v.name: curves[v.name] for v in variants if not v.autofreeze and v.kind != "llrd" and v.name in curves}
+    ours = {v.name for v in variants if v.ours}
+    peers = {v.name: curves[v.name] for v in variants if not v.ours and v.kind != "llrd" and v.name in curves}
     lines = [f"Goal (issue 34), per row of ours: training speed-up >= {GOAL_SPEEDUP:g}x, mean final accuracy no more than "
              f"{GOAL_DROP:g} points below full fine-tuning's (paired by seed), time to accuracy >= {GOAL_SPEEDUP:g}x shorter, "
              "and at or above every peer row at every time on the frontier.", ""]  # fmt: skip

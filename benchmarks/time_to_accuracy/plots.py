@@ -46,7 +46,11 @@ def write_plot(records: list[RunRecord], variants: list[Variant], target: float 
 
 
 def _style(v: Variant) -> str:
-    return "-" if v.kind in ("full", "llrd", "lora", "bft", "es") else ":" if v.kind == "freeze" else "-" if v.anneal else "--" if v.sub_epoch else "-."
+    if v.kind in ("full", "llrd", "lora", "bft", "es"):
+        return "-"
+    if v.kind in ("bftc", "lorac"):
+        return "--"
+    return ":" if v.kind == "freeze" else "-" if v.anneal or v.kind == "early" else "--" if v.sub_epoch else "-."
 
 
 def speedup_plot_path_for(docs: Path) -> Path:

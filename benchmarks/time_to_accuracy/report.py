@@ -340,6 +340,28 @@ def write_docs(
         "parameters, so LambdaLR schedules them as in the baseline. (`BackboneFinetuning` needs a `backbone` attribute, "
         "adds the unfrozen backbone as a new parameter group that the example's LambdaLR does not schedule, and trains "
         "the whole model after its unfreeze epoch, so it does not cut training time: not used.)",
+        "bftc": (
+            "**BaseFinetuning (embeddings + N lower blocks) + cache** (issue 41, ours): the same `BaseFinetuning` callback, "
+            "unchanged, under `PipeTransformerStrategy(pipe_len=1, cache=True, cache_frozen_eval=True)`: the cache serves the "
+            "prefix it froze (AutoCache checks by observation that the prefix is frozen and stays so); `cache_frozen_eval` "
+            "keeps that prefix in eval mode (no dropout there), since `BaseFinetuning.freeze` leaves it in train mode and a "
+            "stored output must be the one the block computes. Rows: N = "
+            + ", ".join(str(v.blocks) for v in variants if v.kind == "bftc") + " (hand-chosen counts)."
+        ),
+        "early": (
+            f"**AutoFreeze {args.early_rule} ... + cache** (issue 41, ours: the early rule, no block count): "
+            f"`AutoFreeze(rule=PlasticityRule(ratio={args.early_ratio}), freeze_interval={args.early_interval}, pre=...)` with "
+            "`PipeTransformerStrategy(pipe_len=1, cache=True)`: from the first point after the warm-up, the leading blocks whose "
+            "weights moved less than the ratio of the most-moved active block's (relative to their size, since the start) freeze "
+            "once two points in a row agree; blocks keep freezing as the run goes on (docs/autofreeze.md)."
+        ),
+        "lorac": (
+            "**LoRA ... on the upper blocks, embeddings + N lower blocks frozen + cache** (issue 41, ours: the two peers "
+            "combined): the LoRA peer's `LoraConfig` with `layers_to_transform` = the blocks from "
+            f"N = {getattr(args, 'lorac_blocks', 6)} up (a hand-chosen count), so the embeddings and the lower N blocks keep "
+            "no trainable parameter (peft froze them), under `PipeTransformerStrategy(pipe_len=1, cache=True, "
+            "cache_frozen_eval=True)`: the cache serves that prefix."
+        ),
         "es": f"**full fine-tuning, EarlyStopping** (a peer, Lightning's own callback): the baseline with "
         f"`EarlyStopping(monitor=\"val/acc\", mode=\"max\", patience={getattr(args, 'es_patience', 2)})` on the validation checks: "
         "it stops once that many checks in a row have not improved on the best; the learning-rate schedule is the "
@@ -347,7 +369,8 @@ def write_docs(
         "is the model's when it stopped (no checkpoint is restored).",
     }
     present = {"full": "full" in kinds, "es": "es" in kinds, "llrd": "llrd" in kinds, "freeze": "freeze" in kinds, "cache": epoch_level and "cache" in kinds,
-               "sub": bool(sub), "smooth": bool(smooth), "lora": "lora" in kinds, "bft": "bft" in kinds}  # fmt: skip
+               "sub": bool(sub), "smooth": bool(smooth), "lora": "lora" in kinds, "bft": "bft" in kinds,
+               "bftc": "bftc" in kinds, "early": "early" in kinds, "lorac": "lorac" in kinds}  # fmt: skip
     listed = "\n".join(f"{i}. {described[k]}" for i, k in enumerate((k for k, there in present.items() if there), 1))
     if has_baseline:
         speedup_note = (
@@ -431,7 +454,7 @@ asks {GOAL_SPEEDUP:g}x within the same 0.3 points.
     split_error = 100 * (0.8 * 0.2 / n_val) ** 0.5  # the sd of a proportion near 80%: 0.6 at 5,134 (the MiniLM pages)
     heading = (
         ("Time to accuracy: MiniLM-L6 on Rotten Tomatoes (issues 8, 17 and 25)" if spec.asset == "minilm-l6"
-         else f"Time to accuracy: {spec.title} on Rotten Tomatoes (issue 34)") if has_baseline
+         else f"Time to accuracy: {spec.title} on Rotten Tomatoes (issue {getattr(args, 'issue', None) or 34})") if has_baseline
         else f"AutoCache off vs on: {spec.title} on Rotten Tomatoes (issue 6)"
     )
     text = f"""# Benchmarks

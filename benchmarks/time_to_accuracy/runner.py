@@ -16,6 +16,7 @@ import torch
 
 from examples.text_classification import SentimentClassifier
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy, PipeTransformerTimeline
+from lightning_pipetransformer.freeze.policies import FreezeRule, PlasticityRule
 
 from .data import BenchData
 from .models import MODELS, ModelSpec
@@ -66,12 +67,14 @@ class StepClock(pl.Callback):
 
     A batch's time runs from the previous batch's end (or the epoch's start) to its own end, so the
     data loading, a freeze and a cache advance at its start count with it. The frozen count is
-    AutoFreeze's during the step (0 without AutoFreeze). One ``perf_counter`` per batch.
+    AutoFreeze's during the step; without AutoFreeze, ``frozen``: the blocks a static freeze holds
+    (BaseFinetuning, LoRA's untouched lower blocks), 0 for the rest. One ``perf_counter`` per batch.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, frozen: int = 0) -> None:
         self.seconds: dict[str, float] = {}
         self.steps: dict[str, int] = {}
+        self.frozen = frozen
         self._mark = 0.0
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -80,7 +83,7 @@ class StepClock(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         now = time.perf_counter()
         af = next((c for c in trainer.callbacks if isinstance(c, AutoFreeze)), None)  # type: ignore[attr-defined]
-        key = str(af.num_frozen if af is not None else 0)
+        key = str(af.num_frozen if af is not None else self.frozen)
         self.seconds[key] = self.seconds.get(key, 0.0) + (now - self._mark)
         self.steps[key] = self.steps.get(key, 0) + 1
         self._mark = now
@@ -219,25 +222,31 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
     return MODELS[getattr(args, "model", "minilm-l6")]
 
 
-def lora_config(args: argparse.Namespace) -> Any:
-    """LoRA on the attention query and value projections; the classifier trained in full."""
+def lora_config(args: argparse.Namespace, above: int | None = None) -> Any:
+    """LoRA on the attention query and value projections; the classifier trained in full. ``above``: only on the
+    blocks from that index up (issue 41's LoRA + cache row), so the lower blocks and the embeddings keep no
+    trainable parameter: a frozen prefix the cache serves."""
     from peft import LoraConfig, TaskType
 
+    spec = model_spec(args)
+    where: dict[str, Any] = {}
+    if above is not None:
+        where = {"layers_to_transform": list(range(above, spec.blocks)), "layers_pattern": "layer"}
     return LoraConfig(
         task_type=TaskType.SEQ_CLS, r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-        target_modules=list(model_spec(args).lora_targets), modules_to_save=["classifier"],
+        target_modules=list(spec.lora_targets), modules_to_save=["classifier"], **where,
     )  # fmt: skip
 
 
 def build_model(variant: Variant, args: argparse.Namespace, model_dir: str) -> pl.LightningModule:
     """The example's LightningModule; for LoRA its ``model`` wrapped by ``peft.get_peft_model`` (after the
     classifier head is initialised, so the head starts the same as in every other variant of the seed)."""
-    if variant.kind != "lora":
+    if variant.kind not in ("lora", "lorac"):
         return SentimentClassifier(pretrained=model_dir, lr=args.lr, llrd=variant.llrd)
     from peft import get_peft_model
 
     model = SentimentClassifier(pretrained=model_dir, lr=args.lora_lr if args.lora_lr is not None else args.lr)
-    model.model = get_peft_model(model.model, lora_config(args))
+    model.model = get_peft_model(model.model, lora_config(args, variant.blocks if variant.kind == "lorac" else None))
     return model
 
 
@@ -245,7 +254,9 @@ def build_trainer(variant: Variant, args: argparse.Namespace, cache_dir: str) ->
     """The Trainer of one run: the same settings for every variant except callbacks and strategy."""
     # The clocks first: callbacks run in list order, and AutoFreeze's epoch-start freeze (re-plan, cache
     # advance over every stored sample) must fall inside the epoch they time.
-    callbacks: list[pl.Callback] = [PipeTransformerTimeline(print_table=False, save_json=False, save_plot=False), StepClock(), CheckClock()]
+    static = variant.blocks if variant.kind in ("bft", "bftc", "lorac") and variant.blocks is not None else 0
+    timeline = PipeTransformerTimeline(print_table=False, save_json=False, save_plot=False)
+    callbacks: list[pl.Callback] = [timeline, StepClock(frozen=static), CheckClock()]
     if eval_device(args).type == "cuda":
         callbacks.insert(0, CudaSync())
     strategy: Any = "auto"
@@ -265,6 +276,23 @@ def build_trainer(variant: Variant, args: argparse.Namespace, cache_dir: str) ->
         strategy = PipeTransformerStrategy(pipe_len=1, cache=cache, cache_dir=cache_dir if cache else None)  # type: ignore[call-arg]
     elif variant.kind == "bft":
         callbacks.append(lower_blocks_finetuning(args.bft_blocks, model_spec(args).backbone))
+    elif variant.kind == "early":
+        assert variant.rule is not None and variant.interval is not None
+        spec = model_spec(args)
+        rule: str | FreezeRule = PlasticityRule(ratio=variant.alpha or 2 / 3) if variant.rule == "plasticity" else variant.rule
+        pre = {"pre": list(spec.pre)} if spec.pre is not None else {}
+        callbacks.append(AutoFreeze(rule=rule, freeze_interval=variant.interval, **pre))  # type: ignore[arg-type]
+        strategy = PipeTransformerStrategy(pipe_len=1, cache=True, cache_dir=cache_dir)  # type: ignore[call-arg]
+    elif variant.kind in ("bftc", "lorac"):
+        # Issue 41: a freeze that is not AutoFreeze's, served by the cache. BaseFinetuning (and peft) leave the frozen
+        # blocks in train mode, their dropout on: the cache keeps them in eval mode instead (cache_frozen_eval),
+        # since a stored output must be the one the block would compute.
+        if variant.kind == "bftc":
+            assert variant.blocks is not None
+            callbacks.append(lower_blocks_finetuning(variant.blocks, model_spec(args).backbone))
+        strategy = PipeTransformerStrategy(  # type: ignore[call-arg]
+            pipe_len=1, cache=True, cache_frozen_eval=True, cache_dir=cache_dir
+        )
     elif variant.kind == "es":
         # The peer a user who wants speed picks: stop once the validation checks stop improving. It watches
         # the same checks as every row (every --val-every epoch, on the subset); the learning-rate schedule

@@ -10,15 +10,17 @@ from typing import Any, Literal
 from .models import MODELS
 
 __all__ = [
-    "KINDS", "Kind", "RunRecord", "Variant", "early_stopping_variants", "llrd_variants", "peer_variants", "smooth_variants",
-    "sub_epoch_variants",
+    "KINDS", "Kind", "RunRecord", "Variant", "early_stopping_variants", "issue41_variants", "llrd_variants", "peer_variants",
+    "smooth_variants", "sub_epoch_variants",
 ]  # fmt: skip
 
-Kind = Literal["full", "freeze", "cache", "lora", "bft", "llrd", "es"]
+Kind = Literal["full", "freeze", "cache", "lora", "bft", "llrd", "es", "bftc", "early", "lorac"]
 #: What --variants takes: the kinds, ``sub`` for the sub-epoch freeze+cache rows, ``smooth`` for those rows
 #: with smooth freezing (``--anneal``, with and without ``--llrd``) and ``llrd`` for full fine-tuning with
-#: layer-wise learning-rate decay, ``es`` for full fine-tuning stopped by Lightning's ``EarlyStopping``.
-KINDS = ("full", "freeze", "cache", "sub", "smooth", "llrd", "lora", "bft", "es")
+#: layer-wise learning-rate decay, ``es`` for full fine-tuning stopped by Lightning's ``EarlyStopping``; issue 41's rows:
+#: ``bftc`` (the BaseFinetuning callback under the cache), ``early`` (AutoFreeze's early rule + cache), ``lorac`` (LoRA
+#: on the upper blocks, the lower ones frozen and served by the cache).
+KINDS = ("full", "freeze", "cache", "sub", "smooth", "llrd", "lora", "bft", "es", "bftc", "early", "lorac")
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,12 @@ class Variant:
     ``BaseFinetuning`` freezing the embeddings and the lower blocks for the whole run). ``llrd`` (a
     decay factor) on a freeze row builds the module's optimizer with layer-wise decay. The names of
     the rows without ``anneal`` and ``llrd`` are those of the earlier records (``--resume``).
+
+    Issue 41's rows: ``bftc`` (the same ``BaseFinetuning`` callback, ``blocks`` lower blocks, under
+    ``PipeTransformerStrategy(cache=True, cache_frozen_eval=True)``), ``early`` (``AutoFreeze`` with the
+    ``rule`` named, ``PlasticityRule(ratio=alpha)`` for ``"plasticity"``, every ``interval`` of an epoch,
+    + cache) and ``lorac`` (LoRA on the blocks above ``blocks``, the embeddings and ``blocks`` lower blocks
+    frozen by peft and served by the cache, ``cache_frozen_eval=True``).
     """
 
     kind: Kind
@@ -44,6 +52,7 @@ class Variant:
     min_active: int = 1  # AutoFreeze(min_active=...) of the sub-epoch rows
     anneal: str | None = None  # AutoFreeze(anneal=...): smooth freezing
     llrd: float | None = None  # SentimentClassifier(llrd=...): layer-wise learning-rate decay
+    blocks: int | None = None  # bftc, lorac: the lower blocks frozen for the whole run (a hand-chosen count)
 
     @property
     def name(self) -> str:
@@ -64,6 +73,12 @@ class Variant:
             return f"LoRA {self.detail}"
         if self.kind == "bft":
             return f"BaseFinetuning {self.detail}"
+        if self.kind == "bftc":
+            return f"BaseFinetuning (embeddings + {self.blocks} lower blocks) + cache"
+        if self.kind == "lorac":
+            return f"LoRA {self.detail} on the upper blocks, embeddings + {self.blocks} lower blocks frozen + cache"
+        if self.kind == "early":
+            return f"AutoFreeze {self.rule} {self.alpha_text}, every {self.interval_text} epoch + cache"
         base = "freeze" if self.kind == "freeze" else "freeze+cache"
         if self.interval is None:
             return f"{base} a={self.alpha_text}"  # the epoch-level rows keep their issue-8 names
@@ -78,8 +93,31 @@ class Variant:
 
     @property
     def autofreeze(self) -> bool:
-        """Whether the variant runs AutoFreeze (our freezing), as opposed to the baseline and the peers."""
+        """Whether the variant runs AutoFreeze with the ``alpha``/``rule`` rows' settings (issues 8-34)."""
         return self.kind in ("freeze", "cache")
+
+    @property
+    def ours(self) -> bool:
+        """A row of this package (AutoFreeze, or AutoCache under another freeze), as opposed to the baseline and the peers."""
+        return self.autofreeze or self.kind in ("bftc", "early", "lorac")
+
+    @property
+    def cached(self) -> bool:
+        """Whether the row trains under ``PipeTransformerStrategy(cache=True)``."""
+        return self.kind in ("cache", "bftc", "early", "lorac")
+
+    @property
+    def hand_chosen(self) -> str | None:
+        """The number a person chose for how much the row freezes, as text; None for the automatic rule and the rows
+        that freeze nothing (the baseline, LoRA, EarlyStopping)."""
+        if self.kind in ("bft", "bftc", "lorac"):
+            n = self.blocks if self.blocks is not None else self.detail.split("+ ")[-1].split(" ")[0]
+            return f"{n} lower blocks"
+        if self.autofreeze and self.rule != "autofreeze":
+            return f"alpha {self.alpha_text}" + (f", every {self.interval_text}" if self.sub_epoch else "")
+        if self.autofreeze:
+            return f"percentile {self.detail}, every {self.interval_text}"
+        return None
 
 
 @dataclass
@@ -196,10 +234,28 @@ def peer_variants(args: argparse.Namespace) -> list[Variant]:
         targets = ", ".join(MODELS[getattr(args, "model", "minilm-l6")].lora_targets)  # (query, value) on BERT, (q, v) on MPNet
         out.append(Variant("lora", detail=f"r={args.lora_r} ({targets}){lr}"))
     if "bft" in args.kinds:
-        out.append(Variant("bft", detail=f"(embeddings + {args.bft_blocks} lower blocks)"))
+        out.append(Variant("bft", detail=f"(embeddings + {args.bft_blocks} lower blocks)", blocks=args.bft_blocks))
     return out
 
 
 def early_stopping_variants(args: argparse.Namespace) -> list[Variant]:
     """Full fine-tuning stopped by Lightning's ``EarlyStopping`` on the validation checks: the speed peer."""
     return [Variant("es", detail=f"patience {args.es_patience}")] if "es" in args.kinds else []
+
+
+def issue41_variants(args: argparse.Namespace) -> list[Variant]:
+    """Issue 41's rows of ours: BaseFinetuning under the cache (``--bftc-blocks``, one row per count), AutoFreeze's
+    early rule + cache (``--early-rule``, ``--early-ratio``, ``--early-interval``), and LoRA on the upper blocks with
+    the lower ones frozen and cached (``--lorac-blocks``)."""
+    out = []
+    if "bftc" in args.kinds:
+        out += [Variant("bftc", blocks=n) for n in args.bftc_block_list]
+    if "early" in args.kinds:
+        ratio, text = args.early_ratio_value
+        interval, itext = args.early_interval_value, args.early_interval
+        out.append(Variant("early", ratio, text, rule=args.early_rule, interval=interval, interval_text=itext))
+    if "lorac" in args.kinds:
+        lr = "" if args.lora_lr is None or args.lora_lr == args.lr else f" lr={args.lora_lr:g}"
+        targets = ", ".join(MODELS[getattr(args, "model", "minilm-l6")].lora_targets)
+        out.append(Variant("lorac", detail=f"r={args.lora_r} ({targets}){lr}", blocks=args.lorac_blocks))
+    return out

@@ -63,8 +63,8 @@ from lightning_pipetransformer.warn_once import WarnOnce
 
 __all__ = ["AutoFreeze"]
 
-Rule = Literal["paper", "schedule", "autofreeze"]
-RULES = ("paper", "schedule", "autofreeze")
+Rule = Literal["paper", "schedule", "autofreeze", "plasticity"]
+RULES = ("paper", "schedule", "autofreeze", "plasticity")
 
 
 class AutoFreeze(Callback):
@@ -82,6 +82,10 @@ class AutoFreeze(Callback):
             gradient summed over the interval; the blocks before the first one whose norm changed
             by at least the ``percentile``-th percentile of the active blocks' relative changes
             (since the previous interval) freeze. It needs two intervals before its first freeze.
+            ``"plasticity"`` (issue 41): early freezing without a block count: the leading blocks whose
+            weights moved less than 2/3 of the most-moved active block's since the start of fit
+            (relative to their size) freeze once two points in a row agree; it decides every 1/16 of
+            an epoch unless ``freeze_interval`` is given (``PlasticityRule(ratio=...)`` for another share).
             Or a rule of your own: an object implementing
             :class:`~lightning_pipetransformer.freeze.policies.FreezeRule` (subclass
             ``FreezeRuleBase`` and override ``decide``). See
@@ -98,7 +102,8 @@ class AutoFreeze(Callback):
             of epoch ``freeze_every_n_epochs``: the first interval always trains the whole model.
         freeze_interval: freeze points inside epochs instead: an int is a number of optimizer
             steps, a float in (0, 1] a fraction of an epoch's optimizer steps (like
-            ``val_check_interval``). The first point comes after one interval. With several
+            ``val_check_interval``). The first point comes after one interval. A rule meant for points
+            inside epochs (``"plasticity"``: 0.0625) brings its own when none is given. With several
             processes under ``strategy="pipetransformer"`` a point that falls inside an epoch is
             applied at the next epoch start, where AutoDP can change the replicas (logged once).
         percentile: the ``"autofreeze"`` rule's threshold (the original's default, 50: the median).
@@ -139,7 +144,9 @@ class AutoFreeze(Callback):
         self._anneal = AnnealTiming(anneal, warn=rank_zero_warn, info=rank_zero_info) if anneal is not None else None
         self.alpha = validate_alpha(alpha)
         if not (isinstance(rule, FreezeRule) or rule in RULES):
-            raise ValueError(f"rule must be 'paper', 'schedule', 'autofreeze' or a FreezeRule object, got {rule!r}.")
+            raise ValueError(
+                f"rule must be 'paper', 'schedule', 'autofreeze', 'plasticity' or a FreezeRule object, got {rule!r}."
+            )
         self.freeze_interval = validate_interval(freeze_interval)
         if self.freeze_interval is not None and schedule is not None:
             raise ValueError(
@@ -155,6 +162,9 @@ class AutoFreeze(Callback):
         self.schedule = ExplicitSchedule(schedule) if schedule is not None else None
         #: The policy that decides at each freeze point (:mod:`lightning_pipetransformer.freeze.policies`).
         self.freeze_rule: FreezeRule = make_rule(rule, self.alpha, self.percentile, self.schedule)
+        preferred = getattr(self.freeze_rule, "default_interval", None)  # a rule meant for points inside epochs
+        if preferred is not None and self.freeze_interval is None and self.schedule is None and freeze_every_n_epochs == 1:
+            self.freeze_interval = validate_interval(preferred)
         if self.freeze_rule.per_epoch and self.freeze_interval is not None:
             raise ValueError(f"The rule {self.freeze_rule.name!r} is a plan per epoch: pass it without freeze_interval.")
         self.rule: str = rule if isinstance(rule, str) else rule.name
@@ -184,6 +194,7 @@ class AutoFreeze(Callback):
         self._next_point: int | None = None
         self._points = 0
         self._interval_steps: int | None = None
+        self._last_rate: float | None = None  # the learning rate of the last optimizer step (FreezePoint)
 
     # ------------------------------------------------------------------ set-up and checks
 
@@ -470,6 +481,7 @@ class AutoFreeze(Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self.stack is not None:
             self.freeze_rule.observe(self.stack, self.num_frozen)
+        self._last_rate = _rate_of(optimizer)  # a Python float of the optimizer's first group: no device sync
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         pl_module.log("autofreeze/num_frozen", float(self.num_frozen), on_step=False, on_epoch=True, sync_dist=True)
@@ -510,8 +522,10 @@ class AutoFreeze(Callback):
         self._next_point += passed * self._interval_steps
         return self._points
 
-    def _point(self, index: int, epoch: int) -> FreezePoint:
-        return FreezePoint(index, epoch, self.num_frozen, self.num_blocks, self.max_frozen, self._untrainable)
+    def _point(self, index: int, epoch: int, learning_rate: float | None = None) -> FreezePoint:
+        return FreezePoint(
+            index, epoch, self.num_frozen, self.num_blocks, self.max_frozen, self._untrainable, learning_rate, self._last_rate
+        )
 
     def _decides_here(self, trainer: pl.Trainer) -> bool:
         """AutoDP: global rank 0 alone decides (an idle rank has no gradient statistics, and stale
@@ -530,18 +544,18 @@ class AutoFreeze(Callback):
         annealed = self._anneal.due(step) if self._anneal is not None else None
         if annealed is not None and annealed > self.num_frozen:
             changed += self._apply(annealed, epoch, step)
-        target = self._decide(index, epoch) if index is not None else self.num_frozen
+        target = self._decide(index, epoch, _learning_rate(trainer)) if index is not None else self.num_frozen
         if target > self.num_frozen and not self._anneal_lagging(trainer, target, step, epoch if epoch_level else None):
             changed += self._apply(target, epoch, step)
         self._anneal_ahead(trainer, step, epoch if epoch_level else None)
         return changed
 
-    def _decide(self, index: int, epoch: int) -> int:
+    def _decide(self, index: int, epoch: int, learning_rate: float | None = None) -> int:
         """The rule's answer at point ``index``, kept between the blocks frozen now and ``max_frozen``:
         blocks never thaw. The point is built here, after any freeze earlier at the same point."""
         if self.stack is None:
             return self.num_frozen
-        return max(self.num_frozen, min(self.freeze_rule.decide(self._point(index, epoch)), self.max_frozen))
+        return max(self.num_frozen, min(self.freeze_rule.decide(self._point(index, epoch, learning_rate)), self.max_frozen))
 
     def _points_wait_for_epochs(self, trainer: pl.Trainer) -> bool:
         """Several processes under the pipeline strategy: AutoDP changes replicas at epoch starts only."""
@@ -673,6 +687,7 @@ class AutoFreeze(Callback):
             "next_point": self._next_point,
             "points": self._points,
             "pre_frozen": self._pre_frozen,
+            "last_rate": self._last_rate,
             # anneal: the interval that anneals now (blocks, steps); None without one.
             "anneal": self._anneal.state_dict() if self._anneal is not None else None,
             # What runs before and after the stack, once observed: a resumed run freezes the same modules.
@@ -697,6 +712,7 @@ class AutoFreeze(Callback):
         self.step_history = [(int(a), int(b)) for a, b in state_dict.get("step_history", [])]
         self._next_point = state_dict.get("next_point")
         self._points = int(state_dict.get("points", 0))
+        self._last_rate = state_dict.get("last_rate")
         self._pre_frozen = bool(state_dict.get("pre_frozen", self.freeze_embeddings and self.num_frozen > 0))
         self.freeze_rule.load_state_dict(state_dict, self.stack)
         if self._anneal is not None:
@@ -724,6 +740,20 @@ def _follower(trainer: pl.Trainer) -> FreezeFollower | None:
     """The strategy, if it follows the freeze points itself (the pipeline strategy)."""
     strategy = trainer.strategy
     return strategy if isinstance(strategy, FreezeFollower) else None
+
+
+def _learning_rate(trainer: pl.Trainer) -> float | None:
+    """The learning rate the next optimizer step will use (the first optimizer's first group), for the rules that
+    read it (``"plasticity"`` waits for the warm-up to end); None without an optimizer."""
+    optimizers = getattr(trainer, "optimizers", None) or []
+    return _rate_of(optimizers[0]) if optimizers else None
+
+
+def _rate_of(optimizer: Any) -> float | None:
+    """The ``lr`` of an optimizer's first parameter group (Lightning's wrapper passes ``param_groups`` through)."""
+    groups = getattr(optimizer, "param_groups", None)
+    value = groups[0].get("lr") if groups else None
+    return float(value) if isinstance(value, (int, float)) or torch.is_tensor(value) else None
 
 
 def _steps_per_epoch(trainer: pl.Trainer) -> int:

@@ -17,11 +17,11 @@ The callback keeps the result between the blocks already frozen and ``num_blocks
 so a rule may ask for more (it is capped) and never unfreezes. Every process runs the same rule on
 the same all-reduced numbers, so decisions agree without a collective.
 
-The built-in rules (``"paper"``, ``"schedule"``, ``"autofreeze"``, explicit plans) are defined in
+The built-in rules (``"paper"``, ``"schedule"``, ``"autofreeze"``, ``"plasticity"``, explicit plans) are defined in
 :mod:`lightning_pipetransformer.freeze.rules` as pure functions; the classes here hold the state
 between points (statistics of :mod:`lightning_pipetransformer.freeze.statistics`) and checkpoint it
-as flat keys of the callback's state (``norm_sum``, ``norm_steps``, ``previous_l1``, ``grad_sums``),
-so that a checkpoint loads whichever rule wrote it.
+as flat keys of the callback's state (``norm_sum``, ``norm_steps``, ``previous_l1``, ``grad_sums``,
+``plasticity_previous``, ``plasticity_reference``), so that a checkpoint loads whichever rule wrote it.
 """
 
 from __future__ import annotations
@@ -36,9 +36,11 @@ from lightning_pipetransformer.freeze.rules import (
     autofreeze_num_frozen,
     geometric_num_frozen,
     paper_num_frozen,
+    plasticity_num_frozen,
     validate_alpha,
+    validate_ratio,
 )
-from lightning_pipetransformer.freeze.statistics import GradientSums, NormSums
+from lightning_pipetransformer.freeze.statistics import Displacement, GradientSums, NormSums
 from lightning_pipetransformer.stack.discovery import BlockStack
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "FreezeRule",
     "GeometricSchedule",
     "PaperRule",
+    "PlasticityRule",
     "FreezeRuleBase",
     "make_rule",
     "validate_percentile",
@@ -71,6 +74,9 @@ class FreezePoint:
     epoch. ``epoch``: the epoch the point falls in (for :meth:`FreezeRule.ahead` at epoch level, the
     coming point's epoch; inside epochs, the current one). ``untrainable``: leading blocks that had
     no trainable parameter at set-up (frozen before fit): they count as frozen whatever a rule says.
+    ``learning_rate``: the rate of the coming optimizer step (the first optimizer's first parameter
+    group) and ``previous_learning_rate`` the last step's, None where unknown; ``"plasticity"`` reads
+    whether it still rises (a warm-up).
     """
 
     index: int
@@ -79,6 +85,8 @@ class FreezePoint:
     num_blocks: int
     max_frozen: int
     untrainable: int = 0
+    learning_rate: float | None = None
+    previous_learning_rate: float | None = None
 
 
 @runtime_checkable
@@ -229,6 +237,82 @@ class AutoFreezeRule(FreezeRuleBase):
         self.statistics.load_state_dict(dict(state), stack)
 
 
+class PlasticityRule(FreezeRuleBase):
+    """``rule="plasticity"`` (issue 41): freeze early, without a block count, the leading blocks that fine-tuning
+    moves least (:func:`~lightning_pipetransformer.freeze.rules.plasticity_num_frozen`).
+
+    Why: the lower blocks of a pretrained Transformer change least in fine-tuning and can stay as they are
+    (Lee et al., 2019, "What would Elsa do?"); Egeria (Wang et al., 2023) freezes the layers whose
+    plasticity has fallen behind. Here plasticity is measured in weight space, where it costs nothing per
+    step: per active block ``||w - w(0)|| / ||w(0)||``, the distance from the weights fine-tuning started
+    from (copied at the first step) as a share of their size, read at each point. The leading blocks that
+    moved less than ``ratio`` times the most-moved active block are the candidate.
+
+    When: not while the learning rate still rises (a warm-up: the weights move at a fraction of the rate,
+    nearly alike, before the task's gradients show which blocks it moves; on MiniLM the lower half looked
+    least plastic during the warm-up and caught up after it). From the first point after that, a candidate
+    freezes once two points in a row agree (the smaller of the two), so one noisy reading freezes nothing.
+    Blocks keep freezing as the run goes on: the blocks near the head keep moving, the ones below them fall
+    under the line; the most-moved block never freezes, so the rule stops by itself where the active blocks
+    move alike. It is meant for points inside the first epoch: ``AutoFreeze(rule="plasticity")`` decides
+    every ``default_interval`` of an epoch (1/16) unless ``freeze_interval`` is given. Memory: one copy of the
+    active blocks (dropped block by block as they freeze). Checkpoints carry it; AutoDP's agree message
+    (``full=False``) does not.
+
+    Args:
+        ratio: the share of the most-moved active block's displacement below which a leading block
+            freezes, in (0, 1). Default 2/3: see docs/autofreeze.md for where it comes from.
+    """
+
+    name = "plasticity"
+    points_before_first_freeze = 2  # a candidate needs a second reading
+    #: The freeze interval ``AutoFreeze(rule="plasticity")`` uses when none is given: a sixteenth of an epoch.
+    default_interval = 0.0625
+
+    def __init__(self, ratio: float = 2 / 3) -> None:
+        self.ratio = validate_ratio(ratio)
+        self.statistics = Displacement()
+        self.previous: int | None = None  # the candidate at the last point (None: none yet, or warming up)
+        self._stack: BlockStack | None = None
+
+    def observe(self, stack: BlockStack, num_frozen: int) -> None:
+        self._stack = stack
+        self.statistics.observe(stack, num_frozen)
+
+    def candidate(self, num_frozen: int) -> int | None:
+        """The blocks that moved less than ``ratio`` of the most-moved active one, now (None before the first step)."""
+        if self._stack is None:
+            return None
+        moved = self.statistics.relative(self._stack, num_frozen)
+        return None if moved is None else plasticity_num_frozen(num_frozen, moved, self.ratio)
+
+    @staticmethod
+    def warming_up(point: FreezePoint) -> bool:
+        """Whether the coming optimizer step's learning rate is above the last step's (a warm-up). Unknown rates
+        (no optimizer step yet, no ``lr`` in the optimizer) gate nothing."""
+        now, last = point.learning_rate, point.previous_learning_rate
+        return now is not None and last is not None and now > last * (1 + 1e-9)
+
+    def decide(self, point: FreezePoint) -> int:
+        now = None if self.warming_up(point) else self.candidate(point.num_frozen)
+        previous, self.previous = self.previous, now
+        if now is None or previous is None:
+            return point.num_frozen
+        return max(point.num_frozen, min(now, previous))
+
+    def state_dict(self, full: bool = True) -> dict[str, Any]:
+        # The copy of the weights is the active blocks' size (~340 MB for MPNet-base), read only by the deciding
+        # process: checkpoints keep it, the agree message does not.
+        return {"plasticity_previous": self.previous, **(self.statistics.state_dict() if full else {})}
+
+    def load_state_dict(self, state: Mapping[str, Any], stack: BlockStack | None) -> None:
+        self.previous = state.get("plasticity_previous")
+        if stack is not None:
+            self._stack = stack
+        if "plasticity_reference" in state:  # absent from an agree message: the deciding process keeps its own
+            self.statistics.load_state_dict(dict(state))
+
+
 class ExplicitPlan(FreezeRuleBase):
     """``schedule=``: the user's plan, ``{epoch: num_frozen}`` (a step function) or ``epoch -> num_frozen``.
 
@@ -279,4 +363,6 @@ def make_rule(
         return GeometricSchedule(alpha)
     if rule == "autofreeze":
         return AutoFreezeRule(percentile)
-    raise ValueError(f"rule must be 'paper', 'schedule', 'autofreeze' or a FreezeRule object, got {rule!r}.")
+    if rule == "plasticity":
+        return PlasticityRule()
+    raise ValueError(f"rule must be 'paper', 'schedule', 'autofreeze', 'plasticity' or a FreezeRule object, got {rule!r}.")

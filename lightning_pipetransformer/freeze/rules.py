@@ -14,6 +14,9 @@ objects that hold each rule's state between points and answer AutoFreeze are in
   ``j* + 1`` where ``j*`` is the active block (index ``>= F(T-1)``) with the smallest norm: the
   blocks up to and including it freeze. The geometric step is rounded up, so each step of the
   paper rule freezes at least one block while any stay active.
+* ``"plasticity"`` (issue 41: an early rule without a block count): per active block, how far its
+  weights have moved since fine-tuning began, relative to their size; the leading blocks that moved
+  less than ``ratio`` times the most-moved active block freeze (:func:`plasticity_num_frozen`).
 
 They are pure functions, so every process computes the same answer from the same inputs.
 """
@@ -29,7 +32,9 @@ __all__ = [
     "geometric_num_frozen",
     "interval_steps",
     "paper_num_frozen",
+    "plasticity_num_frozen",
     "validate_alpha",
+    "validate_ratio",
     "validate_interval",
 ]
 
@@ -104,6 +109,40 @@ def autofreeze_num_frozen(prev_frozen: int, previous_l1: Sequence[float], curren
     threshold = float(np.percentile(active, percentile))
     first = next((i for i, r in enumerate(ratios) if r >= threshold), prev_frozen)
     return max(prev_frozen, first)
+
+
+def validate_ratio(ratio: float) -> float:
+    """The ``"plasticity"`` rule's threshold: a share of the most-moved block's displacement, in (0, 1)."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < float(ratio) < 1.0:
+        raise ValueError(
+            f"ratio must be a number strictly between 0 and 1 (a block freezes once it has moved less than this share "
+            f"of the most-moved active block; the default is 2/3), got {ratio!r}."
+        )
+    return float(ratio)
+
+
+def plasticity_num_frozen(prev_frozen: int, displacement: Sequence[float], ratio: float) -> int:
+    """The ``"plasticity"`` rule's candidate: ``prev_frozen`` plus the leading active blocks whose relative
+    displacement is below ``ratio`` times the largest active one.
+
+    ``displacement[i]`` is ``||w_i - w_i(0)|| / ||w_i(0)||``: how far block ``i``'s weights moved since
+    fine-tuning began, as a share of their size (entries of the ``prev_frozen`` frozen blocks are ignored).
+    Scanning upward from the first active block, the blocks freeze until the first one that moved at least
+    ``ratio`` of the most-moved active block: that block, and everything above it, keep training, so the
+    most-moved block never freezes. Nothing moved yet (the largest displacement is 0) or a non-finite value
+    decides nothing: ``prev_frozen``.
+    """
+    ratio = validate_ratio(ratio)
+    if not 0 <= prev_frozen <= len(displacement):
+        raise ValueError(f"prev_frozen={prev_frozen} is outside 0..{len(displacement)}.")
+    active = list(displacement[prev_frozen:])
+    if not active or not all(math.isfinite(v) for v in active):
+        return prev_frozen
+    top = max(active)
+    if top <= 0.0:
+        return prev_frozen
+    below = next((i for i, v in enumerate(active) if v >= ratio * top), len(active))
+    return prev_frozen + below
 
 
 def validate_interval(interval: int | float | None) -> int | float | None:

@@ -5,12 +5,15 @@ sums stay on the device and a step is added without a host sync: the host reads 
 decision. A step whose gradients are not finite (AMP's scaler skips it) adds nothing, decided on
 the device too, so that an overflow neither counts as a tiny norm nor ends the run.
 
-Two statistics, one per gradient rule (:mod:`lightning_pipetransformer.freeze.policies`):
+Three statistics, one per measuring rule (:mod:`lightning_pipetransformer.freeze.policies`):
 
 * :class:`NormSums`: each active block's gradient L2 norm, summed, and the finite steps counted
   (the ``"paper"`` rule reads their mean);
 * :class:`GradientSums`: each active block's gradient tensors, summed (the ``"autofreeze"`` rule
   reads the L1 norm of each block's sum). A copy of the active blocks' size.
+* :class:`Displacement`: the active blocks' weights as they were at the first step (the
+  ``"plasticity"`` rule reads how far each block moved from them). A copy of the active blocks' size,
+  taken once; nothing is added per step, and the copy of a block is dropped once it freezes.
 
 Pure torch: the callback calls :meth:`observe` from ``on_before_optimizer_step``, where the
 gradients are final (after DDP's averaging and accumulation, unscaled under AMP); a test calls it
@@ -26,7 +29,7 @@ import torch
 
 from lightning_pipetransformer.stack.discovery import BlockStack
 
-__all__ = ["GradientSums", "NormSums", "block_grad_norms"]
+__all__ = ["Displacement", "GradientSums", "NormSums", "block_grad_norms"]
 
 
 def block_grad_norms(stack: BlockStack, num_frozen: int) -> torch.Tensor | None:
@@ -153,3 +156,69 @@ class GradientSums:
             self.sums = None
             return
         self.sums = [[t.to(p.device) for t, p in zip(block, module.parameters())] for block, module in zip(sums, stack.blocks)]
+
+
+class Displacement:
+    """Per block, how far its weights moved from where they were at the first optimizer step, relative
+    to their size: ``||w - w(0)|| / ||w(0)||`` (the ``"plasticity"`` rule).
+
+    :meth:`observe` copies the active blocks' parameters once, at the first step (before its update:
+    the weights fine-tuning starts from), and afterwards only drops the copies of blocks that froze; no
+    work per step. :meth:`relative` computes every block's displacement on the device and reads them in
+    one transfer, at a decision. State: ``plasticity_reference`` (per block, one CPU tensor per
+    parameter, or None for a block frozen before the copy or since). Copies restored from a checkpoint
+    follow their parameter's device at the next read.
+    """
+
+    def __init__(self) -> None:
+        self.reference: list[list[torch.Tensor] | None] | None = None
+
+    def observe(self, stack: BlockStack, num_frozen: int) -> None:
+        """At an optimizer step: copy the active blocks at the first one; later, drop frozen blocks' copies."""
+        if self.reference is None:
+            self.reference = [
+                None if index < num_frozen else [p.detach().clone() for p in block.parameters()]
+                for index, block in enumerate(stack.blocks)
+            ]
+            return
+        for index in range(min(num_frozen, len(self.reference))):
+            self.reference[index] = None
+
+    def relative(self, stack: BlockStack, num_frozen: int) -> list[float] | None:
+        """Per block, ``||w - w(0)|| / ||w(0)||`` (0 for the ``num_frozen`` frozen blocks and for blocks
+        without a copy or without parameters); None before the first step."""
+        if self.reference is None:
+            return None
+        moved: list[torch.Tensor] = []
+        sizes: list[torch.Tensor] = []
+        where: list[int] = []
+        for index, (block, copy) in enumerate(zip(stack.blocks, self.reference)):
+            params = [p.detach() for p in block.parameters()]
+            if index < num_frozen or copy is None or not params:
+                continue
+            copy = [c if c.device == p.device else c.to(p.device) for c, p in zip(copy, params)]
+            self.reference[index] = copy
+            device = params[-1].device
+            diff = torch._foreach_sub(params, copy)
+            moved.append(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(diff, dtype=torch.float32))).to(device))
+            sizes.append(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(copy, dtype=torch.float32))).to(device))
+            where.append(index)
+        out = [0.0] * len(stack.blocks)
+        if not where:
+            return out
+        home = moved[0].device
+        values = torch.stack([torch.stack([m.to(home) for m in moved]), torch.stack([s.to(home) for s in sizes])]).tolist()
+        for index, distance, size in zip(where, values[0], values[1]):
+            out[index] = distance / size if size > 0 else 0.0
+        return out
+
+    def reset(self) -> None:
+        self.reference = None
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.reference is None:
+            return {"plasticity_reference": None}
+        return {"plasticity_reference": [None if c is None else [t.detach().cpu() for t in c] for c in self.reference]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reference = state.get("plasticity_reference")
