@@ -35,6 +35,7 @@ from .report import (
     ROOT,
     bound_text,
     cache_text,
+    commits_text,
     epoch_table,
     exactness_text,
     goal_text,
@@ -510,6 +511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "where": where, "cache_note": cache_note, "goal": goal, "steps": str(steps), "n_check": str(n_check),
             "peft_version": _version("peft"),
             "ran": ran_text(records, variants),
+            "commits": commits_text(records),
             "setting": (
                 f"{n_train} training snippets and {n_val} validation snippets, split by movie (data split seed 0). "
                 f"Max length {args.max_length}, padding `{args.padding}`, batch {args.batch_size}, {args.epochs} epochs "

@@ -475,7 +475,7 @@ Machine:
 
 Setting: {body['setting']}
 
-Ran: {body['ran']}.
+Ran: {body['ran']}.{body.get('commits', '')}
 
 {variants_intro}
 
@@ -584,6 +584,17 @@ def ran_text(records: list[RunRecord], variants: list[Variant]) -> str:
         parts.append(f"**{v.name}** on seed{'s' if len(done) != 1 else ''} {', '.join(map(str, done)) or 'none'}"
                      + (f" (failed on {', '.join(map(str, failed))})" if failed else ""))  # fmt: skip
     return "; ".join(parts)
+
+
+def commits_text(records: list[RunRecord]) -> str:
+    """The commits the runs' code came from (records before the field have none): one commit, or which runs came from which."""
+    commits = sorted({r.code_commit for r in records if r.code_commit})
+    if not commits:
+        return ""
+    if len(commits) == 1:
+        return f" Code: commit `{commits[0]}` for every run that records it."
+    counts = {c: sum(r.code_commit == c for r in records) for c in commits}
+    return " Code: " + ", ".join(f"`{c}` ({n} runs)" for c, n in counts.items()) + "."
 
 
 def exactness_text(records: list[RunRecord], variants: list[Variant]) -> str:

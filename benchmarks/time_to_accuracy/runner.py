@@ -310,9 +310,26 @@ def build_trainer(variant: Variant, args: argparse.Namespace, cache_dir: str) ->
     )  # fmt: skip
 
 
+def code_commit() -> str:
+    """The commit the package and the benchmark come from, ``+changes`` when either differs from it (``""``: no git)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "lightning_pipetransformer", "benchmarks"], cwd=root, capture_output=True,
+            text=True, check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return head + ("+changes" if dirty else "")
+
+
 def run_one(variant: Variant, seed: int, dm: BenchData, args: argparse.Namespace, model_dir: str) -> RunRecord:
     """Fit one variant with one seed and return its per-epoch timeline."""
-    record = RunRecord(variant=variant.name, seed=seed)
+    record = RunRecord(variant=variant.name, seed=seed, code_commit=code_commit())
     cache_dir = tempfile.mkdtemp(prefix="ttacc-cache-")  # a fresh cache per run: never a hit from another run
     try:
         dm.seed = seed

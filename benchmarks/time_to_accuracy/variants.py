@@ -144,6 +144,9 @@ class RunRecord:
     #: epoch's validation was on the whole set), and the seconds that final evaluation took (outside ``fit_s``).
     final_full_acc: float | None = None
     final_eval_s: float = 0.0
+    #: The commit of the code that ran (``git rev-parse --short HEAD``, ``+changes`` when the package or the benchmark
+    #: had uncommitted changes); empty in older records. The report lists the commits its runs came from.
+    code_commit: str = ""
 
     @property
     def train_s(self) -> float:
