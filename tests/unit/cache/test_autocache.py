@@ -35,10 +35,20 @@ def install(model, cache, num_frozen):
     apply_freeze(stack, num_frozen, include_pre=True)
     cache.attach(stack, model)  # with the model as root: the embeddings are skipped where that is exact
     cache.move_boundary(stack, num_frozen, True, torch.device("cpu"), (0, 1))
-    active = run_blocks(stack.blocks[num_frozen:])
-    runner = CachedStack(cache, stack.blocks, num_frozen, lambda call: active(call.hidden, call.calls))
+    runner = cache_runner(model, cache, num_frozen)
     install_pipeline(stack.container, runner)
     return stack, runner
+
+
+def warmed(tmp_path):
+    """A 3-block BERT with blocks 0-1 cached, after one forward of batch 0: ``(model, cache, ids, mask)``."""
+    torch.manual_seed(0)
+    model = tiny_bert(3)
+    cache = AutoCache(True, str(tmp_path), 10**7)
+    install(model, cache, 2)
+    ids, mask = batch(0)
+    model(input_ids=ids, attention_mask=mask)
+    return model, cache, ids, mask
 
 
 def count_rows(module: torch.nn.Module) -> list[int]:
@@ -92,12 +102,7 @@ def test_cached_equals_uncached_over_epochs_and_boundary_moves(tmp_path, budget)
 
 
 def test_input_changed_in_forward_misses(tmp_path):
-    torch.manual_seed(0)
-    model = tiny_bert(3)
-    cache = AutoCache(True, str(tmp_path), 10**7)
-    install(model, cache, 2)
-    ids, mask = batch(0)
-    model(input_ids=ids, attention_mask=mask)
+    model, cache, ids, mask = warmed(tmp_path)
     other = ids.clone()
     other[0, 0] = (other[0, 0] + 1) % VOCAB  # one token differs: that row misses
     model(input_ids=other, attention_mask=mask)
@@ -108,12 +113,7 @@ def test_input_changed_in_forward_misses(tmp_path):
 def test_stale_source_is_detected(tmp_path):
     """Something changes the prefix where no version counter sees it (``.data``) and no pass start came: the first-hit
     verification, the backstop, catches it."""
-    torch.manual_seed(0)
-    model = tiny_bert(3)
-    cache = AutoCache(True, str(tmp_path), 10**7)
-    install(model, cache, 2)
-    ids, mask = batch(0)
-    model(input_ids=ids, attention_mask=mask)
+    model, cache, ids, mask = warmed(tmp_path)
     weight = model.bert.embeddings.word_embeddings.weight  # not a uniform shift: LayerNorm hides that
     weight.data.add_(torch.randn_like(weight))
     with pytest.raises(StaleCacheError):
@@ -125,12 +125,7 @@ def test_a_changed_prefix_is_not_served_and_said(tmp_path, how):
     """The prefix changed behind the cache's back (version counter, a pass start's fingerprint, requires_grad, another
     parameter object): the cache stands aside (the output equals the plain model's), names the change, and serves
     again once the model is as the entries were computed (the swap back)."""
-    torch.manual_seed(0)
-    model = tiny_bert(3)
-    cache = AutoCache(True, str(tmp_path), 10**7)
-    install(model, cache, 2)
-    ids, mask = batch(0)
-    model(input_ids=ids, attention_mask=mask)
+    model, cache, ids, mask = warmed(tmp_path)
     block = model.bert.encoder.layer[1]
     weight = block.attention.self.query.weight
     saved = weight
