@@ -46,7 +46,9 @@ if [ -z "${PIPETRANSFORMER_REINSTALL:-}" ] && grep -qs "^$HASH " "$STAMP" \
     && missing=$("$VPY" scripts/missing_requirements.py "$EXTRAS"); then
     # The package is installed for this pyproject.toml with other extras: add what [$EXTRAS] lacks.
     if [ -n "$missing" ]; then
-        echo "setup: .venv has the package; adding what [$EXTRAS] lacks:" $missing
+        echo "setup: .venv has the package; adding what [$EXTRAS] lacks:"
+        echo "$missing" | tr '\n' ' ' | fold -s -w 72 | sed 's/^/       /'
+        echo
         # shellcheck disable=SC2086  # one requirement per word (none holds a space)
         "$VPY" -m pip install -q $missing
     else

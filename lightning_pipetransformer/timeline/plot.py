@@ -78,15 +78,15 @@ def _speed_panel(ax_speed: Any, rows: list[EpochRecord]) -> None:
 
 
 def _hits_panel(ax_hits: Any, rows: list[EpochRecord]) -> None:
-    """Per epoch, the cache's lookups (light bar) and hits (dark bar over it), labelled with the hit rate.
+    """Per epoch, the cache's lookups (light bar) and hits (dark bar over it); the hit rate on top of the lookups.
 
     An epoch without a store (epoch 0: nothing frozen yet) has no bar and is labelled ``-``, as in the table.
     """
     epochs = [r.epoch for r in rows]
     lookups = [r.cache_lookups or 0 for r in rows]
     hits = [r.cache_hit_count or 0 for r in rows]
-    ax_hits.bar(epochs, lookups, color="tab:green", alpha=0.25, label="lookups")
-    bars = ax_hits.bar(epochs, hits, color="tab:green", alpha=0.8, label="hits")
+    bars = ax_hits.bar(epochs, lookups, color="tab:green", alpha=0.25, label="lookups")
+    ax_hits.bar(epochs, hits, color="tab:green", alpha=0.8, label="hits")
     labels = [
         "-" if r.cache_lookups is None else "0/0" if not r.cache_lookups else f"{(r.cache_hit_count or 0) / r.cache_lookups:.0%}"
         for r in rows

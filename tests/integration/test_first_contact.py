@@ -170,9 +170,12 @@ WIDEST = 120
 THIRD_PARTY = ("litlogger", "LeafSpec")
 
 
-def _short_fit(tmp_path: Path, family: str, strategy: PipeTransformerStrategy | str, progress: Callback | None = None) -> pl.Trainer:
+def _short_fit(
+    tmp_path: Path, family: str, strategy: PipeTransformerStrategy | str, progress: Callback | None = None
+) -> pl.Trainer:
     """Three epochs with AutoFreeze (1, then 2 blocks) and the timeline listed first, as the demo runs them."""
-    callbacks: list[Callback] = [PipeTransformerTimeline(dirpath=str(tmp_path), save_plot=False), AutoFreeze(schedule={1: 1, 2: 2})]
+    timeline = PipeTransformerTimeline(dirpath=str(tmp_path), save_plot=False)
+    callbacks: list[Callback] = [timeline, AutoFreeze(schedule={1: 1, 2: 2})]
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_epochs=3, callbacks=callbacks + ([progress] if progress else []),
         default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False, enable_progress_bar=progress is not None,
@@ -191,7 +194,9 @@ def test_every_line_a_short_fit_prints_fits_120_columns(tmp_path: Path, family: 
     """The block-stack line (some 300 columns with the model's head, dropout and metrics listed), the
     self-check line (some 210), the use_cache notice of a decoder: each is wrapped or shortened, and
     the full lists are at DEBUG on the package's logger."""
-    chosen = {"cache": PipeTransformerStrategy(cache=True), "pipe_len=2": PipeTransformerStrategy(pipe_len=2), "auto": "auto"}[strategy]
+    chosen = {
+        "cache": PipeTransformerStrategy(cache=True), "pipe_len=2": PipeTransformerStrategy(pipe_len=2), "auto": "auto",
+    }[strategy]  # fmt: skip
     with caplog.at_level(logging.DEBUG), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _short_fit(tmp_path, family, chosen)
@@ -248,12 +253,15 @@ def test_ctrl_c_on_the_test_command_ends_every_process_it_started(tmp_path: Path
     pids = tmp_path / "pids"
     env = clean_env(PIPETRANSFORMER_INTERRUPT_PIDS=str(pids), PYTHONPATH=str(ROOT))
     command = ["bash", "scripts/test.sh", "-q", "-p", "no:cacheprovider", "tests/helpers/interrupt_target.py"]
-    proc = subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
     started: list[int] = []
     try:
         deadline = time.monotonic() + 180
         while len(started) < 3:  # the spawn worker, rank 0 and the rank it started
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:] if proc.poll() is not None else started
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the target did not start its processes: {started}\n{proc.communicate()[0][-3000:]}")
             time.sleep(0.5)
             started = [int(x) for x in pids.read_text().split()] if pids.exists() else []
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals its foreground process group

@@ -131,7 +131,8 @@ def test_a_hook_that_replaces_a_blocks_output_is_not_taken_for_a_difference(kind
     blocks, said = stack(), Said()
     blocks[1].register_forward_hook(lambda m, a, o: None)
     blocks.eval()
-    SelfCheck(blocks, announce=said.append_flat)(Pipeline(blocks, (2, 2), ["cpu", "cpu"], chunks=2), StackCall(c.hidden, c.calls, observed=(observer,)))
+    check = SelfCheck(blocks, announce=said.append_flat)
+    check(Pipeline(blocks, (2, 2), ["cpu", "cpu"], chunks=2), StackCall(c.hidden, c.calls, observed=(observer,)))
     assert "values within" in said[0], said
 
 

@@ -50,13 +50,15 @@ def test_the_cache_hits_per_epoch_sit_beside_the_speed_bars(tmp_path: Path, monk
     monkeypatch.setattr(plt, "close", figures.append)
     counts = [(None, None), (0, 2500), (2500, 2500), (2400, 2500)]
     rows = [
-        EpochRecord(epoch=e, frozen=f"{2 * e}/6", num_frozen=2 * e, pipe_len="1", replicas="1", cache_hits="-", samples_per_s=50.0 * (e + 1),
-                    train_s=10.0, epoch_s=12.0, total_s=0.0, metric=0.8, speed_vs_epoch0=float(e + 1), cache_hit_count=h, cache_lookups=n)
+        EpochRecord(epoch=e, frozen=f"{2 * e}/6", num_frozen=2 * e, pipe_len="1", replicas="1", cache_hits="-",
+                    samples_per_s=50.0 * (e + 1), train_s=10.0, epoch_s=12.0, total_s=0.0, metric=0.8,
+                    speed_vs_epoch0=float(e + 1), cache_hit_count=h, cache_lookups=n)
         for e, (h, n) in enumerate(counts)
     ]  # fmt: skip
     write_plot(rows, tmp_path / "cached.png", "val/acc")
     titles = [ax.get_title() for ax in figures[0].axes if ax.get_title()]
-    assert titles == ["throughput and freezing per epoch", "AutoCache hits per epoch", "val/acc after each epoch"]  # beside the speed
+    # Beside the speed bars, between them and the metric.
+    assert titles == ["throughput and freezing per epoch", "AutoCache hits per epoch", "val/acc after each epoch"]
     hits = next(ax for ax in figures[0].axes if ax.get_title() == "AutoCache hits per epoch")
     lookups_bars, hit_bars = hits.containers
     assert [b.get_height() for b in lookups_bars] == [0, 2500, 2500, 2500]
