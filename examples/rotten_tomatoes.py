@@ -381,7 +381,12 @@ class RottenTomatoesDataModule(pl.LightningDataModule):
         # One process per node (Lightning's rule): read the CSV and tokenize both sides into
         # datasets' cache, so that every process's setup() only loads the cached files.
         sides = self.encode_sides()
-        rank_zero_info(f"Rotten Tomatoes: {'tokenized snippets found' if sides.cached else 'snippets tokenized'} in {sides.folder}")
+        # datasets' folder for the tokenized files is ~150 columns of hashes: name the cache, not the folder in it,
+        # on a line of its own (a path is not wrapped).
+        rank_zero_info(
+            f"Rotten Tomatoes: {'tokenized snippets found' if sides.cached else 'snippets tokenized'} in the datasets cache:\n"
+            f"  {self.hparams.datasets_cache_dir or default_datasets_cache()}"
+        )
 
     def setup(self, stage: str) -> None:
         if self.train_set is not None:

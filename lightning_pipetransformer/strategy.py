@@ -336,9 +336,9 @@ class PipeTransformerStrategy(ProcessLayout):
         self._kv_cache_configs = turn_off_kv_cache(module)
         if any(builds_kv_cache(module, config) for config in self._kv_cache_configs):
             rank_zero_info(
-                "PipeTransformer: the model's key-value cache for generation (config.use_cache) is off while fitting, "
-                "since micro-batches would share it; it is restored after fit. (Not AutoCache, the strategy's cache=, "
-                "which stores the frozen blocks' outputs.)"
+                "PipeTransformer: the model's key-value cache for generation (config.use_cache) is off while fitting,\n"
+                "  since micro-batches would share it; it is restored after fit. (Not AutoCache, the strategy's cache=,\n"
+                "  which stores the frozen blocks' outputs.)"
             )
 
     def _target_frozen(self, autofreeze: FreezeSource | None) -> int:

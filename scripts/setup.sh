@@ -4,8 +4,13 @@
 #
 # Fast when nothing changed: a stamp in .venv records which extras were installed for which
 # pyproject.toml (its sha256); when it matches (or the dev extras, which include the others, were
-# installed for it) and torch imports, pip is not run at all. Set PIPETRANSFORMER_REINSTALL=1 to
-# install anyway.
+# installed for it) and torch imports, pip is not run at all. When the package is installed for this
+# pyproject.toml with other extras (the demo's, then the tests ask for dev), only the requirements
+# those extras lack are installed (scripts/missing_requirements.py): the package and what is there
+# stay as they are. Set PIPETRANSFORMER_REINSTALL=1 to install everything anyway.
+#
+# setuptools prints a banner on every editable install (a BuildBackendWarning, "Editable
+# installation ... Please be careful with folders ..."): hidden unless PIPETRANSFORMER_HIDE_NOISE=0.
 #
 # CPU-only machine (no nvidia-smi): torch is pinned to the CPU build 2.13.0 first,
 # so nothing later can pull a multi-GB CUDA build. PyPI's Linux torch wheels depend
@@ -32,6 +37,26 @@ if [ -z "${PIPETRANSFORMER_REINSTALL:-}" ] && [ -f "$STAMP" ] \
     echo "       (PIPETRANSFORMER_REINSTALL=1 bash scripts/setup.sh to reinstall)"
     exit 0
 fi
+stamp() {  # Last, and only after a complete install: an older pyproject's lines are dropped.
+    { grep -s "^$HASH " "$STAMP" || true; echo "$HASH $EXTRAS"; } | sort -u > "$STAMP.new"
+    mv "$STAMP.new" "$STAMP"
+}
+if [ -z "${PIPETRANSFORMER_REINSTALL:-}" ] && grep -qs "^$HASH " "$STAMP" \
+    && "$VPY" -c "import torch, lightning" 2>/dev/null \
+    && missing=$("$VPY" scripts/missing_requirements.py "$EXTRAS"); then
+    # The package is installed for this pyproject.toml with other extras: add what [$EXTRAS] lacks.
+    if [ -n "$missing" ]; then
+        echo "setup: .venv has the package; adding what [$EXTRAS] lacks:"
+        echo "$missing" | tr '\n' ' ' | fold -s -w 72 | sed 's/^/       /'
+        echo
+        # shellcheck disable=SC2086  # one requirement per word (none holds a space)
+        "$VPY" -m pip install -q $missing
+    else
+        echo "setup: .venv already has everything [$EXTRAS] needs: pip not run"
+    fi
+    stamp
+    exit 0
+fi
 CPU_INDEX=https://download.pytorch.org/whl/cpu
 "$VPY" -m pip install -q --upgrade pip
 if ! "$VPY" -c "import torch" 2>/dev/null; then
@@ -49,8 +74,11 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
     # shellcheck disable=SC2086  # index_args is empty or two words
     "$VPY" -m pip install -q ${index_args:-} "$spec"
 fi
-"$VPY" -m pip install -q -e ".[$EXTRAS]"
+if [ "${PIPETRANSFORMER_HIDE_NOISE:-1}" = 1 ]; then
+    # The build backend runs in a subprocess that inherits this; only the banner's warning is ignored.
+    PYTHONWARNINGS="ignore:Editable installation${PYTHONWARNINGS:+,$PYTHONWARNINGS}" "$VPY" -m pip install -q -e ".[$EXTRAS]"
+else
+    "$VPY" -m pip install -q -e ".[$EXTRAS]"
+fi
 "$VPY" -c "import torch, lightning; print(f'setup: torch {torch.__version__}, lightning {lightning.__version__}')"
-# Stamp last: only a complete install counts (an older pyproject's lines are dropped).
-{ grep -s "^$HASH " "$STAMP" || true; echo "$HASH $EXTRAS"; } | sort -u > "$STAMP.new"
-mv "$STAMP.new" "$STAMP"
+stamp

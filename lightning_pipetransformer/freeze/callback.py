@@ -59,9 +59,16 @@ from lightning_pipetransformer.freeze.seam import FreezeFollower
 from lightning_pipetransformer.stack.declared import block_stack_of
 from lightning_pipetransformer.stack.discovery import BlockStack, BlockStackError
 from lightning_pipetransformer.stack.execution import CallOrderObserver, split_by_order
+from lightning_pipetransformer.terminal import debug_log, wrap
 from lightning_pipetransformer.warn_once import WarnOnce
 
 __all__ = ["AutoFreeze"]
+
+def _info(message: str) -> None:
+    """Say ``message`` on rank 0, wrapped to the terminal (a 300-column line wraps mid-word otherwise).
+
+    Warnings stay one line each: pytest.warns and warnings filters match them by their text."""
+    rank_zero_info(wrap(message))
 
 Rule = Literal["paper", "schedule", "autofreeze", "plasticity"]
 RULES = ("paper", "schedule", "autofreeze", "plasticity")
@@ -141,7 +148,7 @@ class AutoFreeze(Callback):
         super().__init__()
         self.anneal = anneal
         # Smooth freezing's timing; its annealer is built at setup, where it can engage (see _setup_anneal).
-        self._anneal = AnnealTiming(anneal, warn=rank_zero_warn, info=rank_zero_info) if anneal is not None else None
+        self._anneal = AnnealTiming(anneal, warn=rank_zero_warn, info=_info) if anneal is not None else None
         self.alpha = validate_alpha(alpha)
         if not (isinstance(rule, FreezeRule) or rule in RULES):
             raise ValueError(
@@ -178,7 +185,7 @@ class AutoFreeze(Callback):
         self.embeddings_kept_training: str | None = None
         self._observer: CallOrderObserver | None = None
         self._nested_guard: NestedTensorGuard | None = None  # nn.TransformerEncoder: nested tensors in eval mode only
-        self._said = WarnOnce(lambda message, stacklevel: rank_zero_info(message))
+        self._said = WarnOnce(lambda message, stacklevel: _info(message))
 
         self.stack: BlockStack | None = None
         self.num_frozen = 0
@@ -251,10 +258,12 @@ class AutoFreeze(Callback):
             )
         epochs = trainer.max_epochs if trainer is not None and trainer.max_epochs is not None and trainer.max_epochs > 0 else None
         self.freeze_rule.check(self.max_frozen, epochs)
-        rank_zero_info(f"AutoFreeze: block stack {stack.describe()}; {self._rule_text()}.")
+        # One short line (module lists cut to a few names) for the console; the full lists at DEBUG.
+        _info(f"AutoFreeze: block stack {stack.describe(limit=3)}; {self._rule_text()}.")
+        debug_log.debug("AutoFreeze: block stack %s.", stack.describe())
         untrainable = self._untrainable = untrainable_prefix(stack)
         if untrainable > self.num_frozen:
-            rank_zero_info(
+            _info(
                 f"AutoFreeze: blocks 0..{untrainable - 1} have no trainable parameter: counted as frozen from the start "
                 "(eval mode, as blocks AutoFreeze freezes)."
             )
@@ -293,7 +302,7 @@ class AutoFreeze(Callback):
             "with the embeddings, name them in AutoFreeze(pre=[...])"
         )
         if self.embeddings_kept_training != said:  # once (checked again when the call order refines pre)
-            rank_zero_info(f"AutoFreeze: {self.embeddings_kept_training}.")
+            _info(f"AutoFreeze: {self.embeddings_kept_training}.")
 
     def _pre_applies(self) -> bool:
         """Whether to freeze ``pre`` now: it counts as frozen, and it is known (observed or declared) what runs before."""
@@ -334,7 +343,7 @@ class AutoFreeze(Callback):
         moved_in = [p for p, _ in pre if p not in before]
         moved_out = [p for p in before if p not in {q for q, _ in pre}]
         if moved_in or moved_out:
-            rank_zero_info(
+            _info(
                 "AutoFreeze: from the model's call order, "
                 + "; ".join(
                     ([f"{', '.join(moved_out)} run(s) after the block stack (not frozen with the embeddings)"] if moved_out else [])
@@ -438,7 +447,7 @@ class AutoFreeze(Callback):
             return
         frozen_now = untrainable_prefix(self.stack)
         if frozen_now < self.num_frozen:
-            rank_zero_info(
+            _info(
                 f"AutoFreeze: blocks {frozen_now}..{self.num_frozen - 1} train again (other code unfroze them): counted as "
                 f"active from here on ({frozen_now}/{self.num_blocks} frozen)."
             )
@@ -580,7 +589,7 @@ class AutoFreeze(Callback):
         self.step_history.append((int(step), target))
         where = f"epoch {epoch}" + (f", step {step}" if self.freeze_interval is not None else "")
         blocks = f"block {before}" if target - before == 1 else f"blocks {before}..{target - 1}"
-        rank_zero_info(
+        _info(
             f"AutoFreeze: {where}: froze {blocks} "
             f"({target}/{self.num_blocks} frozen{', embeddings too' if self.freeze_embeddings else ''})."
         )

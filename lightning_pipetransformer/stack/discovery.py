@@ -35,6 +35,7 @@ from typing import Literal
 from torch import nn
 
 from lightning_pipetransformer.stack.shared_depth import find_shared_depth, shared_depth, shared_depth_message
+from lightning_pipetransformer.terminal import names
 
 __all__ = [
     "BlockStack",
@@ -132,12 +133,22 @@ class BlockStack:
     def __len__(self) -> int:
         return len(self.blocks)
 
-    def describe(self) -> str:
-        pre = ", ".join(p for p, _ in self.pre) or "nothing"
-        post = ", ".join(p for p, _ in self.post) or "nothing"
+    def describe(self, limit: int | None = None) -> str:
+        """The stack in words: its blocks, where they are, and what runs before and after them.
+
+        ``limit``: name at most that many modules on each side and count the rest, for the one line
+        an ordinary run prints (a model's head, dropout and metrics after the stack make a list of
+        200 columns otherwise); ``None``: every module, for errors and the DEBUG log.
+        """
+        pre, post = ([p for p, _ in side] for side in (self.pre, self.post))
         kinds = sorted({type(b).__name__ for b in self.blocks})
-        provisional = ", by registration order until the first training forward shows the call order" if self.provisional else ""
-        return f"{len(self)} x {'/'.join(kinds)} at '{self.path}' (before: {pre}; after: {post}{provisional})"
+        if limit is None:
+            listed = f"before: {', '.join(pre) or 'nothing'}; after: {', '.join(post) or 'nothing'}"
+            provisional = ", by registration order until the first training forward shows the call order"
+        else:
+            listed = f"before: {names(pre, limit)}; after: {names(post, limit)}"
+            provisional = ", until the first forward shows the call order"
+        return f"{len(self)} x {'/'.join(kinds)} at '{self.path}' ({listed}{provisional if self.provisional else ''})"
 
 
 def _num_params(module: nn.Module) -> int:

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from lightning_pipetransformer import tree
 from lightning_pipetransformer.stack.calls import is_called_block
 from lightning_pipetransformer.stack.discovery import BlockStack, BlockStackError
+from lightning_pipetransformer.terminal import wrap
 
 __all__ = ["CallOrder", "CallOrderError", "CallOrderObserver", "OrderWatch", "graph_leaves", "split_by_order"]
 
@@ -312,11 +313,11 @@ class OrderWatch:
         feeds = [(p, m) for p, m in post if BEFORE in order.relation(m) and any(True for _ in m.parameters())]
         self.stack.refine(pre, post, feeds)
         if feeds and self.announce is not None:
-            self.announce(
+            self.announce(wrap(
                 f"PipeTransformer: {', '.join(p for p, _ in feeds)} run(s) both before the block stack '{self.stack.path}' "
                 "and after it: kept outside the prefix (nothing in this run freezes the prefix; with AutoFreeze this is "
                 "refused). A cache checks it like the prefix: it must be frozen and deterministic."
-            )
+            ))  # fmt: skip
         return True
 
     def remove(self) -> None:

@@ -51,6 +51,7 @@ from lightning_pipetransformer.stack.interception import (
 )
 from lightning_pipetransformer.stack.observers import Observer, block_modules, replacing_hooks, silenced
 from lightning_pipetransformer.stack.tolerance import lowest_precision, precisions_in_play
+from lightning_pipetransformer.terminal import wrap
 
 __all__ = ["SelfCheck", "SelfCheckError", "value_tolerance"]
 
@@ -125,7 +126,11 @@ class SelfCheck:
                 else f"values within {max(largest, default=0.0):.1e} of the plain loop's, relative to its largest magnitude"
             )
             hooks = f", {len(watched)} observed module(s) fired as often" if watched else ""
-            self.announce(f"PipeTransformer: first-batch self-check passed: {self.what} gives the model what the plain loop over the same blocks gives ({compared}{hooks}).")
+            # Wrapped: in one line this is some 210 columns, which a terminal breaks mid-word.
+            self.announce(wrap(
+                f"PipeTransformer: first-batch self-check passed: {self.what} gives the model what the plain loop over the "
+                f"same blocks gives ({compared}{hooks})."
+            ))  # fmt: skip
         return out
 
     def _watched(self, observed: Sequence[Observer]) -> dict[int, str]:

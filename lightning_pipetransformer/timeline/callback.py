@@ -174,6 +174,7 @@ class PipeTransformerTimeline(Callback):
                 self.plot_path = folder / "timeline.png"
                 write_plot(self.rows, self.plot_path, self.monitor)
         if self.print_table:
+            _stop_live_progress(trainer)
             lines = ["", "PipeTransformer timeline", format_table(self.rows, self.monitor), textwrap.fill(self.summary, 80)]
             lines += [f"written: {p}" for p in (self.json_path, self.plot_path) if p is not None]
             print("\n".join(lines), flush=True)
@@ -219,6 +220,22 @@ def batch_size(batch: Any) -> int:
             if n:
                 return n
     return 0
+
+
+def _stop_live_progress(trainer: pl.Trainer) -> None:
+    """Stop a live progress display (Lightning's ``RichProgressBar``) before the table is printed.
+
+    Lightning stops that display in its ``teardown`` hook, which runs after ``on_fit_end``: the
+    table printed here would be followed by the bar's last frame (its metrics column wrapped in a
+    narrow terminal), so the summary would not be the last thing the run prints. Stopped now, the
+    last frame comes before the table; the bar's own teardown then finds it stopped (rich's
+    ``Progress.stop`` does nothing the second time). A bar without a live display (tqdm, closed at
+    the end of training) is left alone.
+    """
+    progress = getattr(trainer.progress_bar_callback, "progress", None)
+    stop = getattr(progress, "stop", None)
+    if callable(stop):
+        stop()
 
 
 def _autofreeze(trainer: pl.Trainer) -> AutoFreeze | None:

@@ -51,6 +51,9 @@ def launch_ranks(script: Path | str, out: Path, *args: str, timeout: float = 240
         kill_session(proc.pid)
         stdout, _ = proc.communicate()
         pytest.fail(f"Multi-process run {Path(script).name} hung for {timeout}s:\n{stdout[-4000:]}")
+    except BaseException:  # Ctrl-C (KeyboardInterrupt) or a failure here: its own session is out of the terminal's reach
+        kill_session(proc.pid)
+        raise
     if cleanup:
         # A rank left over (e.g. still starting when rank 0 failed) would join the next run's
         # rendezvous on a reused port.
@@ -65,6 +68,49 @@ def kill_session(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)  # rank 0's process group: the ranks it launched too
     except ProcessLookupError:
         pass
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, session id) of ``pid`` from ``/proc/<pid>/stat``; ``None`` when it is gone or a zombie."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp session ...
+    return None if fields[0] == "Z" else (int(fields[1]), int(fields[3]))
+
+
+def process_tree(root: int) -> list[int]:
+    """Every living process started from ``root`` (its descendants), and every process in a session one of
+    them opened (``start_new_session=True``: a launched rank 0 and the ranks it started, also those already
+    orphaned and adopted by init). Linux only (``/proc``); elsewhere empty."""
+    table = {int(d.name): s for d in Path("/proc").iterdir() if d.name.isdigit() and (s := _stat(int(d.name))) is not None}
+    own_session = table.get(root, (0, -1))[1]
+    found, todo = set(), [root]
+    while todo:
+        parent = todo.pop()
+        children = [pid for pid, (ppid, _) in table.items() if ppid == parent and pid not in found]
+        found.update(children)
+        todo += children
+    sessions = {table[pid][1] for pid in found} - {own_session}
+    found |= {pid for pid, (_, sid) in table.items() if sid in sessions}
+    return sorted(found - {root, os.getpid()})
+
+
+def end_process_tree(root: int | None = None) -> list[int]:
+    """SIGKILL everything :func:`process_tree` finds under ``root`` (default: this process); the pids killed.
+
+    tests/conftest.py calls it when a run is interrupted (Ctrl-C): test processes have nothing to save, and
+    a rank in a session of its own, which the terminal's SIGINT never reaches, would otherwise run on.
+    """
+    killed = []
+    for pid in process_tree(os.getpid() if root is None else root):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return killed
 
 
 def is_alive(pid: int) -> bool:

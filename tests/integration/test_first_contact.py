@@ -1,5 +1,6 @@
 """What a newcomer meets first: the use_cache notice, the strategy's CLI help, ``timeout`` as a
-timedelta, and where the cache's folders go (and that empty ones do not stay behind)."""
+timedelta, where the cache's folders go (and that empty ones do not stay behind), and what an
+ordinary run prints: every line fits 120 columns, and the timeline's summary comes last."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ import inspect
 import logging
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,8 +22,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
+from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy, PipeTransformerTimeline
 from tests.helpers.families import FamilyModule, family_data
+from tests.helpers.launch import clean_env, is_alive
 
 
 @pytest.mark.parametrize(("family", "said"), [("bert", False), ("llama", True)])
@@ -154,3 +160,119 @@ def test_folders_with_entries_stay_and_a_given_cache_dir_is_kept(tmp_path) -> No
     mine = tmp_path / "mine"
     _, folders = _cached_fit(tmp_path / "second", cache_dir=str(mine))
     assert all(f.parent == mine for f in folders.seen) and mine.is_dir() and not any(mine.iterdir())
+
+
+# ------------------------------------------------------------------------------------------ what an ordinary run prints
+
+#: The widest line a newcomer's terminal shows without wrapping mid-word (the package wraps its messages at 100).
+WIDEST = 120
+#: Lightning's own notices, not the package's (the demo hides them: examples/quiet.py).
+THIRD_PARTY = ("litlogger", "LeafSpec")
+
+
+def _short_fit(
+    tmp_path: Path, family: str, strategy: PipeTransformerStrategy | str, progress: Callback | None = None
+) -> pl.Trainer:
+    """Three epochs with AutoFreeze (1, then 2 blocks) and the timeline listed first, as the demo runs them."""
+    timeline = PipeTransformerTimeline(dirpath=str(tmp_path), save_plot=False)
+    callbacks: list[Callback] = [timeline, AutoFreeze(schedule={1: 1, 2: 2})]
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_epochs=3, callbacks=callbacks + ([progress] if progress else []),
+        default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False, enable_progress_bar=progress is not None,
+        enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(FamilyModule(family), family_data(family), family_data(family, seed=1))
+    return trainer
+
+
+@pytest.mark.parametrize(
+    ("family", "strategy"),
+    [("bert", "cache"), ("llama", "pipe_len=2"), ("bert", "auto")],
+    ids=["bert-cache", "llama-pipeline", "bert-plain-trainer"],
+)
+def test_every_line_a_short_fit_prints_fits_120_columns(tmp_path: Path, family: str, strategy: str, caplog, capsys) -> None:
+    """The block-stack line (some 300 columns with the model's head, dropout and metrics listed), the
+    self-check line (some 210), the use_cache notice of a decoder: each is wrapped or shortened, and
+    the full lists are at DEBUG on the package's logger."""
+    chosen = {
+        "cache": PipeTransformerStrategy(cache=True), "pipe_len=2": PipeTransformerStrategy(pipe_len=2), "auto": "auto",
+    }[strategy]  # fmt: skip
+    with caplog.at_level(logging.DEBUG), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _short_fit(tmp_path, family, chosen)
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    lines = [line for message in said + [str(w.message) for w in caught] for line in message.splitlines()]
+    lines += capsys.readouterr().out.splitlines()
+    ours = [line for line in lines if not any(name in line for name in THIRD_PARTY)]
+    assert any(line.startswith("AutoFreeze: block stack") for line in ours) and "PipeTransformer timeline" in ours
+    if strategy == "cache":
+        assert any("self-check passed" in line for line in ours)  # the line that was 210 columns is there, wrapped
+    widest = max(ours, key=len)
+    assert len(widest) <= WIDEST, f"{len(widest)} columns: {widest}"
+    # Nothing is lost: the stack's full description is on the package's logger at DEBUG.
+    debug = [r.getMessage() for r in caplog.records if r.name == "lightning_pipetransformer" and r.levelno == logging.DEBUG]
+    assert any("by registration order until the first training forward" in m for m in debug), debug
+
+
+def test_the_timelines_summary_is_the_last_thing_a_fit_prints(tmp_path: Path, capsys) -> None:
+    """Lightning's RichProgressBar stops its live display in ``teardown``, after ``on_fit_end`` where
+    the timeline prints: its last frame (the metrics column wrapped) came after the summary. The
+    timeline stops it first, so the table and summary close the run's output."""
+    pytest.importorskip("rich")
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    _short_fit(tmp_path, "bert", PipeTransformerStrategy(cache=True), progress=RichProgressBar())
+    out = capsys.readouterr().out
+    assert "Epoch 2/2" in out  # the bar was drawn
+    after_table = out[out.index("PipeTransformer timeline"):]
+    printed = [line for line in after_table.splitlines() if line.strip()]
+    assert printed[-1] == f"written: {tmp_path / 'timeline.json'}", printed[-6:]
+    assert "Epoch" not in after_table, after_table[-1500:]
+
+
+# ------------------------------------------------------------------------------------------ Ctrl-C on the test command
+
+ROOT = EXAMPLES.parent
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc (Linux)")
+def test_ctrl_c_on_the_test_command_ends_every_process_it_started(tmp_path: Path) -> None:
+    """scripts/test.sh runs a test that starts a spawn worker and a rank in a session of its own (which starts
+    another); SIGINT to the command's process group, as a terminal's Ctrl-C sends it, ends all of them within
+    seconds. Before, the ranks in their own session (which the terminal's SIGINT never reaches) ran on."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "test.sh", repo / "scripts" / "test.sh")
+    (repo / "scripts" / "setup.sh").write_text("exit 0\n")  # .venv set up already (setup.sh has tests of its own)
+    shutil.copy(ROOT / "pyproject.toml", repo / "pyproject.toml")
+    (repo / "tests").symlink_to(ROOT / "tests")
+    python = repo / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # this interpreter, as .venv's
+    python.chmod(0o755)
+    pids = tmp_path / "pids"
+    env = clean_env(PIPETRANSFORMER_INTERRUPT_PIDS=str(pids), PYTHONPATH=str(ROOT))
+    command = ["bash", "scripts/test.sh", "-q", "-p", "no:cacheprovider", "tests/helpers/interrupt_target.py"]
+    proc = subprocess.Popen(
+        command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    started: list[int] = []
+    try:
+        deadline = time.monotonic() + 180
+        while len(started) < 3:  # the spawn worker, rank 0 and the rank it started
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the target did not start its processes: {started}\n{proc.communicate()[0][-3000:]}")
+            time.sleep(0.5)
+            started = [int(x) for x in pids.read_text().split()] if pids.exists() else []
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals its foreground process group
+        interrupted = time.monotonic()
+        out, _ = proc.communicate(timeout=60)
+        while any(is_alive(p) for p in started) and time.monotonic() - interrupted < 5:
+            time.sleep(0.1)
+        survivors = [p for p in started if is_alive(p)]
+        assert not survivors, f"still running {time.monotonic() - interrupted:.1f} s after Ctrl-C: {survivors}\n{out[-2000:]}"
+        assert proc.returncode != 0 and "KeyboardInterrupt" in out, out[-2000:]
+    finally:
+        for pid in [proc.pid, *started]:
+            if is_alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -2,7 +2,9 @@
 
 Run on a copy of the script in a scratch folder whose ``.venv/bin/python`` stands in for the real
 one: ``-m pip`` calls are recorded instead of run, everything else goes to this interpreter with
-stand-in ``torch`` and ``lightning`` modules (importing the real ones would take most of the test).
+stand-in ``torch`` and ``lightning`` modules (importing the real ones would take most of the test)
+and stand-in installed distributions: the package, whose metadata lists its extras'
+requirements, and ``transformers`` (what the demo's extras installed).
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture()
 def repo(tmp_path: Path) -> Path:
+    import packaging
+
     (tmp_path / "scripts").mkdir()
-    shutil.copy(ROOT / "scripts" / "setup.sh", tmp_path / "scripts" / "setup.sh")
+    for script in ("setup.sh", "missing_requirements.py"):
+        shutil.copy(ROOT / "scripts" / script, tmp_path / "scripts" / script)
     (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
     bin_dir = tmp_path / ".venv" / "bin"
     bin_dir.mkdir(parents=True)
@@ -29,6 +34,12 @@ def repo(tmp_path: Path) -> Path:
     for name in ("torch", "lightning"):
         (stubs / name).mkdir(parents=True)
         (stubs / name / "__init__.py").write_text("__version__ = 'stand-in'\n")
+    shutil.copytree(Path(packaging.__file__).parent, stubs / "packaging")  # the helper parses requirements with it
+    _dist(stubs, "lightning-pipetransformer", "0.1", [
+        "torch>=2.4", "lightning>=2.6,<2.7", 'transformers>=5; extra == "examples"', 'pytest>=8; extra == "dev"',
+        'lightning-pipetransformer[examples]; extra == "dev"', 'matplotlib>=3.7; extra == "plot"',
+    ])  # fmt: skip
+    _dist(stubs, "transformers", "5.1", [])
     python = bin_dir / "python"
     python.write_text(
         "#!/usr/bin/env bash\n"
@@ -37,6 +48,14 @@ def repo(tmp_path: Path) -> Path:
     )
     python.chmod(0o755)
     return tmp_path
+
+
+def _dist(stubs: Path, name: str, version: str, requires: list[str]) -> None:
+    """An installed distribution as importlib.metadata sees it: a dist-info folder with its METADATA."""
+    info = stubs / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    lines = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}", *(f"Requires-Dist: {r}" for r in requires)]
+    (info / "METADATA").write_text("\n".join(lines) + "\n")
 
 
 def setup(repo: Path, *extras: str) -> list[str]:
@@ -53,7 +72,9 @@ def test_installs_once_then_skips_until_pyproject_changes(repo: Path) -> None:
     first = setup(repo, "examples,cli,plot")
     assert first[-1] == "install -q -e .[examples,cli,plot]"  # only what the demo needs: no pytest, mypy, ruff
     assert setup(repo, "examples,cli,plot") == []  # set up for this pyproject.toml: pip is not run
-    assert setup(repo)[-1] == "install -q -e .[dev]"  # the tests' extras were never installed: installed now
+    # The tests' extras were never installed: only what they lack is, not the package again (its -e install
+    # rebuilds it and re-resolves everything) and not what the demo installed (transformers).
+    assert setup(repo) == ["install -q pytest>=8"]
     assert setup(repo) == [] and setup(repo, "examples,cli,plot") == []  # dev includes the demo's extras
     (repo / "pyproject.toml").write_text("[project]\nname = 'x'\nversion = '2'\n")
     assert setup(repo, "examples,cli,plot")[-1] == "install -q -e .[examples,cli,plot]"  # changed: again
@@ -84,3 +105,19 @@ def test_the_demo_installs_its_extras_only_and_the_tests_theirs() -> None:
                     and not line.lstrip().startswith("#")] for name in ("demo.sh", "test.sh")}  # fmt: skip
     assert calls["demo.sh"] == [["bash", "scripts/setup.sh", "examples,cli,plot"]], calls
     assert calls["test.sh"] == [["bash", "scripts/setup.sh"]], calls
+
+
+def test_extras_already_there_are_stamped_without_pip(repo: Path) -> None:
+    """Asking for extras whose requirements are all installed (plot's matplotlib here) runs no pip at all."""
+    assert setup(repo, "examples")[-1] == "install -q -e .[examples]"
+    _dist(repo / "stubs", "matplotlib", "3.9", [])
+    assert setup(repo, "plot") == []
+    assert "plot" in {line.split()[-1] for line in (repo / ".venv" / ".pipetransformer-setup").read_text().splitlines()}
+
+
+def test_the_package_missing_means_a_full_install(repo: Path) -> None:
+    """A stamp for this pyproject.toml but no package installed (removed by hand): the helper says so and the
+    full install runs, not a partial one."""
+    setup(repo, "examples")
+    shutil.rmtree(next((repo / "stubs").glob("lightning_pipetransformer-*.dist-info")))
+    assert setup(repo)[-1] == "install -q -e .[dev]"

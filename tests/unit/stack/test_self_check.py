@@ -13,6 +13,13 @@ from lightning_pipetransformer.stack.self_check import SelfCheck, SelfCheckError
 from lightning_pipetransformer.stack.tolerance import precisions_in_play
 
 
+class Said(list):
+    """What the check announced, each message's wrapping undone (it wraps to the terminal's width)."""
+
+    def append_flat(self, message: str) -> None:
+        self.append(" ".join(message.split()))
+
+
 def stack(dropout=0.0):
     torch.manual_seed(0)
     return nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(dropout), nn.Tanh()) for _ in range(4))
@@ -90,11 +97,11 @@ def test_batch_statistics_per_micro_batch_are_refused():
 
 
 def test_a_passed_check_says_so():
-    blocks, said = stack(), []
-    SelfCheck(blocks, announce=said.append)(Pipeline(blocks, (2, 2), ["cpu", "cpu"], chunks=1), call(blocks))
+    blocks, said = stack(), Said()
+    SelfCheck(blocks, announce=said.append_flat)(Pipeline(blocks, (2, 2), ["cpu", "cpu"], chunks=1), call(blocks))
     assert len(said) == 1 and "self-check passed: the pipeline" in said[0] and "values within" in said[0], said
-    blocks, said = stack(dropout=0.5), []
-    SelfCheck(blocks, announce=said.append)(Pipeline(blocks, (2, 2), ["cpu", "cpu"], chunks=2), call(blocks))
+    blocks, said = stack(dropout=0.5), Said()
+    SelfCheck(blocks, announce=said.append_flat)(Pipeline(blocks, (2, 2), ["cpu", "cpu"], chunks=2), call(blocks))
     assert "values not compared: the blocks draw random numbers" in said[0], said
 
 
@@ -102,7 +109,7 @@ def test_a_passed_check_says_so():
 def test_a_hook_that_replaces_a_blocks_output_is_not_taken_for_a_difference(kind):
     """The plain run silences the hooks (each must fire once): it lacks a replacing hook's effect, so values are not
     compared (was: refused an exact pipeline). Structure and firing counts still are, and the hooks are back after."""
-    blocks, said = stack(), []
+    blocks, said = stack(), Said()
     scale = torch.linspace(0.5, 2.0, 4)
     if kind == "forward hook":
         blocks[1].register_forward_hook(lambda m, a, o: o * scale)
@@ -112,7 +119,7 @@ def test_a_hook_that_replaces_a_blocks_output_is_not_taken_for_a_difference(kind
     observer = Observer(blocks[1], "block 1", kind, "scale")
     c = call(blocks)
     c = StackCall(c.hidden, c.calls, observed=(observer,))
-    out = SelfCheck(blocks, announce=said.append)(Pipeline(blocks, (2, 2), ["cpu", "cpu"], chunks=2), c)
+    out = SelfCheck(blocks, announce=said.append_flat)(Pipeline(blocks, (2, 2), ["cpu", "cpu"], chunks=2), c)
     assert len(said) == 1 and f"values not compared: the {kind} " in said[0] and "on block 1" in said[0], said
     with torch.no_grad():  # the runner's output kept the hook's effect, and the hook is registered as before
         want = c.hidden
@@ -121,10 +128,11 @@ def test_a_hook_that_replaces_a_blocks_output_is_not_taken_for_a_difference(kind
     torch.testing.assert_close(out, want)
     assert all(type(h).__name__ == "function" and h.__module__ == __name__ for b in blocks for h in [*b._forward_hooks.values(), *b._forward_pre_hooks.values()])
     # A hook that returns nothing leaves the values compared.
-    blocks, said = stack(), []
+    blocks, said = stack(), Said()
     blocks[1].register_forward_hook(lambda m, a, o: None)
     blocks.eval()
-    SelfCheck(blocks, announce=said.append)(Pipeline(blocks, (2, 2), ["cpu", "cpu"], chunks=2), StackCall(c.hidden, c.calls, observed=(observer,)))
+    check = SelfCheck(blocks, announce=said.append_flat)
+    check(Pipeline(blocks, (2, 2), ["cpu", "cpu"], chunks=2), StackCall(c.hidden, c.calls, observed=(observer,)))
     assert "values within" in said[0], said
 
 
@@ -161,8 +169,8 @@ def nan_call(blocks):
 def test_nan_at_the_same_places_is_equal_and_a_nan_on_one_side_is_a_difference():
     """A NaN in the data gives NaN on both sides, at the same places: equal (was: refused, naming the runner).
     A NaN or inf where the plain loop has a finite value, or the reverse, is still a difference."""
-    blocks, said = rows_stack(), []
-    out = SelfCheck(blocks, announce=said.append)(Pipeline(blocks, (2, 2), ["cpu", "cpu"], chunks=3), nan_call(blocks))
+    blocks, said = rows_stack(), Said()
+    out = SelfCheck(blocks, announce=said.append_flat)(Pipeline(blocks, (2, 2), ["cpu", "cpu"], chunks=3), nan_call(blocks))
     assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2, 3, 5]]).all() and "values within" in said[0], said
 
     def put(value, row=0):
