@@ -401,7 +401,7 @@ class AutoCache:
         if store is None or prefix is None:
             return None
         if self._fingerprint_of(*prefix) != store.fingerprint:
-            return PrefixChange(("the frozen weights changed between the first step and the second",), structural=False)
+            return PrefixChange(("the frozen weights changed between the first step and the second",))
         self.watch.arm(prefix_modules(*prefix), list(prefix[0].pre_params) if prefix[2] else [])
         return None
 
@@ -467,6 +467,7 @@ class AutoCache:
             stale = self._rearm()
             if stale is not None:
                 self.changed = stale
+                self.counters.prefix_changes += 1
                 self._said(("prefix changed", stale.reasons), f"AutoCache: {stale.describe()}: the boundary opens again.")
                 return stale
         if self.boundaries.current is None or not self.watch.armed:
