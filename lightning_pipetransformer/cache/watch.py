@@ -12,8 +12,9 @@ entries, and the cache serves only while they match.
   the prefix (identity, training flag where it has dropout or batch statistics, the forward hooks on
   it other than this package's and :func:`~lightning_pipetransformer.stack.observers.sees_block_runs`
   counters), each parameter (identity, ``requires_grad``, version counter, storage address) and each
-  buffer (identity, storage address; DDP rewrites buffers in place every step, so their values are
-  compared at pass starts). Measured on the 12-layer model: docs/cache.md, "Validity by observation".
+  buffer (identity, version counter, storage address: an in-place write such as a BatchNorm's running statistics
+  edited by a callback; DDP's buffer broadcast writes below autograd and moves no counter). Measured on the 12-layer
+  model: docs/cache.md, "Validity by observation".
 - **At the start of every pass over a loader** (``full=True``: a training epoch, training resumed
   after validation, each validation, test or predict run): the prefix's fingerprint as well (every
   weight's bits, :func:`~lightning_pipetransformer.cache.validity.prefix_fingerprint`). It sees the
@@ -210,7 +211,7 @@ class PrefixWatch:
                         items.append((id(param), param.requires_grad, _version(param), param.data_ptr()))
                 for buffer in sub._buffers.values():
                     if buffer is not None:
-                        items.append((id(buffer), buffer.data_ptr()))
+                        items.append((id(buffer), _version(buffer), buffer.data_ptr()))
         for _, tensor in self._tensors:
             trains = id(tensor) in self._trainable_ids
             items.append((id(tensor), tensor.requires_grad) if trains else (id(tensor), tensor.requires_grad, _version(tensor), tensor.data_ptr()))

@@ -164,6 +164,27 @@ def test_frozen_weights_edited_in_place_are_not_served_stale(tmp_path, family, h
     assert found["autocache/boundary"] == 3 and found["autocache/hits"] > 0  # re-opened on the edited weights, served again
 
 
+class EditBuffer(Callback):
+    """Inside epoch 3, before its second step: a buffer of the frozen embeddings written in place (BERT's position ids
+    reversed, as a callback editing a frozen BatchNorm's running statistics would)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.current_epoch == 3 and batch_idx == 1:
+            embeddings = find_block_stack(pl_module.model).pre[0][1]
+            with torch.no_grad():
+                embeddings.position_ids.copy_(embeddings.position_ids.flip(-1))
+
+
+def test_a_frozen_buffer_written_in_place_inside_an_epoch_is_not_served_stale(tmp_path):
+    # Before: the walk compared buffers by identity and address only; the epoch's last two steps were served the
+    # entries computed with the old position ids (seen only at the next pass start).
+    cached_run = run("bert", cached(tmp_path), [EditBuffer()])
+    assert_same(cached_run, run("bert", "auto", [EditBuffer()]))
+    found = stats(cached_run[1])
+    assert found["autocache/prefix_changes"] >= 1
+    assert found["autocache/boundary"] == 3 and found["autocache/hits"] > 0  # re-opened on the new buffer, served again
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ema_weights_in_validation_are_not_served_the_training_weights_entries(tmp_path, family):
     def ema():
