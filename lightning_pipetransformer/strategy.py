@@ -576,6 +576,8 @@ class PipeTransformerStrategy(ProcessLayout):
             return
         frozen_now = untrainable_prefix(stack)
         change = cache.prefix_change() if cache is not None and self.is_active else None
+        if change is not None and change.transient:
+            change = None  # a mode or a hook, not the weights: the cache stands aside while it differs, its entries kept
         if self.is_distributed:
             self._follow_together(batch_idx, frozen_now, change)
             return

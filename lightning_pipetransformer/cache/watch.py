@@ -56,6 +56,9 @@ class PrefixChange:
     """What changed in the prefix since its entries were computed, in words."""
 
     reasons: tuple[str, ...]
+    #: Only modes and hooks differ (a frozen module put in train mode, a hook put on it): the entries are still those of
+    #: the weights as they are, and serve again once the modes and hooks are back; the store is kept meanwhile.
+    transient: bool = False
 
     def describe(self) -> str:
         return "; ".join(self.reasons)
@@ -161,9 +164,9 @@ class PrefixWatch:
         return self._verdict
 
     def _judge(self, walk: tuple) -> PrefixChange | None:
-        reasons = self._structural_reasons()
+        reasons, lasting = self._structural_reasons()
         if reasons:
-            return PrefixChange(tuple(reasons))
+            return PrefixChange(tuple(reasons), transient=not lasting)
         self.content_reads += 1
         config, bits = self._read_content()
         if config == self._content[0] and bits == self._content[1]:
@@ -233,8 +236,9 @@ class PrefixWatch:
             names.setdefault(id(tensor), name)
         return names
 
-    def _structural_reasons(self) -> list[str]:
-        """Changes that make the entries stale whatever the weights' bits."""
+    def _structural_reasons(self) -> tuple[list[str], bool]:
+        """Changes that make the entries stale whatever the weights' bits, and whether one of them lasts (a thaw, a
+        freeze, another object) rather than a mode or a hook that may come back as it was."""
         reasons: list[str] = []
         trainable = trainable_names(self._modules, self._tensors)
         thawed = [n for n in trainable if n not in self.trainable]
@@ -249,6 +253,7 @@ class PrefixWatch:
         replaced = [name for key, name in self._structure().items() if key not in self._names]
         if replaced:
             reasons.append(f"{_listed(replaced)} replaced or added (another module, parameter or buffer object)")
+        lasting = bool(reasons) and bool(thawed or frozen or replaced)
         hooked = [
             sub_name for name, root in self._modules for sub_name, sub in root.named_modules(prefix=name)
             if self._hooks.get(id(sub), ()) != _hooks(sub)
@@ -257,7 +262,7 @@ class PrefixWatch:
             reasons.append(f"the forward hooks on {_listed(hooked)} changed")
         if self._global != _global_hooks():
             reasons.append("the global module forward hooks changed")
-        return reasons
+        return reasons, lasting
 
     def _value_reason(self, walk: tuple, changed: list[str]) -> str:
         """The weights' bits differ from the entries': name them, and whether a version counter saw the write."""

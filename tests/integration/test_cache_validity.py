@@ -198,6 +198,64 @@ def test_ema_weights_in_validation_are_not_served_the_training_weights_entries(t
     assert found["autocache/boundary"] == 3
 
 
+# ---------------------------------------------------------------------------- modes and hooks that come and go
+
+
+class HookForTwoSteps(Callback):
+    """A forward hook on frozen block 0 for the first two steps of epoch 3 (a callback recording its output now and
+    then), taken off after each."""
+
+    def __init__(self) -> None:
+        self.handle = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.current_epoch == 3 and batch_idx < 2:
+            self.handle = blocks_of(pl_module)[0].register_forward_hook(lambda module, args, output: None)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+def test_a_hook_that_comes_and_goes_keeps_the_entries(tmp_path):
+    # Before: each step that began with other hooks than the store's (the hook on, then off again) retired the store,
+    # deleting every entry, and opened it anew: epoch 4 started cold, its frozen blocks ran for every batch.
+    runs = ForwardRunsPerEpoch(module := FamilyModule("bert"))
+    cached_run = run("bert", cached(tmp_path), [HookForTwoSteps(), runs], module=module)
+    assert_same(cached_run, run("bert", "auto", [HookForTwoSteps()]))
+    found = stats(cached_run[1])
+    assert found["autocache/prefix_changes"] >= 1 and found["autocache/boundary"] == 3
+    # The hooked steps run the frozen blocks (observed), the first of them twice (the self-check armed by epoch 2's plan
+    # waits for a pass that does not skip the embeddings); the third step and the validation are served, so is epoch 4.
+    assert runs.epochs[3][0] == 2 + 1 and runs.epochs[4][:3] == [0, 0, 0]
+
+
+class TrainModeForOneStep(Callback):
+    """The whole model put in train mode by a callback before the second step of epoch 3 (after AutoFreeze, which puts
+    the frozen prefix back in eval mode at the next batch start)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.current_epoch == 3 and batch_idx == 1:
+            pl_module.train()
+
+
+def test_a_frozen_prefix_put_in_train_mode_for_a_step_runs_it_and_is_served_again(tmp_path):
+    # Before: the step began with a frozen prefix in train mode with dropout: the store was retired and the boundary
+    # opened again on it, which raised NondeterministicPrefixError in epoch 3.
+    runs = ForwardRunsPerEpoch(module := WithDropout("bert"))
+    torch.manual_seed(1)
+    cached_run = run("bert", cached(tmp_path), [TrainModeForOneStep(), runs], module=module)
+    plain_module = WithDropout("bert")
+    torch.manual_seed(1)  # the same random numbers for the dropout as the cached run's
+    assert_same(cached_run, run("bert", "auto", [TrainModeForOneStep()], module=plain_module))
+    found = stats(cached_run[1])
+    assert found["autocache/prefix_changes"] >= 1 and found["autocache/hits"] > 0
+    # That step ran the frozen blocks, with dropout (twice: the self-check armed by epoch 2's plan waits for a pass that
+    # does not skip the embeddings); the rest of epoch 3 and epoch 4 are served.
+    assert runs.epochs[3][0] == 1 + 1 and runs.epochs[4][:3] == [0, 0, 0]
+
+
 # ---------------------------------------------------------------------------- other freezing: BaseFinetuning
 
 
