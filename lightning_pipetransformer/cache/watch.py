@@ -40,7 +40,13 @@ from torch import Tensor, nn
 from torch.nn.modules import module as torch_module
 
 from lightning_pipetransformer.cache.keys import tensor_digest
-from lightning_pipetransformer.cache.validity import config_lines, stochastic_reasons, stochastic_when_training, trainable_names
+from lightning_pipetransformer.cache.validity import (
+    config_lines,
+    private_state,
+    stochastic_reasons,
+    stochastic_when_training,
+    trainable_names,
+)
 from lightning_pipetransformer.stack.observers import keeps_values
 
 __all__ = ["PrefixChange", "PrefixWatch"]
@@ -89,6 +95,11 @@ def _bits(tensor: Tensor) -> int | bytes:
     return zlib.crc32(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
 
 
+def _frozen_copy(value: object) -> object:
+    """A plain value as it is now (a list the module changes in place later must not change the walk taken now)."""
+    return tuple(_frozen_copy(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
 def _listed(names: Sequence[str]) -> str:
     shown = ", ".join(names[:_LISTED])
     return shown + (f" and {len(names) - _LISTED} more" if len(names) > _LISTED else "")
@@ -115,6 +126,9 @@ class PrefixWatch:
         self._global: tuple[int, ...] = ()
         #: Modules whose training flag changes what they compute (dropout, batch statistics): only theirs is watched.
         self._sensitive: set[int] = set()
+        #: ``id(module) -> names`` of its private plain attributes when armed (PEFT's ``_disable_adapters``), read in
+        #: every walk; any other attribute is compared at pass starts with the configuration.
+        self._private: dict[int, tuple[str, ...]] = {}
         #: How many times :meth:`changed` read the weights' checksums (pass starts, and a cheap walk that moved).
         self.content_reads = 0
 
@@ -141,6 +155,7 @@ class PrefixWatch:
         }  # fmt: skip
         self._names = self._structure()
         self._hooks = {id(sub): _hooks(sub) for _, root in self._modules for sub in root.modules()}
+        self._private = {id(sub): names for _, root in self._modules for sub in root.modules() if (names := private_state(sub))}
         self._global = _global_hooks()
         self._walk = self._seen = self._take()
         self._verdict = None
@@ -206,7 +221,9 @@ class PrefixWatch:
                 if id(sub) in seen:
                     continue
                 seen.add(id(sub))
-                items.append((id(sub), sub.training if id(sub) in self._sensitive else None, _hooks(sub)))
+                private = self._private.get(id(sub))
+                state = tuple(_frozen_copy(sub.__dict__.get(k)) for k in private) if private else None
+                items.append((id(sub), sub.training if id(sub) in self._sensitive else None, _hooks(sub), state))
                 for param in sub._parameters.values():
                     if param is not None and id(param) in self._trainable_ids:
                         items.append((id(param), param.requires_grad))

@@ -256,6 +256,41 @@ def test_a_frozen_prefix_put_in_train_mode_for_a_step_runs_it_and_is_served_agai
     assert runs.epochs[3][0] == 1 + 1 and runs.epochs[4][:3] == [0, 0, 0]
 
 
+class LoraEverywhere(FamilyModule):
+    """BERT with LoRA on every block, trained in full (AutoFreeze freezes the lower blocks, their adapters with them);
+    validation runs the base model, PEFT's adapters disabled (``disable_adapter()``, as a DPO reference does)."""
+
+    def __init__(self) -> None:
+        import peft
+
+        super().__init__("bert")
+        config = peft.LoraConfig(r=4, target_modules=["query", "value"], lora_dropout=0.0, init_lora_weights=False)
+        self.model = peft.get_peft_model(self.model, config)
+        self.model.requires_grad_(True)
+
+    def validation_step(self, batch, batch_idx):
+        with self.model.disable_adapter():
+            self.log("val_loss", self.loss(batch))
+
+
+def test_peft_adapters_disabled_in_frozen_blocks_are_not_served_the_entries_computed_with_them(tmp_path):
+    # Before: disable_adapter() flips PEFT's private flag (_disable_adapters) on the frozen blocks' LoRA layers, which
+    # neither the watch nor the fingerprint read: validation on the training samples was served the activations
+    # computed with the adapters, silently (val loss 0.96124 against 0.96133).
+    pytest.importorskip("peft")
+
+    def fit(strategy):
+        module, losses = LoraEverywhere(), ValLosses()
+        trainer = cpu_trainer(strategy, [AutoFreeze(schedule={1: 3}), losses], max_epochs=4, check_val_every_n_epoch=3)
+        trainer.fit(module, family_data("bert"), family_data("bert"))  # validation on the training samples
+        return module, trainer, losses.losses
+
+    cached_run = fit(cached(tmp_path))
+    assert_same(cached_run, fit("auto"))
+    found = stats(cached_run[1])
+    assert found["autocache/prefix_changes"] >= 1 and found["autocache/hits"] > 0
+
+
 # ---------------------------------------------------------------------------- other freezing: BaseFinetuning
 
 
