@@ -43,6 +43,7 @@ from lightning_pipetransformer.cache import hooks as cache_hooks
 from lightning_pipetransformer.cache.autocache import AutoCache
 from lightning_pipetransformer.cache.cached_stack import CachedStack
 from lightning_pipetransformer.cache.folders import remove_empty_folders
+from lightning_pipetransformer.cache.watch import PrefixChange
 from lightning_pipetransformer.config import CacheConfig, PipeTransformerConfig
 from lightning_pipetransformer.dp import data, faults, groups, idle, idle_hooks, loop_state, state_transfer
 from lightning_pipetransformer.dp.clock import PhaseClock
@@ -576,12 +577,24 @@ class PipeTransformerStrategy(ProcessLayout):
             return
         frozen_now = untrainable_prefix(stack)
         change = cache.prefix_change() if cache is not None and self.is_active else None
+        if change is not None and change.transient:
+            change = None  # a mode or a hook, not the weights: the cache stands aside while it differs, its entries kept
+        # A block replaced by another module object (layers[i] = ...): the runner still holds the old one.
+        replaced = _replaced_blocks(stack)
+        if replaced:
+            gone = PrefixChange((f"block(s) {', '.join(map(str, replaced))} of the stack replaced by other module objects",))
+            if change is None and cache is not None and replaced[0] < plan.num_frozen:
+                cache.counters.prefix_changes += 1
+                change = gone
         if self.is_distributed:
             self._follow_together(batch_idx, frozen_now, change)
             return
-        if frozen_now == plan.num_frozen and change is None:
+        if frozen_now == plan.num_frozen and change is None and not replaced:
             return
-        why = change.describe() if change is not None else f"the leading {frozen_now} block(s) have no trainable parameter now"
+        why = (
+            change.describe() if change is not None else gone.describe() if replaced
+            else f"the leading {frozen_now} block(s) have no trainable parameter now"
+        )
         rank_zero_info(f"PipeTransformer: the plan follows the model ({why}): {plan.num_frozen} -> {frozen_now} frozen blocks.")
         if cache is not None and change is not None:
             cache.retire()
@@ -957,6 +970,15 @@ def _moves_batches_as_is(module: pl.LightningModule | None) -> bool:
     trainer = module._trainer
     owners = [module, trainer.datamodule if trainer is not None else None]
     return not any(is_overridden(hook, owner) for owner in owners if owner is not None for hook in _BATCH_TRANSFER_HOOKS)
+
+
+def _replaced_blocks(stack: BlockStack) -> list[int]:
+    """The positions whose block is another module object than the one the installed runner runs (``layers[i] = m``)."""
+    runner = installed_pipeline(stack.container)
+    blocks = stack.blocks
+    if runner is None or len(runner.blocks) != len(blocks):  # another depth: not followed (the interception refuses it)
+        return []
+    return [i for i, (old, new) in enumerate(zip(runner.blocks, blocks)) if old is not new]
 
 
 def _pre_freezes_first(autofreeze: FreezeSource | None, stack: BlockStack) -> Callable[[], bool]:

@@ -401,7 +401,7 @@ class AutoCache:
         if store is None or prefix is None:
             return None
         if self._fingerprint_of(*prefix) != store.fingerprint:
-            return PrefixChange(("the frozen weights changed between the first step and the second",), structural=False)
+            return PrefixChange(("the frozen weights changed between the first step and the second",))
         self.watch.arm(prefix_modules(*prefix), list(prefix[0].pre_params) if prefix[2] else [])
         return None
 
@@ -467,6 +467,7 @@ class AutoCache:
             stale = self._rearm()
             if stale is not None:
                 self.changed = stale
+                self.counters.prefix_changes += 1
                 self._said(("prefix changed", stale.reasons), f"AutoCache: {stale.describe()}: the boundary opens again.")
                 return stale
         if self.boundaries.current is None or not self.watch.armed:
@@ -477,11 +478,15 @@ class AutoCache:
         change = self.watch.changed(full=full)
         if change is not None and change != self.changed:
             self.counters.prefix_changes += 1
+            then = (
+                "the frozen blocks run while it differs and the entries are served again once the modes and hooks are as "
+                "they were" if change.transient else "in training the cache starts again at the blocks frozen now, in "
+                "validation, test and predict the frozen blocks run for that pass"
+            )
             self._said(
                 ("prefix changed", change.reasons),
                 f"AutoCache: the frozen prefix changed since its entries were computed ({change.describe()}). They are not "
-                "served while it differs: in training the cache starts again at the blocks frozen now, in validation, "
-                "test and predict the frozen blocks run for that pass. Results are exact (autocache_diagnostics/prefix_changes).",
+                f"served while it differs: {then}. Results are exact (autocache_diagnostics/prefix_changes).",
             )
         self.changed = change
         return change

@@ -19,6 +19,7 @@ from torch import nn
 from lightning_pipetransformer.cache.autocache import AutoCache
 from lightning_pipetransformer.cache.budget import CacheConfigError, check_batch_fits
 from lightning_pipetransformer.cache.folders import default_cache_dir
+from lightning_pipetransformer.cache.indices import BatchIndices
 from lightning_pipetransformer.cache.store import probe_cache_dir
 from lightning_pipetransformer.config import CacheConfig
 from lightning_pipetransformer.freeze.apply import tied_outside, untrainable_prefix
@@ -128,9 +129,15 @@ def make_autocache(
 def reuse_autocache(cache: AutoCache, *, stack: BlockStack, module: nn.Module, include_pre: bool) -> AutoCache:
     """validate / test / predict after ``fit`` on the same stack: the fit's AutoCache, so that its current store (the
     entries stay in memory after the fit), its index namespace and its counters carry on; attached to this call's
-    view of the stack (served wherever the keys and the prefix match: the watch compares the prefix first)."""
+    view of the stack (served wherever the keys and the prefix match: the watch compares the prefix first; index keys
+    only within the call, in a namespace of their own)."""
     cache.order_pending = lambda: stack.provisional
     stack.when_refined(cache.refined)
+    if cache.key == "index":
+        # An index names a sample of this call's loaders, which need not be the fit's (validate(model, other_loader)):
+        # a namespace of its own (its indices and probes too), so that the fit's index i is never served for another's.
+        cache.namespace = uuid.uuid4().hex[:12] + "-"
+        cache.indices = BatchIndices()
     if include_pre:
         cache.attach(stack, module)
     return cache

@@ -38,6 +38,7 @@ __all__ = [
     "nondeterministic_reasons",
     "prefix_fingerprint",
     "prefix_modules",
+    "private_state",
     "stochastic_reasons",
     "stochastic_when_training",
     "trainable_names",
@@ -47,7 +48,11 @@ __all__ = [
 # 2: every file carries a CRC-32 of each tensor (files of version 1 have none).
 # 3: the fingerprint leaves out the modules' training flags.
 # 4: the fingerprint covers the prefix's code (its classes' code objects, their packages' versions) and the interpreter.
-FORMAT_VERSION = 4
+# 5: and the modules' private plain attributes (PEFT's _disable_adapters, _active_adapter).
+FORMAT_VERSION = 5
+
+#: ``nn.Module``'s own attributes (hooks, parameters, flags of its bookkeeping): not what a module computes.
+_MODULE_OWN = frozenset(vars(nn.Module()))
 
 # Attribute names of stochastic-depth / dropout probabilities held as plain floats
 # (Hugging Face attention's ``dropout`` float, timm's DropPath ``drop_prob``).
@@ -83,7 +88,8 @@ def config_lines(name: str, module: nn.Module) -> Iterable[str]:
         # differs between processes and would stop them from sharing the cache.
         # Not the training flag: where it changes the output (dropout, batch statistics) the prefix is refused in train
         # mode, and elsewhere (a rotary embedding) it does not; validation must find training's entries.
-        plain = {k: v for k, v in vars(sub).items() if not k.startswith("_") and k != "training" and _is_plain(v)}
+        # Private ones too (not nn.Module's own): PEFT switches its adapters off with _disable_adapters.
+        plain = {k: v for k, v in vars(sub).items() if k != "training" and k not in _MODULE_OWN and _is_plain(v)}
         yield f"{sub_name}:{type(sub).__module__}.{type(sub).__qualname__}:{sorted(plain.items())!r}"
         config = getattr(sub, "config", None)
         if config is not None and hasattr(config, "to_json_string"):
@@ -94,6 +100,12 @@ def config_lines(name: str, module: nn.Module) -> Iterable[str]:
             # use_cache off for fit only, and validate/predict after fit must find the same entries.
             settings.pop("use_cache", None)
             yield f"{sub_name}.config:{attn}:{json.dumps(settings, sort_keys=True, default=str)}"
+
+
+def private_state(module: nn.Module) -> tuple[str, ...]:
+    """The names of ``module``'s own private plain attributes (not ``nn.Module``'s), which :func:`config_lines` covers:
+    flags such as PEFT's ``_disable_adapters`` that a library flips to compute otherwise with the same weights."""
+    return tuple(k for k, v in vars(module).items() if k.startswith("_") and k not in _MODULE_OWN and _is_plain(v))
 
 
 def _digest(tensor: Tensor) -> bytes:

@@ -12,8 +12,9 @@ entries, and the cache serves only while they match.
   the prefix (identity, training flag where it has dropout or batch statistics, the forward hooks on
   it other than this package's and :func:`~lightning_pipetransformer.stack.observers.sees_block_runs`
   counters), each parameter (identity, ``requires_grad``, version counter, storage address) and each
-  buffer (identity, storage address; DDP rewrites buffers in place every step, so their values are
-  compared at pass starts). Measured on the 12-layer model: docs/cache.md, "Validity by observation".
+  buffer (identity, version counter, storage address: an in-place write such as a BatchNorm's running statistics
+  edited by a callback; DDP's buffer broadcast writes below autograd and moves no counter). Measured on the 12-layer
+  model: docs/cache.md, "Validity by observation".
 - **At the start of every pass over a loader** (``full=True``: a training epoch, training resumed
   after validation, each validation, test or predict run): the prefix's fingerprint as well (every
   weight's bits, :func:`~lightning_pipetransformer.cache.validity.prefix_fingerprint`). It sees the
@@ -39,7 +40,13 @@ from torch import Tensor, nn
 from torch.nn.modules import module as torch_module
 
 from lightning_pipetransformer.cache.keys import tensor_digest
-from lightning_pipetransformer.cache.validity import config_lines, stochastic_reasons, stochastic_when_training, trainable_names
+from lightning_pipetransformer.cache.validity import (
+    config_lines,
+    private_state,
+    stochastic_reasons,
+    stochastic_when_training,
+    trainable_names,
+)
 from lightning_pipetransformer.stack.observers import keeps_values
 
 __all__ = ["PrefixChange", "PrefixWatch"]
@@ -55,6 +62,9 @@ class PrefixChange:
     """What changed in the prefix since its entries were computed, in words."""
 
     reasons: tuple[str, ...]
+    #: Only modes and hooks differ (a frozen module put in train mode, a hook put on it): the entries are still those of
+    #: the weights as they are, and serve again once the modes and hooks are back; the store is kept meanwhile.
+    transient: bool = False
 
     def describe(self) -> str:
         return "; ".join(self.reasons)
@@ -85,6 +95,11 @@ def _bits(tensor: Tensor) -> int | bytes:
     return zlib.crc32(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
 
 
+def _frozen_copy(value: object) -> object:
+    """A plain value as it is now (a list the module changes in place later must not change the walk taken now)."""
+    return tuple(_frozen_copy(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
 def _listed(names: Sequence[str]) -> str:
     shown = ", ".join(names[:_LISTED])
     return shown + (f" and {len(names) - _LISTED} more" if len(names) > _LISTED else "")
@@ -111,6 +126,9 @@ class PrefixWatch:
         self._global: tuple[int, ...] = ()
         #: Modules whose training flag changes what they compute (dropout, batch statistics): only theirs is watched.
         self._sensitive: set[int] = set()
+        #: ``id(module) -> names`` of its private plain attributes when armed (PEFT's ``_disable_adapters``), read in
+        #: every walk; any other attribute is compared at pass starts with the configuration.
+        self._private: dict[int, tuple[str, ...]] = {}
         #: How many times :meth:`changed` read the weights' checksums (pass starts, and a cheap walk that moved).
         self.content_reads = 0
 
@@ -137,6 +155,7 @@ class PrefixWatch:
         }  # fmt: skip
         self._names = self._structure()
         self._hooks = {id(sub): _hooks(sub) for _, root in self._modules for sub in root.modules()}
+        self._private = {id(sub): names for _, root in self._modules for sub in root.modules() if (names := private_state(sub))}
         self._global = _global_hooks()
         self._walk = self._seen = self._take()
         self._verdict = None
@@ -160,9 +179,9 @@ class PrefixWatch:
         return self._verdict
 
     def _judge(self, walk: tuple) -> PrefixChange | None:
-        reasons = self._structural_reasons()
+        reasons, lasting = self._structural_reasons()
         if reasons:
-            return PrefixChange(tuple(reasons))
+            return PrefixChange(tuple(reasons), transient=not lasting)
         self.content_reads += 1
         config, bits = self._read_content()
         if config == self._content[0] and bits == self._content[1]:
@@ -202,7 +221,9 @@ class PrefixWatch:
                 if id(sub) in seen:
                     continue
                 seen.add(id(sub))
-                items.append((id(sub), sub.training if id(sub) in self._sensitive else None, _hooks(sub)))
+                private = self._private.get(id(sub))
+                state = tuple(_frozen_copy(sub.__dict__.get(k)) for k in private) if private else None
+                items.append((id(sub), sub.training if id(sub) in self._sensitive else None, _hooks(sub), state))
                 for param in sub._parameters.values():
                     if param is not None and id(param) in self._trainable_ids:
                         items.append((id(param), param.requires_grad))
@@ -210,7 +231,7 @@ class PrefixWatch:
                         items.append((id(param), param.requires_grad, _version(param), param.data_ptr()))
                 for buffer in sub._buffers.values():
                     if buffer is not None:
-                        items.append((id(buffer), buffer.data_ptr()))
+                        items.append((id(buffer), _version(buffer), buffer.data_ptr()))
         for _, tensor in self._tensors:
             trains = id(tensor) in self._trainable_ids
             items.append((id(tensor), tensor.requires_grad) if trains else (id(tensor), tensor.requires_grad, _version(tensor), tensor.data_ptr()))
@@ -232,8 +253,9 @@ class PrefixWatch:
             names.setdefault(id(tensor), name)
         return names
 
-    def _structural_reasons(self) -> list[str]:
-        """Changes that make the entries stale whatever the weights' bits."""
+    def _structural_reasons(self) -> tuple[list[str], bool]:
+        """Changes that make the entries stale whatever the weights' bits, and whether one of them lasts (a thaw, a
+        freeze, another object) rather than a mode or a hook that may come back as it was."""
         reasons: list[str] = []
         trainable = trainable_names(self._modules, self._tensors)
         thawed = [n for n in trainable if n not in self.trainable]
@@ -248,6 +270,7 @@ class PrefixWatch:
         replaced = [name for key, name in self._structure().items() if key not in self._names]
         if replaced:
             reasons.append(f"{_listed(replaced)} replaced or added (another module, parameter or buffer object)")
+        lasting = bool(reasons) and bool(thawed or frozen or replaced)
         hooked = [
             sub_name for name, root in self._modules for sub_name, sub in root.named_modules(prefix=name)
             if self._hooks.get(id(sub), ()) != _hooks(sub)
@@ -256,7 +279,7 @@ class PrefixWatch:
             reasons.append(f"the forward hooks on {_listed(hooked)} changed")
         if self._global != _global_hooks():
             reasons.append("the global module forward hooks changed")
-        return reasons
+        return reasons, lasting
 
     def _value_reason(self, walk: tuple, changed: list[str]) -> str:
         """The weights' bits differ from the entries': name them, and whether a version counter saw the write."""

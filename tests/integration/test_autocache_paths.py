@@ -264,6 +264,38 @@ def test_validate_test_predict_after_fit_with_cache(tmp_path, memory):
     assert trainer.strategy.cache_stats_by_stage["fit"] == fitted  # the training's counters, kept
 
 
+class OtherSamples(torch.utils.data.Dataset):
+    """Other token ids under the dataset indices ``first..first+n-1``, each at the batch position the fit's validation
+    loader had it at (the classifier pads every other position: the same attention mask, the same block arguments)."""
+
+    def __init__(self, first: int, n: int) -> None:
+        from tests.helpers.lightning_models import IndexedSamples, _ids
+
+        self.samples, self.first, self.n = IndexedSamples(*_ids(first + n, 9)), first, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        return self.samples[self.first + i]
+
+
+@pytest.mark.parametrize("first", [0, 2], ids=["probed-indices", "unprobed-indices"])
+def test_validate_after_fit_with_index_keys_serves_no_index_of_another_loader(tmp_path, first):
+    # Before: validate after fit went on with the fit's index namespace, and index i of the loader given to validate was
+    # served the fit's validation entry of index i: silently where no probed index came (val loss 1.2814 against
+    # 1.2518), else InputChanged blaming an augmentation. Index keys name the samples of one set-up's loaders only.
+    def data():
+        return dict(train=indexed_text(), val=indexed_text(n=16, seed=7))
+
+    module, trainer, _ = fit("bert", cached(tmp_path, cache_key="index"), **data())
+    plain_module, plain_trainer, _ = fit("bert", "auto", **data())
+    other = DataLoader(OtherSamples(first, 8 if first else 16), batch_size=8)
+    got = trainer.validate(module, other, verbose=False)[0]["val_loss"]
+    assert got == pytest.approx(plain_trainer.validate(plain_module, other, verbose=False)[0]["val_loss"], rel=1e-5)
+    assert trainer.strategy.cache_stats_by_stage["validate"]["autocache/hits"] == 0
+
+
 # ---------------------------------------------------------------------------- model and data variants
 
 

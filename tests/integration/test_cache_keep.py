@@ -96,6 +96,28 @@ def test_a_later_run_with_another_head_is_served_from_its_first_step_and_equals_
     assert_same_run(run, plain_fit(with_head(2)))
 
 
+class EditBeforeSecondStep(Callback):
+    """Block 0's output weight scaled in place before the second training step (epoch 0, batch 1)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.current_epoch == 0 and batch_idx == 1:
+            with torch.no_grad():
+                pl_module.model.bert.encoder.layer[0].output.dense.weight.mul_(1.05)
+
+
+def test_a_prefix_edited_after_a_first_step_served_from_kept_entries_opens_again_and_equals_cache_off(tmp_path, recwarn):
+    # Before: the second step's check of the store opened early (its fingerprint against the prefix now) built its
+    # PrefixChange with an argument the class does not take: TypeError.
+    folder = tmp_path / "sweep"
+    kept_fit(folder, with_head(1))
+    run = kept_fit(folder, with_head(2), EditBeforeSecondStep())
+    assert any("changed between the first step and the second" in str(w.message) for w in recwarn)
+    assert stats_of(run[1])["autocache/prefix_changes"] >= 1 and stats_of(run[1])["autocache/hits"] > 0
+    plain = fit("bert", "auto", module=with_head(2), freeze=AutoFreeze(schedule=EARLY), max_epochs=2,
+                callbacks=[EditBeforeSecondStep()])
+    assert_same_run(run, plain)
+
+
 # ---------------------------------------------------------------------------- anything else misses
 
 

@@ -8,6 +8,7 @@ validation losses; beside each, the engagement: the cache served hits, saw the c
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -164,6 +165,50 @@ def test_frozen_weights_edited_in_place_are_not_served_stale(tmp_path, family, h
     assert found["autocache/boundary"] == 3 and found["autocache/hits"] > 0  # re-opened on the edited weights, served again
 
 
+class EditBuffer(Callback):
+    """Inside epoch 3, before its second step: a buffer of the frozen embeddings written in place (BERT's position ids
+    reversed, as a callback editing a frozen BatchNorm's running statistics would)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.current_epoch == 3 and batch_idx == 1:
+            embeddings = find_block_stack(pl_module.model).pre[0][1]
+            with torch.no_grad():
+                embeddings.position_ids.copy_(embeddings.position_ids.flip(-1))
+
+
+def test_a_frozen_buffer_written_in_place_inside_an_epoch_is_not_served_stale(tmp_path):
+    # Before: the walk compared buffers by identity and address only; the epoch's last two steps were served the
+    # entries computed with the old position ids (seen only at the next pass start).
+    cached_run = run("bert", cached(tmp_path), [EditBuffer()])
+    assert_same(cached_run, run("bert", "auto", [EditBuffer()]))
+    found = stats(cached_run[1])
+    assert found["autocache/prefix_changes"] >= 1
+    assert found["autocache/boundary"] == 3 and found["autocache/hits"] > 0  # re-opened on the new buffer, served again
+
+
+class ReplaceFrozenBlock(Callback):
+    """At the start of epoch 3, frozen block 0 replaced by a copy of itself (another module object), then edited."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 3:
+            layers = find_block_stack(pl_module.model).container
+            layers[0] = copy.deepcopy(layers[0])
+            with torch.no_grad():
+                next(p for p in layers[0].parameters() if p.dim() == 2).mul_(1.05)
+
+
+@pytest.mark.parametrize("pipe_len", [1, 2])
+def test_a_frozen_block_replaced_by_another_module_is_followed(tmp_path, pipe_len):
+    # Before: the runner and the interception kept the old block objects, and the model's loop called the new one:
+    # InterceptionError "the model called block 1 of its stack where block 0 was next" at the next step (a plain run
+    # trains on).
+    cached_run = run("bert", cached(tmp_path, pipe_len), [ReplaceFrozenBlock()])
+    assert_same(cached_run, run("bert", "auto", [ReplaceFrozenBlock()]))
+    found = stats(cached_run[1])
+    assert found["autocache/prefix_changes"] >= 1
+    assert found["autocache/boundary"] == 3 and found["autocache/hits"] > 0  # re-opened on the new block, served again
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ema_weights_in_validation_are_not_served_the_training_weights_entries(tmp_path, family):
     def ema():
@@ -175,6 +220,99 @@ def test_ema_weights_in_validation_are_not_served_the_training_weights_entries(t
     # Validation runs on the averaged weights (the cache stands aside); training is served again after each swap back.
     assert found["autocache/prefix_changes"] >= 1 and found["autocache/hits"] > 0
     assert found["autocache/boundary"] == 3
+
+
+# ---------------------------------------------------------------------------- modes and hooks that come and go
+
+
+class HookForTwoSteps(Callback):
+    """A forward hook on frozen block 0 for the first two steps of epoch 3 (a callback recording its output now and
+    then), taken off after each."""
+
+    def __init__(self) -> None:
+        self.handle = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.current_epoch == 3 and batch_idx < 2:
+            self.handle = blocks_of(pl_module)[0].register_forward_hook(lambda module, args, output: None)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+def test_a_hook_that_comes_and_goes_keeps_the_entries(tmp_path):
+    # Before: each step that began with other hooks than the store's (the hook on, then off again) retired the store,
+    # deleting every entry, and opened it anew: epoch 4 started cold, its frozen blocks ran for every batch.
+    runs = ForwardRunsPerEpoch(module := FamilyModule("bert"))
+    cached_run = run("bert", cached(tmp_path), [HookForTwoSteps(), runs], module=module)
+    assert_same(cached_run, run("bert", "auto", [HookForTwoSteps()]))
+    found = stats(cached_run[1])
+    assert found["autocache/prefix_changes"] >= 1 and found["autocache/boundary"] == 3
+    # The hooked steps run the frozen blocks (observed), the first of them twice (the self-check armed by epoch 2's plan
+    # waits for a pass that does not skip the embeddings); the third step and the validation are served, so is epoch 4.
+    assert runs.epochs[3][0] == 2 + 1 and runs.epochs[4][:3] == [0, 0, 0]
+
+
+class TrainModeForOneStep(Callback):
+    """The whole model put in train mode by a callback before the second step of epoch 3 (after AutoFreeze, which puts
+    the frozen prefix back in eval mode at the next batch start)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.current_epoch == 3 and batch_idx == 1:
+            pl_module.train()
+
+
+def test_a_frozen_prefix_put_in_train_mode_for_a_step_runs_it_and_is_served_again(tmp_path):
+    # Before: the step began with a frozen prefix in train mode with dropout: the store was retired and the boundary
+    # opened again on it, which raised NondeterministicPrefixError in epoch 3.
+    runs = ForwardRunsPerEpoch(module := WithDropout("bert"))
+    torch.manual_seed(1)
+    cached_run = run("bert", cached(tmp_path), [TrainModeForOneStep(), runs], module=module)
+    plain_module = WithDropout("bert")
+    torch.manual_seed(1)  # the same random numbers for the dropout as the cached run's
+    assert_same(cached_run, run("bert", "auto", [TrainModeForOneStep()], module=plain_module))
+    found = stats(cached_run[1])
+    assert found["autocache/prefix_changes"] >= 1 and found["autocache/hits"] > 0
+    # That step ran the frozen blocks, with dropout (twice: the self-check armed by epoch 2's plan waits for a pass that
+    # does not skip the embeddings); the rest of epoch 3 and epoch 4 are served.
+    assert runs.epochs[3][0] == 1 + 1 and runs.epochs[4][:3] == [0, 0, 0]
+
+
+class LoraEverywhere(FamilyModule):
+    """BERT with LoRA on every block, trained in full (AutoFreeze freezes the lower blocks, their adapters with them);
+    validation runs the base model, PEFT's adapters disabled (``disable_adapter()``, as a DPO reference does)."""
+
+    def __init__(self) -> None:
+        import peft
+
+        super().__init__("bert")
+        config = peft.LoraConfig(r=4, target_modules=["query", "value"], lora_dropout=0.0, init_lora_weights=False)
+        self.model = peft.get_peft_model(self.model, config)
+        self.model.requires_grad_(True)
+
+    def validation_step(self, batch, batch_idx):
+        with self.model.disable_adapter():
+            self.log("val_loss", self.loss(batch))
+
+
+def test_peft_adapters_disabled_in_frozen_blocks_are_not_served_the_entries_computed_with_them(tmp_path):
+    # Before: disable_adapter() flips PEFT's private flag (_disable_adapters) on the frozen blocks' LoRA layers, which
+    # neither the watch nor the fingerprint read: validation on the training samples was served the activations
+    # computed with the adapters, silently (val loss 0.96124 against 0.96133).
+    pytest.importorskip("peft")
+
+    def fit(strategy):
+        module, losses = LoraEverywhere(), ValLosses()
+        trainer = cpu_trainer(strategy, [AutoFreeze(schedule={1: 3}), losses], max_epochs=4, check_val_every_n_epoch=3)
+        trainer.fit(module, family_data("bert"), family_data("bert"))  # validation on the training samples
+        return module, trainer, losses.losses
+
+    cached_run = fit(cached(tmp_path))
+    assert_same(cached_run, fit("auto"))
+    found = stats(cached_run[1])
+    assert found["autocache/prefix_changes"] >= 1 and found["autocache/hits"] > 0
 
 
 # ---------------------------------------------------------------------------- other freezing: BaseFinetuning

@@ -59,6 +59,21 @@ def test_fingerprint_covers_frozen_weights_boundary_and_config_only():
     assert prefix_fingerprint(find_block_stack(_bert(attn_implementation="eager")), 2) != base
 
 
+def test_fingerprint_covers_a_private_flag_that_changes_the_forward_not_torch_bookkeeping():
+    # PEFT turns its adapters off with a private flag on each LoRA layer (_disable_adapters): the same weights, another
+    # function. Before: private attributes were left out, and a kept or current store served the adapters' entries.
+    stack = find_block_stack(_bert())
+    base = prefix_fingerprint(stack, 2)
+    stack.blocks[0].register_full_backward_hook(lambda *_: None)  # nn.Module's own _is_full_backward_hook flips
+    assert prefix_fingerprint(stack, 2) == base
+    stack.blocks[1].attention.self.query._disable_adapters = True
+    assert prefix_fingerprint(stack, 2) != base
+    stack.blocks[1].attention.self.query._disable_adapters = False
+    assert prefix_fingerprint(stack, 2) != base  # a flag set is a flag: False is not "absent"
+    del stack.blocks[1].attention.self.query._disable_adapters
+    assert prefix_fingerprint(stack, 2) == base
+
+
 def test_stale_entries_are_never_hit(tmp_path):
     model = _bert()
     stack = find_block_stack(model)
