@@ -566,6 +566,8 @@ class PipeTransformerStrategy(ProcessLayout):
         cache, begins = self.autocache, stage != self._last_stage or batch_idx == 0
         if cache is not None and begins and (stage != "train" or batch_idx == 0 or cache.changed is not None):
             cache.new_pass()
+        if cache is not None and begins:
+            cache.indices.new_pass()  # index keys: the pass's first forwards probe what reaches the model
         self._last_stage = stage
 
     def _follow_the_model(self, batch_idx: int) -> None:

@@ -263,7 +263,15 @@ class AutoCache:
                     f"cache_key='index': the forward got {batch} samples but the batch's 'index' entry had "
                     f"{None if keys is None else len(keys)}. Each forward must see its batch's samples once, in order."
                 )
-            return with_block_arguments(keys, calls, hidden.device)
+            full = with_block_arguments(keys, calls, hidden.device)
+            source = (pending.args, pending.kwargs) if pending is not None else hidden
+            store = self.store
+            recording = store is not None and store.stats().hits == 0  # the store fills in this pass
+            changed = self.indices.check_forward(full, source, batch, recording) if full is not None else None
+            if changed is not None:
+                self.verdicts.refuse(changed)
+                return None  # several processes: the refusal waits for the step's end; compute meanwhile
+            return full
         source: Any = (pending.args, pending.kwargs) if pending is not None else hidden
         try:
             return content_keys(source, shared_once(calls, batch), batch_size=batch)

@@ -27,12 +27,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_pipetransformer.cache.keys import index_keys
+from lightning_pipetransformer.cache.keys import content_keys, index_keys
 
-__all__ = ["PROBE_EVERY", "BatchIndices", "InputChanged", "probed"]
+__all__ = ["FORWARD_PROBES", "PROBE_EVERY", "BatchIndices", "InputChanged", "probed"]
 
 #: About one sample in this many has its input's digest compared between passes (two per batch of 32).
 PROBE_EVERY = 16
+#: The first forwards of every pass whose rows are compared as the model receives them with what they were when stored
+#: (a masking in training_step, which the loader's batch does not show): one read of the device's digests each.
+FORWARD_PROBES = 4
 
 
 class InputChanged(ValueError):
@@ -74,6 +77,42 @@ class BatchIndices:
         self._host: tuple[weakref.ref[Tensor], int, list[int], dict[int, tuple[tuple[tuple[int, ...], ...], bytes]]] | None = None
         #: Per loader: the digest of each probed sample's input at its first pass, per shape of its row.
         self._first: dict[str, dict[tuple[int, tuple[tuple[int, ...], ...]], bytes]] = {}
+        #: Forwards left in this pass whose rows are compared as the model receives them (:meth:`check_forward`), and each
+        #: key's content key when its entry was stored (the key holds the mask's hash: padding-invariant).
+        self.forward_probes = FORWARD_PROBES
+        self._first_forward: dict[str, str] = {}
+
+    def new_pass(self) -> None:
+        """A pass over a loader begins: its first :data:`FORWARD_PROBES` forwards probe again."""
+        self.forward_probes = FORWARD_PROBES
+
+    def check_forward(self, keys: list[str], source: Any, batch: int, recording: bool) -> InputChanged | None:
+        """A forward's rows as the model receives them (``source``: the embeddings' recorded inputs or the stack's
+        input) against what they were when their entries were stored: ``None``, or the error naming a masking or
+        augmentation applied after the loader (in ``training_step`` or the model), which :meth:`read`'s probe of the
+        loader's batch cannot see.
+
+        ``recording``: the current store is filling (its entries are stored in this pass): every forward's content keys
+        are kept (one read of 16 bytes per row, where the store copies the new entries to the host anyway). Else only
+        the first :data:`FORWARD_PROBES` forwards of a pass are compared, before anything of theirs is served."""
+        if not recording and self.forward_probes <= 0:
+            return None
+        self.forward_probes -= 0 if recording else 1
+        try:
+            content = content_keys(source, batch_size=batch)
+        except TypeError:
+            return None  # what cannot be hashed cannot be probed: the loader's probe still runs
+        for key, now in zip(keys, content):
+            before = self._first_forward.setdefault(key, now)
+            if before != now:
+                return InputChanged(
+                    f"cache_key='index': sample {key.rsplit('-', 1)[0].rsplit('i', 1)[-1]} reached the model with another "
+                    "input than when its entry was stored: a random masking or augmentation in training_step or in the "
+                    "model? Index keys name the sample, not its input: its first view's activations would be served "
+                    "instead. Use cache_key='content' (exact: a changed input misses), or make the input the same every "
+                    "epoch."
+                )
+        return None
 
     def remember(self, before: Any, after: Any) -> None:
         """The indices of a batch the loader gave (``before``, on the host) by the device copy ``after`` holds.

@@ -176,14 +176,19 @@ def test_a_served_cached_step_waits_once_for_its_content_keys(tmp_path, monkeypa
 
 
 def _index_steps(tmp_path, monkeypatch, with_mask: bool) -> tuple[list[list[str]], list[list[str]], Any]:
-    """Three steps of one batch with index keys, as the strategy hands them over: the loader's batch
-    remembered before its device copy; the host waits of each ``set_batch`` and each cached pass."""
+    """Steps of one batch with index keys, as the strategy hands them over: the loader's batch remembered before its
+    device copy; the host waits of each ``set_batch`` and each cached pass. The first stores (and keeps the rows'
+    content keys, one read); the next :data:`~lightning_pipetransformer.cache.indices.FORWARD_PROBES` are a pass's
+    probed forwards (one read each: what reaches the model against what was stored); the last ones are the steady
+    state."""
+    from lightning_pipetransformer.cache.indices import FORWARD_PROBES
+
     from tests.unit.cache.test_autocache import batch
 
     model, cache = _cached_bert(tmp_path, "index")
     counts, on_device = _count_cached_passes(monkeypatch, model)
     given: list[list[str]] = []
-    for _ in range(3):
+    for _ in range(1 + FORWARD_PROBES + 2):
         ids, mask = batch(0)
         loader_batch = {"input_ids": ids, "attention_mask": mask, "index": torch.arange(6)}
         device_batch = dict(zip(loader_batch, _device_copy(*loader_batch.values())))
@@ -202,17 +207,17 @@ def test_a_served_step_with_index_keys_reads_its_indices_on_the_host(tmp_path, m
     are hashed into the keys (a changed mask must miss), and the mask the model built on the
     device is read once for that; nothing else."""
     given, counts, cache = _index_steps(tmp_path, monkeypatch, with_mask=True)
-    assert cache.store.stats().hits == 12  # engaged: the second and third batches were served
-    assert given == [[], [], []], given
-    assert counts[-1] == ["cpu"], counts[-1]
+    assert cache.store.stats().hits == 6 * (len(counts) - 1)  # engaged: every batch after the first was served
+    assert given == [[]] * len(counts), given
+    assert counts[1] == ["cpu", "cpu"] and counts[-1] == ["cpu"], counts  # a probed forward reads its content keys too
 
 
 def test_a_served_step_with_index_keys_and_no_block_argument_makes_the_host_wait_for_nothing(tmp_path, monkeypatch):
     """Without an attention mask the blocks get no tensor besides the hidden state: the keys are made
     on the host alone, and a served step makes no host wait at all."""
     given, counts, cache = _index_steps(tmp_path, monkeypatch, with_mask=False)
-    assert cache.store.stats().hits == 12  # engaged
-    assert given == [[], [], []] and counts[-1] == [], (given, counts[-1])
+    assert cache.store.stats().hits == 6 * (len(counts) - 1)  # engaged
+    assert given == [[]] * len(counts) and counts[1] == ["cpu"] and counts[-1] == [], (given, counts)
 
 
 def test_indices_read_from_a_device_copy_the_loader_did_not_give_are_read_there(tmp_path):

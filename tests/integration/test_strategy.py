@@ -427,3 +427,26 @@ def test_the_input_recorder_holds_nothing_while_the_cache_does_not_serve(tmp_pat
     cpu_trainer(strategy, [AutoFreeze(schedule={1: 2}), Check()], max_epochs=2).fit(Classifier("bert"), data_for("bert"))
     assert seen and all(empty for _, empty in seen), seen
     assert strategy.cache_stats["autocache/stored"] > 0  # the cache did serve in epoch 1 (and took each record)
+
+
+def test_index_keys_stop_a_masking_done_in_training_step(tmp_path):
+    """Random tokens masked in training_step, after the loader: the loader's batch is the same every epoch, what reaches
+    the model is not. The forward probe stops the run before a first view is served."""
+    from lightning_pipetransformer.cache.indices import InputChanged
+    from tests.helpers.lightning_models import inputs_and_labels
+
+    class MasksInTrainingStep(Classifier):
+        def training_step(self, batch, batch_idx):
+            x, y = inputs_and_labels(batch)
+            x = x.clone()
+            x[torch.rand(x.shape, generator=self.masking) < 0.3] = 0
+            loss = torch.nn.functional.cross_entropy(self(x), y)
+            return loss
+
+    module = MasksInTrainingStep("bert")
+    module.masking = torch.Generator().manual_seed(3)
+    strategy = PipeTransformerStrategy(cache=True, cache_key="index", cache_dir=str(tmp_path))
+    trainer = cpu_trainer(strategy, [AutoFreeze(schedule=SCHEDULE)], max_epochs=4)
+    with pytest.raises(InputChanged, match="training_step"):
+        trainer.fit(module, indexed_text(n=48))
+    assert strategy.cache_stats["autocache/hits"] == 0  # stopped before anything stale was served
