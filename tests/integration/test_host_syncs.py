@@ -182,7 +182,6 @@ def _index_steps(tmp_path, monkeypatch, with_mask: bool) -> tuple[list[list[str]
     probed forwards (one read each: what reaches the model against what was stored); the last ones are the steady
     state."""
     from lightning_pipetransformer.cache.indices import FORWARD_PROBES
-
     from tests.unit.cache.test_autocache import batch
 
     model, cache = _cached_bert(tmp_path, "index")
