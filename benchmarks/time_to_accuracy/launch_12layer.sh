@@ -11,7 +11,9 @@
 #   ISSUE=41 bash benchmarks/time_to_accuracy/launch_12layer.sh   # issue 41's (launch_41.sh does this)
 #   tail -f outputs/benchmarks/run_$ISSUE.log                     # progress, one line per run
 #
-# PYTHON (default .venv/bin/python) and CORE (default 1) can be set in the environment.
+# PYTHON (default .venv/bin/python) and CORE (default 1) can be set in the environment, and RECORDS_ROOT: another
+# checkout whose docs/ receives the records and the report, committed there (run the code of a fixed commit from a
+# worktree while main moves on: RECORDS_ROOT=/path/to/main, from the worktree).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -24,7 +26,9 @@ case "$ISSUE" in
         NOTE="Issue 41's rows on the 12-layer setting (docs/benchmarks_12layer.md); the plasticity rule and its pilots: docs/autofreeze.md and docs/benchmarks_41_pilots.md." ;;
     *) echo "ISSUE must be 34 or 41, got $ISSUE" >&2; exit 2 ;;
 esac
-RECORDS=docs/time_to_accuracy_$ISSUE.json
+RECORDS_ROOT=${RECORDS_ROOT:-$PWD}
+RECORDS=$RECORDS_ROOT/docs/time_to_accuracy_$ISSUE.json
+SELECT+=(--json "$RECORDS" --docs "$RECORDS_ROOT/docs/benchmarks_$ISSUE.md")
 LOG=outputs/benchmarks/run_$ISSUE.log
 mkdir -p outputs/benchmarks
 "$PYTHON" examples/assets.py fetch mpnet-base rotten-tomatoes >/dev/null
