@@ -6,7 +6,8 @@ blocks F, pipe length K, micro-batches M, partition): it installs the runner thr
 model's own loop over the stack calls the pipeline or the cache once per pass (state-dict keys
 stay the plain model's). :class:`~lightning_pipetransformer.AutoFreeze` calls
 :meth:`PipeTransformerStrategy.on_freeze_point` at every freeze point: one process re-plans at
-once; several run :meth:`PipeTransformerStrategy.transition` at the epoch start, on every rank.
+once; several run the transition at the epoch start, on every rank, which the
+:class:`~lightning_pipetransformer.coordinator.Coordinator` choreographs.
 
 Process layout. Lightning starts one process per device. With ``devices=1`` the one process
 drives all K stages on its device ("virtual stages": the CPU, or streams of one GPU), which is
@@ -15,7 +16,7 @@ pipeline replica over devices ``[j*K, (j+1)*K)`` and the other processes are sha
 follow the loop without model work; as K shrinks they become replicas (:mod:`~lightning_pipetransformer.dp`).
 
 This class holds Lightning's hooks, in the order the loop calls them; each calls free functions
-and parts that take data and return data (engine, dp/, cache/hooks, report, config). Everything
+and parts that take data and return data (the coordinator, engine, dp/, cache/hooks, report, config). Everything
 outside the stack (embeddings, head, loss, metrics) stays on the first stage's device, so
 ``training_step`` needs no change.
 """
@@ -41,12 +42,10 @@ from lightning_pipetransformer import devices as dev
 from lightning_pipetransformer import lightning_internals, report
 from lightning_pipetransformer.cache import hooks as cache_hooks
 from lightning_pipetransformer.cache.autocache import AutoCache
-from lightning_pipetransformer.cache.cached_stack import CachedStack
 from lightning_pipetransformer.cache.folders import remove_empty_folders
-from lightning_pipetransformer.cache.watch import PrefixChange
 from lightning_pipetransformer.config import CacheConfig, PipeTransformerConfig
-from lightning_pipetransformer.dp import data, faults, groups, idle, idle_hooks, loop_state, state_transfer
-from lightning_pipetransformer.dp.clock import PhaseClock
+from lightning_pipetransformer.coordinator import Coordinator, LoopSide, Ranks, stage_devices
+from lightning_pipetransformer.dp import data, faults, groups, idle, idle_hooks, state_transfer
 from lightning_pipetransformer.dp.ddp import GradientSync
 from lightning_pipetransformer.dp.replicas import Elastic
 from lightning_pipetransformer.engine import Engine, make_planner
@@ -54,16 +53,14 @@ from lightning_pipetransformer.freeze.apply import untrainable_prefix
 from lightning_pipetransformer.freeze.seam import FreezeSource
 from lightning_pipetransformer.pipe.planner import AutoPipe
 from lightning_pipetransformer.plan import Plan
-from lightning_pipetransformer.plan.change import PlanChange
 from lightning_pipetransformer.processes import ProcessLayout
 from lightning_pipetransformer.stack.declared import refuse_uncalled_blocks, stack_for_strategy
 from lightning_pipetransformer.stack.discovery import BlockStack
 from lightning_pipetransformer.stack.execution import OrderWatch
 from lightning_pipetransformer.stack.input_grad import FrozenOutputs
-from lightning_pipetransformer.stack.interception import arm_self_check, installed_pipeline, remove_pipeline
+from lightning_pipetransformer.stack.interception import remove_pipeline
 from lightning_pipetransformer.stack.kv_cache import builds_kv_cache
 from lightning_pipetransformer.stack.model_flags import check_model_flags, turn_off_kv_cache
-from lightning_pipetransformer.stack.self_check import SelfCheck
 
 __all__ = ["PipeTransformerStrategy"]
 
@@ -156,20 +153,16 @@ class PipeTransformerStrategy(ProcessLayout):
         self.engine: Engine | None = None
         #: AutoCache of this fit (None without ``cache``).
         self.autocache: AutoCache | None = None
-        #: Seconds per phase of the last AutoDP transition on this rank (for logs and benchmarks).
-        self.last_transition: dict[str, float] = {}
         self._stack: BlockStack | None = None
+        #: What the ranks do together around the plan (None before setup, or without a block stack).
+        self._coordinator: Coordinator | None = None
         self._gradients = GradientSync()
         self._report: report.EngagementReport | None = None
         self._restored: dict[str, Any] | None = None
-        self._synced_boundary: int | None = None  # the cache boundary all ranks opened together last
         self._kv_cache_configs: list[Any] = []  # configs whose use_cache this fit turned off
         self._frozen_outputs: FrozenOutputs | None = None
         self._signals = faults.SignalNotice()  # SIGTERM noted by the handler, acted on at the next step
-        self._stopping_signal = 0  # the signal every rank agreed to stop for
-        self._failing_together = False  # a failure every rank agreed on at a step
         self._order_watch: OrderWatch | None = None
-        self._last_stage = ""  # the stage of the last step: a step of another stage begins a pass
         #: AutoCache's counters per trainer call (cache_stats_by_stage), and the counters when this call began.
         self._stats_by_stage: dict[str, dict[str, float]] = {}
         self._stats_at_start: dict[str, float] = {}
@@ -194,16 +187,18 @@ class PipeTransformerStrategy(ProcessLayout):
     @property
     def stage_devices(self) -> tuple[torch.device, ...]:
         """The devices this process's pipeline stages run on (none on a shadow rank)."""
-        return self._devices_of(self.plan)
+        return stage_devices(self.plan, self._ranks(), self._replicas)
 
-    def _devices_of(self, plan: Plan | None) -> tuple[torch.device, ...]:
-        if plan is None:
-            return (self.root_device,)
-        if self.num_processes == 1:
-            return (self.root_device,) * plan.pipe_len
-        if not self._replicas.is_active(plan):
-            return ()
-        return tuple(torch.device(d) for d in plan.devices_for(self.local_rank))
+    @property
+    def last_transition(self) -> dict[str, float]:
+        """Seconds per phase of the last AutoDP transition on this rank (for logs and benchmarks)."""
+        return self._coordinator.last_transition if self._coordinator is not None else {}
+
+    def _ranks(self) -> Ranks:
+        return Ranks(
+            global_rank=self.global_rank, local_rank=self.local_rank, node_rank=self.node_rank,
+            num_processes=self.num_processes, root_device=self.root_device, distributed=self.is_distributed,
+        )  # fmt: skip
 
     @property
     def gradient_group(self) -> Any | None:
@@ -249,7 +244,6 @@ class PipeTransformerStrategy(ProcessLayout):
         assert module is not None
         if self.is_distributed:  # Lightning's handler would run collectives inside the signal handler
             self._signals.reset()
-            self._stopping_signal, self._failing_together = 0, False
             lightning_internals.replace_sigterm_notifier(trainer, self._signals)
         autofreeze = _autofreeze_of(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -257,7 +251,7 @@ class PipeTransformerStrategy(ProcessLayout):
         self._stack = self._find_stack(module, autofreeze, fitting)
         # chunks="auto" measured in an earlier fit of this strategy still holds (validate after fit).
         measured = dict(self.engine.auto_chunks) if self.engine is not None else {}
-        self.engine, self._report = None, None
+        self.engine, self._report, self._coordinator = None, None, None
         if self._stack is None:  # nothing to freeze or pipeline: plain single-device / DDP training
             self._setup_model_and_optimizers(trainer, None)
             return
@@ -302,8 +296,16 @@ class PipeTransformerStrategy(ProcessLayout):
         # Unless AutoFreeze watches this very stack, what runs before it is read from the first training forward here.
         watched = autofreeze is not None and autofreeze.stack is stack
         self._order_watch = OrderWatch(module, stack, announce=rank_zero_info) if not watched and stack.provisional else None
-        self._synced_boundary = None
-        self._setup_model_and_optimizers(trainer, self._first_plan(trainer, autofreeze))
+        self._coordinator = Coordinator(
+            self.engine, self._replicas, _loop_side(self, trainer), stack=stack, cache=self.autocache, ranks=self._ranks(),
+            signals=self._signals, self_check=self.config.self_check, announce=rank_zero_info,
+        )  # fmt: skip
+        plan = self._coordinator.first_plan(autofreeze)
+        if isinstance(self._replicas, Elastic):
+            idle_hooks.prepare_idle_ranks(trainer, module, lambda: self.is_active, self._replicas.control_group)
+            if self._replicas.is_active(plan):  # torchmetrics sync over the replicas, not WORLD (idle ranks never compute)
+                groups.point_metrics_at(module, self._replicas.active_group)
+        self._setup_model_and_optimizers(trainer, plan)
 
     def _is_frozen_module(self, module: torch.nn.Module) -> bool:
         """Whether ``module`` belongs to the frozen prefix (blocks or embeddings without a trainable parameter)."""
@@ -342,50 +344,6 @@ class PipeTransformerStrategy(ProcessLayout):
                 "  which stores the frozen blocks' outputs.)"
             )
 
-    def _target_frozen(self, autofreeze: FreezeSource | None) -> int:
-        """The frozen prefix to plan for: the leading blocks without a trainable parameter, whoever froze them.
-
-        AutoFreeze's freezes count through ``requires_grad`` like anybody else's, so a block it froze and a callback
-        unfroze trains again (``autofreeze`` is kept for the callers' symmetry: every freeze point passes it)."""
-        assert self._stack is not None
-        return untrainable_prefix(self._stack)
-
-    def _first_plan(self, trainer: pl.Trainer, autofreeze: FreezeSource | None) -> Plan:
-        """One process: the planner's plan. Several: rank 0's, agreed on, with the groups made."""
-        assert self.engine is not None
-        replicas = self._replicas
-        if not isinstance(replicas, Elastic):
-            return self.engine.propose(self._target_frozen(autofreeze))
-        replicas.connect()
-        if self.autocache is not None:
-            # One namespace for the node's processes: index i names the same sample on every rank.
-            self.autocache.namespace = replicas.broadcast(self.autocache.namespace)
-        plan = self._agree(trainer, autofreeze)
-        replicas.regroup(plan.active_ranks)
-        module = self.lightning_module
-        idle_hooks.prepare_idle_ranks(trainer, module, lambda: self.is_active, replicas.control_group)
-        if replicas.is_active(plan):  # torchmetrics sync over the replicas, not WORLD (idle ranks never compute)
-            groups.point_metrics_at(module, replicas.active_group)
-        return plan
-
-    def _agree(self, trainer: pl.Trainer, autofreeze: FreezeSource | None) -> Plan:
-        """Rank 0's plan (and planner and AutoFreeze state) on every rank; the others take its decision."""
-        assert self.engine is not None and isinstance(self._replicas, Elastic)
-        proposal = None
-        if self.global_rank == 0:
-            proposal = {
-                "plan": self.engine.propose(self._target_frozen(autofreeze)).to_dict(),
-                "planner": self.engine.planner.state_dict(),
-                # The decisions only: the gradient sums stay on rank 0, the one rank that reads them.
-                "autofreeze": autofreeze.decision_state() if autofreeze is not None else None,
-            }
-        message = self._replicas.agree(proposal, (trainer.current_epoch, trainer.global_step))
-        if self.global_rank != 0:
-            self.engine.planner.load_state_dict(message["planner"])
-            if autofreeze is not None and message["autofreeze"] is not None:
-                autofreeze.load_state_dict(message["autofreeze"])  # a shadow rank's rule saw no gradients
-        return Plan.from_dict(message["plan"])
-
     def _setup_model_and_optimizers(self, trainer: pl.Trainer, plan: Plan | None) -> None:
         """DDPStrategy.setup, with the blocks placed on their stages' devices *before* DDP wraps the
         model: DDP binds its hooks to the parameters it sees, and moving a block afterwards swaps
@@ -398,7 +356,8 @@ class PipeTransformerStrategy(ProcessLayout):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if plan is not None:
-            self._apply(plan)
+            assert self._coordinator is not None
+            self._coordinator.apply(plan)
         if fitting:
             self.configure_ddp(init_sync=True)  # DDP over the active replicas (several processes only)
             if self._gradients.by_hand:  # no DDP wrapper to sync the replicas' first weights
@@ -494,7 +453,8 @@ class PipeTransformerStrategy(ProcessLayout):
             self._report.start(trainer.global_step)
             if _autofreeze_of(trainer) is None:  # no freeze points: the first boundary opens on every rank here
                 with faults.signals_held():
-                    self._sync_cache_boundary()
+                    assert self._coordinator is not None
+                    self._coordinator.sync_cache_boundary()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -506,7 +466,8 @@ class PipeTransformerStrategy(ProcessLayout):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._new_pass("train", args, kwargs)
-        self._follow_the_model(args[1] if len(args) > 1 else kwargs.get("batch_idx", 1))
+        if self._coordinator is not None:
+            self._coordinator.follow_the_model(args[1] if len(args) > 1 else kwargs.get("batch_idx", 1), _autofreeze_of(self.lightning_module.trainer))
         step = super().training_step
         output = self._watching_order(
             lambda: self._step_together("training_step", lambda: idle.idle_loss(self.root_device), step, "train", args, kwargs)
@@ -558,86 +519,8 @@ class PipeTransformerStrategy(ProcessLayout):
         return self._watching_order(lambda: self._step_together("predict_step", lambda: None, step, "predict", args, kwargs), fit=False)
 
     def _new_pass(self, stage: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A step that begins a pass: the cache compares the frozen weights' bits too before it serves (cache/watch.py),
-        which sees writes no version counter does (``param.data``). At every validation, test and predict run and
-        every training epoch; when training resumes after validation, only if the validation saw a change (weights
-        swapped in for it, Lightning's EMA/SWA, must be seen swapped back)."""
-        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
-        cache, begins = self.autocache, stage != self._last_stage or batch_idx == 0
-        if cache is not None and begins and (stage != "train" or batch_idx == 0 or cache.changed is not None):
-            cache.new_pass()
-        if cache is not None and begins:
-            cache.indices.new_pass()  # index keys: the pass's first forwards probe what reaches the model
-        self._last_stage = stage
-
-    def _follow_the_model(self, batch_idx: int) -> None:
-        """Before every training step: the plan and the cache follow what is frozen now and what computed the
-        cache's entries, whoever froze, unfroze, edited or swapped them (a callback, ``BaseFinetuning``, the user),
-        not only AutoFreeze. One process re-plans before this step; several agree at each epoch's first step."""
-        engine, plan, stack, cache = self.engine, self.plan, self._stack, self.autocache
-        if engine is None or plan is None or stack is None:
-            return
-        frozen_now = untrainable_prefix(stack)
-        change = cache.prefix_change() if cache is not None and self.is_active else None
-        if change is not None and change.transient:
-            change = None  # a mode or a hook, not the weights: the cache stands aside while it differs, its entries kept
-        # A block replaced by another module object (layers[i] = ...): the runner still holds the old one.
-        replaced = _replaced_blocks(stack)
-        if replaced:
-            gone = PrefixChange((f"block(s) {', '.join(map(str, replaced))} of the stack replaced by other module objects",))
-            if change is None and cache is not None and replaced[0] < plan.num_frozen:
-                cache.counters.prefix_changes += 1
-                change = gone
-        if self.is_distributed:
-            self._follow_together(batch_idx, frozen_now, change)
-            return
-        if frozen_now == plan.num_frozen and change is None and not replaced:
-            return
-        why = (
-            change.describe() if change is not None else gone.describe() if replaced
-            else f"the leading {frozen_now} block(s) have no trainable parameter now"
-        )
-        rank_zero_info(f"PipeTransformer: the plan follows the model ({why}): {plan.num_frozen} -> {frozen_now} frozen blocks.")
-        if cache is not None and change is not None:
-            cache.retire()
-        self._apply(engine.propose(frozen_now))
-
-    def _follow_together(self, batch_idx: int, frozen_now: int, change: Any) -> None:
-        """Several processes: what trains changes with the replicas, at epoch starts, on every rank together (one
-        small collective per epoch). Inside an epoch the cache stands aside while its prefix differs (exact), and a
-        block unfrozen there is refused: DDP would leave its gradient out of the average."""
-        assert self.engine is not None and self.plan is not None
-        plan, cache = self.plan, self.autocache
-        if batch_idx != 0:
-            if frozen_now < plan.num_frozen:
-                raise RuntimeError(
-                    f"Block {frozen_now} was unfrozen inside an epoch, with several processes: its gradient would not be "
-                    "averaged over the replicas until the next epoch start, where every rank re-plans together. Unfreeze "
-                    "in on_train_epoch_start (Lightning's BaseFinetuning.finetune_function runs there), or use one process."
-                )
-            return
-        wants = torch.tensor([int(frozen_now != plan.num_frozen or change is not None)], dtype=torch.int64)
-        group = self._replicas.control_group
-        torch.distributed.all_reduce(wants, op=torch.distributed.ReduceOp.MAX, group=group)
-        if not int(wants):
-            return
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        assert trainer is not None
-        if cache is not None:
-            cache.retire()  # every rank: the boundary opens again on all of them together
-        self._synced_boundary = None
-        autofreeze = _autofreeze_of(trainer)
-        self.transition(trainer, autofreeze)
-        replicas = self.plan.active_ranks if self.plan is not None else ()
-        if frozen_now < plan.num_frozen and len(replicas) > 1 and self.is_active:
-            # A replica that joined while these blocks were frozen holds no optimizer state for them (it was not sent):
-            # every replica takes rank 0's now, or their updates of the thawed blocks would differ.
-            self._send_state(trainer, autofreeze, tuple(r for r in replicas if r != 0), PhaseClock())
-        if cache is not None and self.plan is plan:  # nothing rebuilt: reopen the same boundary, on every rank together
-            self.engine.apply(plan, active=self.is_active, devices=self.stage_devices, defer_boundary=True)
-            self._synced_boundary = None
-            with faults.signals_held():
-                self._sync_cache_boundary()
+        if self._coordinator is not None:
+            self._coordinator.new_pass(stage, args[1] if len(args) > 1 else kwargs.get("batch_idx"))
 
     def _watching_order(self, step: Any, fit: bool = True) -> Any:
         """Run ``step``, reading what runs before the stack from its forward while that is not known yet
@@ -657,11 +540,7 @@ class PipeTransformerStrategy(ProcessLayout):
         return output
 
     def _step_together(self, where: str, idle_output: Any, step: Any, stage: str, args: Any, kwargs: Any) -> Any:
-        """A step on this rank (a shadow rank's stand-in), then, with several processes, the step's
-        agreement over the control group (:func:`~lightning_pipetransformer.dp.faults.agree_at_step`):
-        a failure one rank alone reaches (its step raised, a cache verdict) ends every rank within
-        seconds, instead of leaving them in DDP until the timeout, and a signal any rank received
-        stops every rank after this same batch."""
+        """A step on this rank (a shadow rank's stand-in), agreed on by every rank (:meth:`Coordinator.step_together`)."""
         cache = self.autocache
 
         def run() -> Any:
@@ -671,47 +550,7 @@ class PipeTransformerStrategy(ProcessLayout):
                 cache_hooks.index_keys_from(cache, args, kwargs, stage)
             return step(*args, **kwargs)
 
-        group = self._replicas.control_group
-        if group is None:
-            return run()
-        if cache is not None:
-            cache.verdicts.defer = True
-        error: BaseException | None = None
-        output = None
-        try:
-            output = run()
-        except Exception as err:  # noqa: BLE001 - raised below, on every rank together
-            error = err
-        if error is None and cache is not None:
-            error = cache.verdicts.take()
-        try:
-            signum = faults.agree_at_step(error, self._signals.signum, group, where)
-        except BaseException as raised:
-            # Every rank raises here (a broken collective is not that): their exception hooks meet.
-            self._failing_together = raised is error or isinstance(raised, faults.PeerFailedError)
-            raise
-        if signum and not self._stopping_signal:
-            self._stop_for_signal(signum)
-        return output
-
-    def _agree_on_signal(self, where: str) -> None:
-        group = self._replicas.control_group
-        if group is not None and not self._stopping_signal:
-            signum = faults.agree_at_step(None, self._signals.signum, group, where)
-            if signum:
-                self._stop_for_signal(signum)
-
-    def _stop_for_signal(self, signum: int) -> None:
-        """Every rank agreed at this step that a signal came: Lightning's loops stop after this batch
-        (``SIGTERMException``, with the ``on_exception`` checkpoints), on every rank together."""
-        self._stopping_signal = signum
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None:
-            lightning_internals.mark_sigterm_received(trainer)
-        rank_zero_info(
-            f"PipeTransformer: {signal.Signals(signum).name} received; every rank stops after this batch "
-            "(the checkpoints Lightning writes on an exception are written)."
-        )
+        return self._coordinator.step_together(where, run) if self._coordinator is not None else run()
 
     @override
     def on_train_end(self) -> None:
@@ -739,113 +578,9 @@ class PipeTransformerStrategy(ProcessLayout):
 
     def on_freeze_point(self, trainer: pl.Trainer, autofreeze: FreezeSource, epoch_start: bool) -> None:
         """AutoFreeze reached a freeze point (on every rank, decided or not). One process re-plans now,
-        also inside an epoch; several change replicas together, at epoch starts only (:meth:`transition`)."""
-        if self.engine is None or self.plan is None:  # no block stack, or not set up
-            return
-        if self.is_distributed:
-            if epoch_start:
-                self.transition(trainer, autofreeze)
-            return
-        num_frozen = self._target_frozen(autofreeze)
-        if num_frozen != self.plan.num_frozen:
-            self._apply(self.engine.propose(num_frozen))
-
-    def transition(self, trainer: pl.Trainer, autofreeze: FreezeSource | None) -> None:
-        """The AutoDP transition, on every rank at a train-epoch start, every step in order, under one SIGTERM hold.
-
-        1. agree on rank 0's plan and what changes (:class:`~lightning_pipetransformer.plan.change.PlanChange`);
-        2. drop DDP (its reducer holds the old group and frozen set; blocks must not move under it);
-        3. this rank's pipeline for the new plan (none on a shadow rank);
-        4. a new active group; the ranks that join receive weights and loop state;
-        5. DDP (or the average by hand) over the active group;
-        6. the training data re-split over the replicas;
-        7. the cache boundary opened on every rank together, old entries advanced in shards.
-        """
-        if self.engine is None or self.plan is None:
-            return
-        module = self.lightning_module
-        assert module is not None
-        with faults.signals_held():  # every rank is in collectives: a SIGTERM waits for their end
-            clock, old = PhaseClock(), self.plan
-            change = PlanChange.between(old, self._agree(trainer, autofreeze))  # 1
-            clock.lap("plan_broadcast")
-            if change.rebuild:
-                self.model = self._gradients.unwrap(self.model, module)  # 2
-                # 3: the ranks already active first (blocks off the GPUs they leave, caches freed), then the joiners.
-                self._replicas.place_in_turn(lambda: self._apply(change.new), joining=self.global_rank in change.joining)
-                clock.lap("partition")
-                old_group = self._replicas.active_group
-                if change.regroup:  # 4
-                    idle_hooks.restart_metric_order(trainer)
-                    self._replicas.regroup(change.new.active_ranks)
-                    clock.lap("new_group")
-                    if self.is_active:
-                        self._send_state(trainer, autofreeze, change.joining, clock)
-                if self.is_active:
-                    groups.point_metrics_at(module, self._replicas.active_group)
-                self.configure_ddp(init_sync=False)  # 5: the joining ranks hold rank 0's weights already
-                if change.regroup:
-                    self._replicas.release(old_group, was_member=self.global_rank in old.active_ranks)
-                clock.lap("ddp_rebuild")
-                if change.resplit:  # 6 (the batch size too under batch_policy='global')
-                    lightning_internals.rebuild_train_loader(trainer)
-                    clock.lap("loader_rebuild")
-                self.last_transition = clock.laps
-            self._sync_cache_boundary()  # 7
-        # A signal that came during the transition (held until now): every rank stops before the epoch's first batch.
-        self._agree_on_signal("the transition")
-
-    def _send_state(self, trainer: pl.Trainer, autofreeze: FreezeSource | None, joining: tuple[int, ...], clock: PhaseClock) -> None:
-        """Rank 0's weights to ``joining`` (buffers to every replica), then its optimizer, LR-scheduler and scaler state."""
-        assert isinstance(self._replicas, Elastic)
-        self._replicas.send_weights(self.lightning_module, joining, self.root_device)
-        clock.lap("model_state")
-        schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        state = None
-        if self.global_rank == 0:
-            state = loop_state.replica_state(self.optimizers, schedulers, scaler, state_transfer.frozen_for_good(autofreeze))
-        state = self._replicas.send_state(state, joining, self.root_device)
-        if self.global_rank in joining:
-            loop_state.load_replica_state(state, self.optimizers, schedulers, scaler)
-        clock.lap("optimizer_state")
-
-    def _sync_cache_boundary(self) -> None:
-        """Several processes: open the plan's cache boundary on every rank and advance the old entries together, once per boundary."""
-        plan, group = self.plan, self._replicas.control_group
-        if self.autocache is None or plan is None or group is None or plan.num_frozen == self._synced_boundary:
-            return
-        self._synced_boundary = plan.num_frozen
-        self.autocache.sync_boundary(group, self.node_rank)
-
-    def _apply(self, plan: Plan) -> None:
-        """Make ``plan`` (this process's view of it) the one in force, and say so."""
-        assert self.engine is not None
-        plan = self._replicas.localize(plan)
-        active = self._replicas.is_active(plan)
-        plan = self.engine.apply(plan, active=active, devices=self._devices_of(plan), defer_boundary=self.is_distributed)
-        if active:
-            # Blocks may have moved between devices (K 4 -> 2): their optimizer state follows, and the
-            # devices left keep no cached blocks for the replica that takes them over.
-            dev.optimizer_state_to_param_devices(self.optimizers)
-            dev.release_cached_memory(self.root_device)
-        rank_zero_info(report.plan_text(plan))
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        self._arm_self_check(trainer)
-        # Like Lightning's own metrics: to the loggers while fitting only, never at validate/test/predict.
-        if trainer is not None and self.is_global_zero and trainer.state.fn == TrainerFn.FITTING:
-            for logger in trainer.loggers:
-                logger.log_metrics(report.plan_metrics(plan), step=trainer.global_step)
-
-    def _arm_self_check(self, trainer: pl.Trainer | None) -> None:
-        """While fitting: the next training pass through the new runner is compared with the plain loop (stack/self_check.py)."""
-        stack = self._stack
-        if not self.config.self_check or stack is None or trainer is None or trainer.state.fn != TrainerFn.FITTING:
-            return
-        runner = installed_pipeline(stack.container)
-        if runner is not None:
-            what = "the activation cache" if isinstance(runner, CachedStack) else "the pipeline"
-            arm_self_check(stack.container, SelfCheck(stack.blocks, what, announce=rank_zero_info))
+        also inside an epoch; several change replicas together, at epoch starts only (:meth:`Coordinator.transition`)."""
+        if self._coordinator is not None:  # no block stack, or not set up
+            self._coordinator.on_freeze_point(autofreeze, epoch_start)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -870,7 +605,8 @@ class PipeTransformerStrategy(ProcessLayout):
     # ------------------------------------------------------------------ teardown
 
     def _ended_together(self, exception: BaseException) -> bool:
-        return bool(self._stopping_signal or self._failing_together) or super()._ended_together(exception)
+        together = self._coordinator is not None and bool(self._coordinator.stopping_signal or self._coordinator.failing_together)
+        return together or super()._ended_together(exception)
 
     @override
     def teardown(self) -> None:
@@ -914,10 +650,11 @@ class PipeTransformerStrategy(ProcessLayout):
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         self._note_failure(exception)
-        if isinstance(exception, SystemExit) and self._stopping_signal:
+        stopping = self._coordinator.stopping_signal if self._coordinator is not None else 0
+        if isinstance(exception, SystemExit) and stopping:
             # Lightning exits with status 0 and no word after SIGTERMException: say which signal, exit as the shell does.
-            name = signal.Signals(self._stopping_signal).name
-            exception.code = 128 + self._stopping_signal
+            name = signal.Signals(stopping).name
+            exception.code = 128 + stopping
             trainer = self.lightning_module.trainer if self.lightning_module is not None else None
             step = trainer.global_step if trainer is not None else "?"
             print(
@@ -943,6 +680,29 @@ class PipeTransformerStrategy(ProcessLayout):
         strategy_registry.register(
             cls.strategy_name, cls, description="PipeTransformer: pipeline the block stack, repartition as AutoFreeze freezes blocks"
         )
+
+
+def _loop_side(strategy: PipeTransformerStrategy, trainer: pl.Trainer) -> LoopSide:
+    """What the coordinator may read of this trainer call's loop and ask of Lightning's side."""
+    module = strategy.lightning_module
+    assert module is not None
+
+    def drop_gradient_sync() -> None:
+        strategy.model = strategy._gradients.unwrap(strategy.model, module)
+
+    def log_metrics(metrics: dict[str, float]) -> None:
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    return LoopSide(
+        position=lambda: (trainer.current_epoch, trainer.global_step), fitting=trainer.state.fn == TrainerFn.FITTING,
+        module=module, optimizers=lambda: strategy.optimizers, log_metrics=log_metrics,
+        loop_state=lambda: ([c.scheduler for c in trainer.lr_scheduler_configs], getattr(strategy.precision_plugin, "scaler", None)),
+        drop_gradient_sync=drop_gradient_sync, sync_gradients=lambda: strategy.configure_ddp(init_sync=False),
+        restart_metric_order=lambda: idle_hooks.restart_metric_order(trainer),
+        rebuild_train_loader=lambda: lightning_internals.rebuild_train_loader(trainer),
+        stop_after_this_batch=lambda: lightning_internals.mark_sigterm_received(trainer),
+    )  # fmt: skip
 
 
 #: Lightning's arguments of a ParallelStrategy, which the Trainer fills in after construction.
@@ -972,15 +732,6 @@ def _moves_batches_as_is(module: pl.LightningModule | None) -> bool:
     trainer = module._trainer
     owners = [module, trainer.datamodule if trainer is not None else None]
     return not any(is_overridden(hook, owner) for owner in owners if owner is not None for hook in _BATCH_TRANSFER_HOOKS)
-
-
-def _replaced_blocks(stack: BlockStack) -> list[int]:
-    """The positions whose block is another module object than the one the installed runner runs (``layers[i] = m``)."""
-    runner = installed_pipeline(stack.container)
-    blocks = stack.blocks
-    if runner is None or len(runner.blocks) != len(blocks):  # another depth: not followed (the interception refuses it)
-        return []
-    return [i for i, (old, new) in enumerate(zip(runner.blocks, blocks)) if old is not new]
 
 
 def _pre_freezes_first(autofreeze: FreezeSource | None, stack: BlockStack) -> Callable[[], bool]:

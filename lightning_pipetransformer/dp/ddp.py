@@ -4,7 +4,7 @@ Why two ways. A replica of one stage is wrapped in ``DistributedDataParallel`` (
 all-reduced while backward runs). A replica whose stages span several devices is not: DDP would
 all-reduce buckets on every device, but the process's groups are bound to its own device (NCCL
 refuses the others), so its gradients are averaged after backward through buffers on that device
-(:func:`~lightning_pipetransformer.dp.state_transfer.average_gradients`). One process, or a shadow
+(:func:`~lightning_pipetransformer.dp.averaging.average_gradients`). One process, or a shadow
 rank, averages nothing (a wrapper would only add a reducer that breaks when AutoFreeze turns
 ``requires_grad`` off).
 
@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_pipetransformer import devices as dev
-from lightning_pipetransformer.dp import state_transfer
+from lightning_pipetransformer.dp import averaging
 
 __all__ = ["GradientSync", "ddp_device_ids"]
 
@@ -88,7 +88,7 @@ class GradientSync:
     def average(self, params: Iterable[torch.Tensor], device: torch.device) -> None:
         """After the last backward of a step: the replicas' mean gradient, when averaged by hand."""
         if self.by_hand:
-            state_transfer.average_gradients([p for p in params if p.requires_grad], self.group, device)
+            averaging.average_gradients([p for p in params if p.requires_grad], self.group, device)
 
     def gradient_group(self, model: nn.Module) -> Any:
         """The group this replica's gradients are averaged over, or None when nothing is."""

@@ -1,7 +1,9 @@
-"""State transfer to joining replicas, and gradient averaging, through each process's root device.
+"""State transfer to joining replicas, through each process's root device.
 
 When the pipeline shrinks, shadow ranks become replicas: they receive the model, optimizer,
-scheduler and AutoFreeze state from global rank 0, in pieces of bounded size along a tree.
+scheduler and AutoFreeze state from global rank 0, in pieces of bounded size along a tree. The
+pieces and the staging ring are shared with the gradient average by hand
+(:mod:`~lightning_pipetransformer.dp.averaging`).
 """
 
 from __future__ import annotations
@@ -379,77 +381,6 @@ def _send_object(obj: Any, tree: dict[int, tuple[int | None, list[int]]], group:
     for work in works:
         work.wait()
     return obj
-
-
-def average_op(group: Any) -> tuple[Any, bool]:
-    """``(op, divide_after)``: ``ReduceOp.AVG`` where the group's backend has it (NCCL; gloo since
-    torch 2.8, where it is a sum and a division inside gloo), else a sum the caller divides."""
-    if dist.get_backend(group) == "gloo" and _torch_version() < (2, 8):
-        return dist.ReduceOp.SUM, True
-    return dist.ReduceOp.AVG, False
-
-
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
-
-
-def used_anywhere(params: Sequence[torch.Tensor], group: Any, via: torch.device) -> list[bool]:
-    """For each parameter: whether any replica of ``group`` gave it a gradient this step.
-
-    One all-reduce (MAX) of a byte per parameter, then one read on the host: what DDP's
-    ``find_unused_parameters`` also pays. The flags go up without a synchronising copy (pinned
-    memory on CUDA); reading the result back is the step's one host synchronisation.
-    """
-    flags = torch.tensor([param.grad is not None for param in params], dtype=torch.uint8)
-    if via.type == "cuda":
-        flags = flags.pin_memory().to(via, non_blocking=True)
-    dev.tag_as(flags, via)
-    dev.check_collective(flags, "gradient averaging (which parameters were used)")
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    return [bool(flag) for flag in flags.tolist()]
-
-
-def average_gradients(params: Sequence[torch.Tensor], group: Any, via: torch.device, chunk_bytes: int = CHUNK_BYTES) -> None:
-    """The replicas' mean gradient of ``params``, in place, through buffers on ``via``, as DDP averages.
-
-    For a replica whose pipeline stages span several devices, where DDP cannot be used (its
-    buckets live on every device, the process's groups only on ``via``). Every active rank calls
-    this after its last backward of the step, with the same parameters in the same order.
-    DDP's semantics: a parameter no replica used keeps ``grad = None`` (so AdamW's weight decay
-    and momentum leave it alone, as with one process); one that some replica used and this one
-    did not counts as zero here (and gets a gradient). Each piece (a slice of a large gradient on
-    ``via``, reduced in place, or up to ``chunk_bytes`` of small or off-``via`` gradients packed into
-    one staging buffer, reused piece after piece) is one all-reduce with the average op.
-    """
-    if not params:
-        return  # everything frozen: the same on every replica, so no rank enters the collectives
-    used = used_anywhere(params, group, via)
-    grads = []
-    for param, anywhere in zip(params, used):
-        if not anywhere:
-            continue  # no replica used it: no gradient, as with one process
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        dev.tag_as(param.grad, dev.device_of(param))  # test mode: a gradient is where its parameter is
-        grads.append(param.grad)
-    op, divide_after = average_op(group)
-    world = dist.get_world_size(group)
-    # One staging buffer per device, reused: pack, all-reduce and unpack all run in order on the
-    # current stream (a blocking collective makes it wait for NCCL), so reuse needs no host wait.
-    staging = _StagingRing(1)
-    with torch.no_grad():
-        for piece in _pieces(grads, chunk_bytes, via):
-            message = piece.direct
-            if message is None:
-                _, message = staging.take(piece)
-                _pack(message, piece.targets)
-            dev.check_collective(message, "gradient averaging")
-            dist.all_reduce(message, op=op, group=group)
-            if divide_after:
-                message.div_(world)
-            if piece.direct is None:
-                _unpack(message, piece.targets)
 
 
 def without_state_of(optimizer_state: dict[str, Any], optimizer: torch.optim.Optimizer, params: Any) -> dict[str, Any]:

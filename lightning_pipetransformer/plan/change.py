@@ -1,6 +1,6 @@
 """What moving from one plan to another takes, as plain data that can be printed and tested.
 
-A transition (``PipeTransformerStrategy.transition``) does only what its :class:`PlanChange`
+A transition (``Coordinator.transition``) does only what its :class:`PlanChange`
 says: rebuild this process's pipeline, regroup the replicas, send state to the ranks that join,
 re-split the training data, move the cache boundary. Keeping the decision as data, the way
 ``torch.distributed.pipelining`` keeps a schedule as printable actions, means the order of the

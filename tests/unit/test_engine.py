@@ -139,24 +139,23 @@ def test_the_cache_boundary_opens_now_and_lazily_with_one_process_and_is_deferre
 def test_the_strategy_syncs_each_cache_boundary_once_on_every_rank():
     from types import SimpleNamespace
 
-    from lightning_pipetransformer import PipeTransformerStrategy
+    from lightning_pipetransformer.coordinator import Coordinator, Ranks
 
     synced = []
-    strategy = PipeTransformerStrategy()
-    strategy.autocache = SimpleNamespace(sync_boundary=lambda group, node: synced.append((group, node)))
-    strategy._replicas = SimpleNamespace(control_group="control", is_active=lambda plan: True)
+    cache = SimpleNamespace(sync_boundary=lambda group, node: synced.append((group, node)))
+    replicas = SimpleNamespace(control_group="control", is_active=lambda plan: True)
     _, engine = engine_for(pipe_len=1)
     engine.apply(local(engine.propose(0)), active=True, devices=(CPU,))
-    strategy.engine = engine
-    strategy._sync_cache_boundary()
-    strategy._sync_cache_boundary()  # the same boundary: nothing to do
+    coordinator = Coordinator(engine, replicas, None, stack=engine.stack, cache=cache, ranks=Ranks(), signals=None, self_check=False, announce=print)
+    coordinator.sync_cache_boundary()
+    coordinator.sync_cache_boundary()  # the same boundary: nothing to do
     assert synced == [("control", 0)]
     freeze(engine, 2)
     engine.apply(local(engine.propose(2)), active=True, devices=(CPU,))
-    strategy._sync_cache_boundary()
+    coordinator.sync_cache_boundary()
     assert synced == [("control", 0), ("control", 0)]
-    strategy._replicas = SimpleNamespace(control_group=None, is_active=lambda plan: True)
+    coordinator.replicas = SimpleNamespace(control_group=None, is_active=lambda plan: True)
     freeze(engine, 3)
     engine.apply(local(engine.propose(3)), active=True, devices=(CPU,))
-    strategy._sync_cache_boundary()  # one process: nothing to sync over
+    coordinator.sync_cache_boundary()  # one process: nothing to sync over
     assert len(synced) == 2

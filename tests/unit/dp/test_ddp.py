@@ -30,7 +30,7 @@ def test_a_replica_of_several_stages_is_averaged_by_hand_over_the_active_group(m
     assert wrap(sync, module, pipe_len=2, num_replicas=2) is module
     assert sync.by_hand and sync.group == "active" and sync.gradient_group(module) == "active"
     calls = []
-    monkeypatch.setattr(ddp.state_transfer, "average_gradients", lambda params, group, device: calls.append((len(params), group, device)))
+    monkeypatch.setattr(ddp.averaging, "average_gradients", lambda params, group, device: calls.append((len(params), group, device)))
     module.bias.requires_grad_(False)
     sync.average(module.parameters(), CPU)
     assert calls == [(1, "active", CPU)]  # the frozen bias is not averaged

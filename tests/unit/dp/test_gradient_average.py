@@ -1,4 +1,4 @@
-"""K > 1 replicas averaged by hand (dp/ddp.py, state_transfer.average_gradients) follow DDP's rules.
+"""K > 1 replicas averaged by hand (dp/ddp.py, dp/averaging.py) follow DDP's rules.
 
 Two gloo processes, each a replica of a model whose stages span two (virtual) devices, train
 three AdamW steps (weight decay on) on their halves of a batch; one process trains the same
@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_pipetransformer import devices as dev
 from lightning_pipetransformer.devices import VirtualDevices
-from lightning_pipetransformer.dp import state_transfer
+from lightning_pipetransformer.dp import averaging
 from lightning_pipetransformer.dp.ddp import GradientSync
 from tests.helpers.spawn import spawn_gloo
 
@@ -67,7 +67,7 @@ def _replicas(rank: int, world: int) -> None:
     reference = _one_process()
     for sum_then_divide in (False, True):  # the average op, and the sum + division of older gloo
         if sum_then_divide:
-            state_transfer.average_op = lambda group: (dist.ReduceOp.SUM, True)
+            averaging.average_op = lambda group: (dist.ReduceOp.SUM, True)
         model = _Model()
         optimizer = _optimizer(model)
         with VirtualDevices():
@@ -105,9 +105,9 @@ def test_k2_replicas_average_like_ddp_and_equal_one_process_with_adamw():
 
 
 def test_average_op_is_the_backends_average_where_it_has_one(monkeypatch):
-    monkeypatch.setattr(state_transfer.dist, "get_backend", lambda group: group)
-    assert state_transfer.average_op("nccl") == (dist.ReduceOp.AVG, False)
-    monkeypatch.setattr(state_transfer, "_torch_version", lambda: (2, 13))
-    assert state_transfer.average_op("gloo") == (dist.ReduceOp.AVG, False)
-    monkeypatch.setattr(state_transfer, "_torch_version", lambda: (2, 7))  # before gloo had AVG
-    assert state_transfer.average_op("gloo") == (dist.ReduceOp.SUM, True)
+    monkeypatch.setattr(averaging.dist, "get_backend", lambda group: group)
+    assert averaging.average_op("nccl") == (dist.ReduceOp.AVG, False)
+    monkeypatch.setattr(averaging, "_torch_version", lambda: (2, 13))
+    assert averaging.average_op("gloo") == (dist.ReduceOp.AVG, False)
+    monkeypatch.setattr(averaging, "_torch_version", lambda: (2, 7))  # before gloo had AVG
+    assert averaging.average_op("gloo") == (dist.ReduceOp.SUM, True)

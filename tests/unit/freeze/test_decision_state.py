@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from lightning_pipetransformer import PipeTransformerStrategy
+from lightning_pipetransformer.coordinator import Coordinator, Ranks
 from lightning_pipetransformer.dp.replicas import Elastic
 from lightning_pipetransformer.plan import Plan
 from tests.unit.freeze.test_non_finite_steps import callback_on, one_step
@@ -44,10 +44,9 @@ def test_the_agree_message_ships_no_gradient_sums(monkeypatch):
     sent = []
     replicas = Elastic(0, 2, "gloo", timedelta(seconds=5))
     monkeypatch.setattr(replicas, "agree", lambda message, step: sent.append(message) or message)
-    strategy = PipeTransformerStrategy()
-    strategy.engine = SimpleNamespace(propose=lambda frozen: plan, planner=SimpleNamespace(state_dict=lambda: {"planner": 1}))
-    strategy._replicas = replicas
-    monkeypatch.setattr(strategy, "_target_frozen", lambda autofreeze: 0)
-    trainer = SimpleNamespace(current_epoch=1, global_step=4)
-    assert strategy._agree(trainer, freeze) == plan
+    engine = SimpleNamespace(propose=lambda frozen: plan, planner=SimpleNamespace(state_dict=lambda: {"planner": 1}))
+    loop = SimpleNamespace(position=lambda: (1, 4))
+    coordinator = Coordinator(engine, replicas, loop, stack=None, cache=None, ranks=Ranks(), signals=None, self_check=False, announce=print)
+    monkeypatch.setattr(coordinator, "_target_frozen", lambda autofreeze: 0)
+    assert coordinator.agree(freeze) == plan
     assert sent and "grad_sums" not in sent[0]["autofreeze"] and _tensor_bytes(sent[0]) == 0
