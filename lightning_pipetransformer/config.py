@@ -13,10 +13,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import textwrap
 from datetime import timedelta
 from typing import Literal
 
-__all__ = ["CacheConfig", "PipeTransformerConfig", "argument_table"]
+__all__ = [
+    "CACHE_ARGUMENT", "LIGHTNING_ARGUMENTS", "CacheConfig", "PipeTransformerConfig", "argument_docstring", "argument_table",
+    "check_lightning_arguments", "strategy_arguments",
+]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,11 +176,17 @@ class PipeTransformerConfig:
         if not isinstance(self.cache, CacheConfig):
             raise ValueError(f"cache must be a CacheConfig, got {type(self.cache).__name__}.")
 
+    @classmethod
+    def from_arguments(cls, arguments: dict[str, object]) -> PipeTransformerConfig:
+        """The config of the strategy's flat keyword arguments (:func:`strategy_arguments`: ``cache_key`` is the cache config's ``key``)."""
+        cache = {field: arguments[name] for field, name in CACHE_ARGUMENT.items() if name in arguments}
+        own = {name: value for name, value in arguments.items() if name not in CACHE_ARGUMENT.values()}
+        return cls(**own, cache=CacheConfig(**cache))  # type: ignore[arg-type]
+
     @property
     def pipelines_or_caches(self) -> bool:
         """Whether the stack runs other than as the model wrote it (a pipeline, micro-batches or the cache)."""
         return self.pipe_len > 1 or self.chunks != 1 or self.cache.enabled
-
 
     def asks_for_a_stack(self) -> list[str]:
         """The arguments that need a block stack (a model without one is then an error that names them)."""
@@ -202,18 +212,56 @@ CACHE_ARGUMENT = {
 }
 
 
+def strategy_arguments() -> list[str]:
+    """The strategy's own keyword arguments, from the fields: the config's, then the cache's under their ``cache*`` names."""
+    own = [field.name for field in dataclasses.fields(PipeTransformerConfig) if field.name != "cache"]
+    return own + [CACHE_ARGUMENT[field.name] for field in dataclasses.fields(CacheConfig)]
+
+
+#: Lightning's arguments of a ParallelStrategy, which the Trainer fills in after construction.
+LIGHTNING_ARGUMENTS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
+
+
+def check_lightning_arguments(given: dict[str, object]) -> dict[str, object]:
+    """The keyword arguments beyond the strategy's own: Lightning's, or an error that lists every argument there is."""
+    unknown = sorted(set(given) - set(LIGHTNING_ARGUMENTS))
+    if unknown:
+        raise TypeError(
+            f"PipeTransformerStrategy got unexpected argument(s) {unknown}. Its arguments: {', '.join(strategy_arguments())}, "
+            f"and Lightning's {', '.join(LIGHTNING_ARGUMENTS)}."
+        )
+    return dict(given)
+
+
+def argument_docstring(indent: str = "        ", width: int = 100) -> str:
+    """The strategy's ``Args:`` entries, from the fields' docstrings (the class docstring's; LightningCLI's help reads it)."""
+    rows = [(name, doc, default) for cls, rename in _ARGUMENT_CLASSES for name, doc, default in _arguments_of(cls, rename)]
+    entries = [textwrap.fill(f"{name}: {doc} Default: {default}.", width, initial_indent=indent, subsequent_indent=indent + "    ")
+               for name, doc, default in rows]  # fmt: skip
+    return "\n".join(entries)
+
+
+#: The classes whose fields are the strategy's arguments, and the argument name of each field (the cache's are ``cache*``).
+_ARGUMENT_CLASSES: tuple[tuple[type, dict[str, str]], ...] = ((PipeTransformerConfig, {}), (CacheConfig, CACHE_ARGUMENT))
+
+
+def _arguments_of(cls: type, rename: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(argument, its docstring, its default as shown to people) for each field of ``cls`` that is an argument."""
+    docs, rows = _field_docs(cls), []
+    for field in dataclasses.fields(cls):
+        if field.name == "cache" and cls is PipeTransformerConfig:
+            continue
+        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()  # type: ignore[misc]
+        shown = {"memory": "4 GiB", "keep_bytes": "32 GiB", "frozen_cost": "1/6"}.get(field.name)
+        rows.append((rename.get(field.name, field.name), docs[field.name], shown or (f'"{default}"' if isinstance(default, str) else repr(default))))
+    return rows
+
+
 def argument_table() -> str:
     """The strategy's arguments as a markdown table, from the fields' docstrings (docs/configuration.md)."""
     rows = ["| argument | default | meaning |", "| --- | --- | --- |"]
-    for cls, rename in ((PipeTransformerConfig, {}), (CacheConfig, CACHE_ARGUMENT)):
-        docs = _field_docs(cls)
-        for field in dataclasses.fields(cls):
-            if field.name == "cache" and cls is PipeTransformerConfig:
-                continue
-            default = field.default if field.default is not dataclasses.MISSING else field.default_factory()  # type: ignore[misc]
-            shown = {"memory": "4 GiB", "keep_bytes": "32 GiB", "frozen_cost": "1/6"}.get(field.name)
-            shown = shown or (f'"{default}"' if isinstance(default, str) else repr(default))
-            rows.append(f"| `{rename.get(field.name, field.name)}` | `{shown}` | {docs[field.name]} |")
+    for cls, rename in _ARGUMENT_CLASSES:
+        rows += [f"| `{name}` | `{default}` | {doc} |" for name, doc, default in _arguments_of(cls, rename)]
     return "\n".join(rows)
 
 

@@ -25,7 +25,7 @@ from lightning_pipetransformer.cache.cached_stack import CachedStack
 from lightning_pipetransformer.cache.watch import PrefixChange
 from lightning_pipetransformer.dp import faults, groups, loop_state, state_transfer
 from lightning_pipetransformer.dp.clock import PhaseClock
-from lightning_pipetransformer.dp.replicas import Elastic, Replicas
+from lightning_pipetransformer.dp.replicas import Elastic, Ranks, Replicas, stage_devices
 from lightning_pipetransformer.engine import Engine
 from lightning_pipetransformer.freeze.apply import untrainable_prefix
 from lightning_pipetransformer.freeze.seam import FreezeSource
@@ -35,19 +35,7 @@ from lightning_pipetransformer.stack.discovery import BlockStack
 from lightning_pipetransformer.stack.interception import arm_self_check, installed_pipeline
 from lightning_pipetransformer.stack.self_check import SelfCheck
 
-__all__ = ["Coordinator", "LoopSide", "Ranks", "replaced_blocks", "stage_devices"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Ranks:
-    """Where this process stands: its ranks, its device, and whether several processes take part."""
-
-    global_rank: int = 0
-    local_rank: int = 0
-    node_rank: int = 0
-    num_processes: int = 1
-    root_device: torch.device = torch.device("cpu")
-    distributed: bool = False
+__all__ = ["Coordinator", "LoopSide", "replaced_blocks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,17 +64,6 @@ class LoopSide:
     rebuild_train_loader: Callable[[], None]
     #: Lightning's loops stop after the current batch, as after its own SIGTERM.
     stop_after_this_batch: Callable[[], None]
-
-
-def stage_devices(plan: Plan | None, ranks: Ranks, replicas: Replicas) -> tuple[torch.device, ...]:
-    """The devices this process's pipeline stages run on under ``plan`` (none on a shadow rank)."""
-    if plan is None:
-        return (ranks.root_device,)
-    if ranks.num_processes == 1:
-        return (ranks.root_device,) * plan.pipe_len
-    if not replicas.is_active(plan):
-        return ()
-    return tuple(torch.device(d) for d in plan.devices_for(ranks.local_rank))
 
 
 def replaced_blocks(stack: BlockStack) -> list[int]:

@@ -22,6 +22,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as 
 from lightning.pytorch.utilities.exceptions import _augment_message as augment_message
 
 __all__ = [
+    "attached_trainer",
     "augment_message",
     "default_process_group_backend",
     "distributed_is_initialized",
@@ -37,6 +38,16 @@ __all__ = [
     "stop_child_process_observer",
     "sync_ddp_if_available",
 ]
+
+
+def attached_trainer(module: pl.LightningModule | None) -> pl.Trainer | None:
+    """The trainer ``module`` is attached to, or None where there is none.
+
+    ``LightningModule.trainer`` raises without one, which teardown and the exception hooks must not
+    (they also run after a failed set-up). Private: ``LightningModule._trainer``. Exercised by every
+    teardown (tests/integration/test_strategy.py).
+    """
+    return module._trainer if module is not None else None
 
 
 def rebuild_train_loader(trainer: pl.Trainer) -> None:

@@ -28,7 +28,7 @@ from typing_extensions import override
 from lightning_pipetransformer import devices as dev
 from lightning_pipetransformer import lightning_internals
 from lightning_pipetransformer.dp import faults, groups
-from lightning_pipetransformer.dp.replicas import Elastic, OneProcess, Replicas
+from lightning_pipetransformer.dp.replicas import Elastic, OneProcess, Ranks, Replicas, stage_devices
 from lightning_pipetransformer.plan import Plan
 
 __all__ = ["ProcessLayout"]
@@ -66,6 +66,24 @@ class ProcessLayout(ParallelStrategy):
     def control_group(self) -> Any | None:
         """The group of every rank (plan broadcast, barriers, decisions); None with one process."""
         return self._replicas.control_group
+
+    @property
+    def ranks(self) -> Ranks:
+        """Where this process stands (its ranks, its device), as the parts below the strategy take it."""
+        return Ranks(
+            global_rank=self.global_rank, local_rank=self.local_rank, node_rank=self.node_rank,
+            num_processes=self.num_processes, root_device=self.root_device, distributed=self.is_distributed,
+        )  # fmt: skip
+
+    @property
+    def stage_devices(self) -> tuple[torch.device, ...]:
+        """The devices this process's pipeline stages run on (none on a shadow rank)."""
+        return stage_devices(self.plan, self.ranks, self._replicas)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return self._replicas.sampler_kwargs(self.plan)
 
     # ------------------------------------------------------------------ one process, or several
     #
@@ -181,8 +199,7 @@ class ProcessLayout(ParallelStrategy):
 
     def _unwinding(self) -> bool:
         """Whether Lightning handles an exception on this rank now (its hooks run; read from the watch's thread)."""
-        module = self.lightning_module
-        trainer = module._trainer if module is not None else None
+        trainer = lightning_internals.attached_trainer(self.lightning_module)
         return trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
 
     def _stop_watch(self, finished: bool) -> None:
@@ -232,8 +249,7 @@ class ProcessLayout(ParallelStrategy):
     def _exception_in_hand(self) -> BaseException | None:
         """The exception this rank handles now: Lightning calls the callbacks' ``on_exception`` (checkpoints,
         barriers) inside its ``except`` block, with the trainer's status INTERRUPTED."""
-        module = self.lightning_module
-        trainer = module._trainer if module is not None else None
+        trainer = lightning_internals.attached_trainer(self.lightning_module)
         if trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED:
             return None
         return sys.exc_info()[1]

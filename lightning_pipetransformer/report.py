@@ -16,7 +16,10 @@ from lightning_pipetransformer.stack.discovery import BlockStack
 from lightning_pipetransformer.stack.interception import InterceptionStats, installed_pipeline, interception_stats
 from lightning_pipetransformer.warn_once import WarnOnce
 
-__all__ = ["CACHE_DIAGNOSTICS", "CACHE_METRICS", "EngagementReport", "cache_metrics", "plan_metrics", "plan_text", "progress_values"]
+__all__ = [
+    "CACHE_DIAGNOSTICS", "CACHE_METRICS", "CacheStatsByCall", "EngagementReport", "cache_metrics", "plan_metrics", "plan_text",
+    "progress_values",
+]  # fmt: skip
 
 
 def plan_text(plan: Plan) -> str:
@@ -150,6 +153,26 @@ def cache_metrics(cache: Any) -> dict[str, float]:
 
 #: AutoCache's counters that are sizes or states at a moment, not counts: kept as they are in :func:`stats_since`.
 _GAUGES = ("enabled", "boundary", "can_engage", "entries_in_memory", "bytes_in_memory", "files_on_disk", "bytes_on_disk")
+
+
+class CacheStatsByCall:
+    """AutoCache's counters per trainer call of one strategy: ``"fit"`` as at the fit's end, and ``"validate"``, ``"test"``,
+    ``"predict"`` as what each such call after it counted alone (sizes and the boundary as at its end); the last of each."""
+
+    def __init__(self) -> None:
+        self.by_call: dict[str, dict[str, float]] = {}
+        self._at_start: dict[str, float] = {}
+
+    def begin(self, now: dict[str, float], reused: bool) -> None:
+        """A trainer call set up its cache: the fit's, reused (count from ``now``), or a new one (earlier calls forgotten)."""
+        if reused:
+            self._at_start = now
+        else:
+            self.by_call, self._at_start = {}, {}
+
+    def end(self, call: str, now: dict[str, float]) -> None:
+        """The call ``call`` (``"fit"``, ``"validate"`` ...) ends with the counters ``now``."""
+        self.by_call[call] = stats_since(now, self._at_start) if call != "fit" else now
 
 
 def stats_since(now: dict[str, float], start: dict[str, float]) -> dict[str, float]:

@@ -23,12 +23,8 @@ outside the stack (embeddings, head, loss, metrics) stays on the first stage's d
 
 from __future__ import annotations
 
-import inspect
-import signal
-import sys
-from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -42,11 +38,10 @@ from lightning_pipetransformer import devices as dev
 from lightning_pipetransformer import lightning_internals, report
 from lightning_pipetransformer.cache import hooks as cache_hooks
 from lightning_pipetransformer.cache.autocache import AutoCache
-from lightning_pipetransformer.cache.folders import remove_empty_folders
-from lightning_pipetransformer.config import CacheConfig, PipeTransformerConfig
-from lightning_pipetransformer.coordinator import Coordinator, LoopSide, Ranks, stage_devices
+from lightning_pipetransformer.config import PipeTransformerConfig, argument_docstring, check_lightning_arguments, strategy_arguments
+from lightning_pipetransformer.coordinator import Coordinator, LoopSide
 from lightning_pipetransformer.dp import data, faults, groups, idle, idle_hooks, state_transfer
-from lightning_pipetransformer.dp.ddp import GradientSync
+from lightning_pipetransformer.dp.ddp import UNUSED_PARAMETER_ERROR, UNUSED_PARAMETER_HINT, GradientSync
 from lightning_pipetransformer.dp.replicas import Elastic
 from lightning_pipetransformer.engine import Engine, make_planner
 from lightning_pipetransformer.freeze.apply import untrainable_prefix
@@ -59,8 +54,8 @@ from lightning_pipetransformer.stack.discovery import BlockStack
 from lightning_pipetransformer.stack.execution import OrderWatch
 from lightning_pipetransformer.stack.input_grad import FrozenOutputs
 from lightning_pipetransformer.stack.interception import remove_pipeline
-from lightning_pipetransformer.stack.kv_cache import builds_kv_cache
-from lightning_pipetransformer.stack.model_flags import check_model_flags, turn_off_kv_cache
+from lightning_pipetransformer.stack.kv_cache import off_while_fitting
+from lightning_pipetransformer.stack.model_flags import check_model_flags
 
 __all__ = ["PipeTransformerStrategy"]
 
@@ -72,43 +67,10 @@ class PipeTransformerStrategy(ProcessLayout):
 
     ``strategy="pipetransformer"`` (or this class with arguments). The arguments are validated into
     :attr:`config` when the strategy is built, before any process starts; docs/configuration.md
-    lists them with their defaults.
+    lists them with their defaults, and the entries below the ``Args`` header are written from the
+    same field docstrings when this module is imported (:func:`~lightning_pipetransformer.config.argument_docstring`).
 
     Args:
-        pipe_len: pipeline stages per replica at the start (K0). With ``devices=1`` the stages are
-            virtual (all on the one device); with ``devices=G`` it must divide G, and G/K0 processes
-            per node start as replicas while the others wait until the pipeline shrinks (AutoDP).
-        chunks: micro-batches per mini-batch (M), or ``"auto"``: M timed in K..6K on the first real
-            batch of each pipe length (kept in checkpoints).
-        frozen_cost: weight of a frozen block relative to a trainable one when partitioning and
-            deciding whether a shorter pipeline is as fast (paper: 1/6).
-        layers: attribute path of the block container, e.g. ``"model.bert.encoder.layer"``. Default:
-            AutoFreeze's stack, else the module's ``configure_block_stack()``, else discovery.
-        process_group_backend: ``"nccl"`` or ``"gloo"``; by default chosen from the device type.
-        timeout: how long any collective waits before it fails (a dead rank ends the run with an
-            error, not a hang): seconds, or a ``datetime.timedelta`` as for DDPStrategy.
-        batch_policy: with several replicas, ``"replica"`` keeps each replica's batch size (the global
-            batch grows, as in the paper) and ``"global"`` splits the loader's batch over the replicas
-            (the same optimisation as on one device).
-        cache: AutoCache, the store of the frozen blocks' outputs per sample: ``True`` serves them
-            whenever blocks are frozen, ``"auto"`` only while a lookup is measured faster than the
-            frozen blocks, ``False`` never. (Not the model's key-value cache, ``config.use_cache``.)
-        cache_key: how a sample is recognised: ``"content"`` (a fingerprint of its input; exact) or
-            ``"index"`` (the batch's ``index`` entry; faster, reuses the first augmented view).
-        cache_dir: node-local folder for entries beyond ``cache_memory``. Default:
-            ``<trainer.default_root_dir>/pipetransformer_cache``, removed at the end of the fit when empty.
-        cache_memory: host memory for cached entries, in bytes, for the whole node (default 4 GiB);
-            the rest spills to ``cache_dir``.
-        cache_skip_embeddings: on batches the cache serves in full, skip the embeddings too.
-        cache_frozen_eval: keep the frozen prefix in eval mode while the cache is on (no dropout there), so that a
-            prefix frozen by something that leaves it in train mode (``BaseFinetuning``) can be served.
-        cache_keep: keep the entries in ``cache_dir`` after the run, for later runs over the same frozen prefix (a
-            sweep); needs ``cache_dir``. Reused only when computed by the same prefix, code, dtype and sample content.
-        cache_keep_bytes: the most bytes ``cache_dir`` keeps with ``cache_keep`` (default 32 GiB); least recently used
-            folders are evicted first, never one another live run holds.
-        self_check: on the first training pass after each plan is put in force, run the same blocks
-            the plain way too and refuse (``SelfCheckError``) any difference in the output's structure,
-            shapes, values or hook firings, before the first optimizer step (docs/user-guide.md).
         **lightning: ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
             ``precision_plugin``: set by the Trainer; pass them only to override it (as for DDPStrategy).
     """
@@ -135,19 +97,12 @@ class PipeTransformerStrategy(ProcessLayout):
         self_check: bool = True,
         **lightning: Any,
     ) -> None:
+        arguments = locals()  # first: exactly the arguments (tests/unit/test_config.py holds the signature to the config)
         #: The validated arguments (frozen): the parts below read their settings from here.
-        self.config = PipeTransformerConfig(
-            pipe_len=pipe_len, chunks=chunks, frozen_cost=frozen_cost, layers=layers,
-            process_group_backend=process_group_backend, batch_policy=batch_policy, self_check=self_check,
-            timeout=cast(float, timeout),  # a timedelta too: the config keeps it as seconds
-            cache=CacheConfig(
-                mode=cache, key=cache_key, dir=cache_dir, memory=cache_memory, skip_embeddings=cache_skip_embeddings,
-                frozen_eval=cache_frozen_eval, keep=cache_keep, keep_bytes=cache_keep_bytes,
-            ),
-        )  # fmt: skip
+        self.config = PipeTransformerConfig.from_arguments({name: arguments[name] for name in strategy_arguments()})
         # Lightning's own arguments through **lightning: the Trainer sets them, and LightningCLI's help
         # then lists only this strategy's arguments.
-        parallel = _lightning_arguments(lightning)
+        parallel = check_lightning_arguments(lightning)
         super().__init__(pipe_len=self.config.pipe_len, process_group_backend=process_group_backend, timeout=self.config.timeout, **parallel)
         #: The plan's owner (None before setup, or when the model has no block stack).
         self.engine: Engine | None = None
@@ -163,9 +118,7 @@ class PipeTransformerStrategy(ProcessLayout):
         self._frozen_outputs: FrozenOutputs | None = None
         self._signals = faults.SignalNotice()  # SIGTERM noted by the handler, acted on at the next step
         self._order_watch: OrderWatch | None = None
-        #: AutoCache's counters per trainer call (cache_stats_by_stage), and the counters when this call began.
-        self._stats_by_stage: dict[str, dict[str, float]] = {}
-        self._stats_at_start: dict[str, float] = {}
+        self._cache_stats = report.CacheStatsByCall()  # cache_stats_by_stage
 
     # ------------------------------------------------------------------ what users read
 
@@ -185,20 +138,9 @@ class PipeTransformerStrategy(ProcessLayout):
         return self.engine.planner if self.engine is not None else None
 
     @property
-    def stage_devices(self) -> tuple[torch.device, ...]:
-        """The devices this process's pipeline stages run on (none on a shadow rank)."""
-        return stage_devices(self.plan, self._ranks(), self._replicas)
-
-    @property
     def last_transition(self) -> dict[str, float]:
         """Seconds per phase of the last AutoDP transition on this rank (for logs and benchmarks)."""
         return self._coordinator.last_transition if self._coordinator is not None else {}
-
-    def _ranks(self) -> Ranks:
-        return Ranks(
-            global_rank=self.global_rank, local_rank=self.local_rank, node_rank=self.node_rank,
-            num_processes=self.num_processes, root_device=self.root_device, distributed=self.is_distributed,
-        )  # fmt: skip
 
     @property
     def gradient_group(self) -> Any | None:
@@ -221,18 +163,7 @@ class PipeTransformerStrategy(ProcessLayout):
         """AutoCache's counters per trainer call of this strategy: ``"fit"`` as at the fit's end, and ``"validate"``,
         ``"test"``, ``"predict"`` as what each such call after it counted (hits, misses ... of that call alone; sizes
         and the boundary as at its end). The last call of each kind."""
-        return dict(self._stats_by_stage)
-
-    def _record_stage_stats(self, trainer: pl.Trainer | None) -> None:
-        if self.autocache is None or trainer is None:
-            return
-        now, fn = self.autocache.stats(), str(trainer.state.fn.value if trainer.state.fn is not None else "fit")
-        self._stats_by_stage[fn] = report.stats_since(now, self._stats_at_start) if fn != "fit" else now
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return self._replicas.sampler_kwargs(self.plan)
+        return dict(self._cache_stats.by_call)
 
     # ------------------------------------------------------------------ set-up, in loop order
 
@@ -265,8 +196,8 @@ class PipeTransformerStrategy(ProcessLayout):
         if self.config.pipelines_or_caches:
             refuse_uncalled_blocks(stack, [a for a in self.config.asks_for_a_stack() if not a.startswith("layers=")])
             check_model_flags(module, fitting)
-            if fitting:
-                self._turn_off_kv_cache(module)
+            if fitting:  # restored at teardown
+                self._kv_cache_configs = off_while_fitting(module, announce=rank_zero_info)
         # With trainable embeddings the boundary depends on more than their inputs: key on the hidden state.
         include_pre = bool(autofreeze is None or autofreeze.freeze_embeddings)
         # validate/test/predict after fit: the fit's cache, its entries and counters, when the stack is the same.
@@ -276,16 +207,16 @@ class PipeTransformerStrategy(ProcessLayout):
         if self.config.cache.enabled and reuse:
             assert previous is not None
             self.autocache = cache_hooks.reuse_autocache(previous, stack=stack, module=module, include_pre=include_pre)
-            self._stats_at_start = previous.stats()
         elif self.config.cache.enabled:
-            self._stats_at_start, self._stats_by_stage = {}, {}
             self.autocache = cache_hooks.make_autocache(
                 self.config.cache, stack=stack, module=module, default_root_dir=trainer.default_root_dir,
                 processes_per_node=self.num_processes, precision=str(trainer.precision),
                 forward_context=self.precision_plugin.forward_context, include_pre=include_pre,
-                can_freeze=autofreeze is not None, pre_freezes_first=_pre_freezes_first(autofreeze, stack),
+                can_freeze=autofreeze is not None, pre_freezes_first=cache_hooks.pre_freezes_first(autofreeze, stack),
                 announce=rank_zero_info,
             )  # fmt: skip
+        if self.autocache is not None:
+            self._cache_stats.begin(self.autocache.stats(), reused=reuse)
         self.engine = Engine(stack, planner, self.config.chunks, self.autocache, include_pre, announce=rank_zero_info)
         self.engine.auto_chunks = measured
         if self._restored is not None:
@@ -297,7 +228,7 @@ class PipeTransformerStrategy(ProcessLayout):
         watched = autofreeze is not None and autofreeze.stack is stack
         self._order_watch = OrderWatch(module, stack, announce=rank_zero_info) if not watched and stack.provisional else None
         self._coordinator = Coordinator(
-            self.engine, self._replicas, _loop_side(self, trainer), stack=stack, cache=self.autocache, ranks=self._ranks(),
+            self.engine, self._replicas, _loop_side(self, trainer), stack=stack, cache=self.autocache, ranks=self.ranks,
             signals=self._signals, self_check=self.config.self_check, announce=rank_zero_info,
         )  # fmt: skip
         plan = self._coordinator.first_plan(autofreeze)
@@ -324,25 +255,7 @@ class PipeTransformerStrategy(ProcessLayout):
                 return autofreeze.find_stack(module, module.trainer)
             if autofreeze.stack is not None:
                 return autofreeze.stack
-        stack = stack_for_strategy(module, self.config.layers, self.config.asks_for_a_stack())
-        if stack is None:
-            rank_zero_warn(
-                f"PipeTransformer: {type(module).__name__} has no stack of repeated blocks, so there is nothing to freeze, "
-                "pipeline or cache: it trains as under the plain strategy. To use the pipeline, name the block container "
-                "with PipeTransformerStrategy(layers='model.encoder.layer') or define configure_block_stack() on the module."
-            )
-        return stack
-
-    def _turn_off_kv_cache(self, module: torch.nn.Module) -> None:
-        """Fit with ``use_cache=False`` (a key-value cache shared by micro-batches); restored at teardown.
-        Said only for a model that builds such a cache (a decoder), never for an encoder that ignores the flag."""
-        self._kv_cache_configs = turn_off_kv_cache(module)
-        if any(builds_kv_cache(module, config) for config in self._kv_cache_configs):
-            rank_zero_info(
-                "PipeTransformer: the model's key-value cache for generation (config.use_cache) is off while fitting,\n"
-                "  since micro-batches would share it; it is restored after fit. (Not AutoCache, the strategy's cache=,\n"
-                "  which stores the frozen blocks' outputs.)"
-            )
+        return stack_for_strategy(module, self.config.layers, self.config.asks_for_a_stack(), warn=rank_zero_warn)
 
     def _setup_model_and_optimizers(self, trainer: pl.Trainer, plan: Plan | None) -> None:
         """DDPStrategy.setup, with the blocks placed on their stages' devices *before* DDP wraps the
@@ -360,13 +273,13 @@ class PipeTransformerStrategy(ProcessLayout):
             self._coordinator.apply(plan)
         if fitting:
             self.configure_ddp(init_sync=True)  # DDP over the active replicas (several processes only)
-            if self._gradients.by_hand:  # no DDP wrapper to sync the replicas' first weights
-                state_transfer.broadcast_module_state(self.lightning_module, src=0, group=self._replicas.active_group, via=self.root_device)
-            self.setup_optimizers(trainer)
-        elif self.is_distributed and self.is_active:
-            # As DDPStrategy does without a wrapper, but over the replicas and through buffers on each one's
-            # own device: a shadow rank holds its blocks on the CPU, and a replica's blocks sit on several devices.
+        # Rank 0's weights to the replicas where no DDP wrapper copies them (averaged by hand; not fitting, as DDPStrategy
+        # does without a wrapper), through buffers on each one's own device: a shadow rank holds its blocks on the CPU,
+        # and a replica's blocks may sit on several devices.
+        if self._gradients.by_hand if fitting else self.is_distributed and self.is_active:
             state_transfer.broadcast_module_state(self.lightning_module, src=0, group=self._replicas.active_group, via=self.root_device)
+        if fitting:
+            self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:  # each optimizer state tensor belongs with its parameter (a checkpoint's arrives on the CPU)
             dev.optimizer_state_to_param_devices(self.optimizers)
@@ -413,14 +326,7 @@ class PipeTransformerStrategy(ProcessLayout):
             if self.config.batch_policy == "global":
                 size = data.per_replica_batch_size(getattr(dataloader, "batch_size", None), self.world_size, plan.num_replicas)
                 dataloader = lightning_internals.loader_with_batch_size(dataloader, size)
-        if self.is_active:
-            return dataloader
-        if not hasattr(dataloader, "__len__"):
-            raise ValueError(
-                "strategy='pipetransformer' with several processes needs loaders with a length (a map-style "
-                f"dataset): idle processes stand in with the same number of batches. Got {type(dataloader).__name__} without len()."
-            )
-        return idle.IdleLoader(len(dataloader))  # type: ignore[arg-type]  # a shadow rank loads nothing
+        return dataloader if self.is_active else idle.stand_in_loader(dataloader)  # a shadow rank loads nothing
 
     def _check_val_check_interval(self, trainer: pl.Trainer, dataloader: Any) -> None:
         """An int ``val_check_interval`` must fit the shortest epoch batch_policy='replica' reaches."""
@@ -571,8 +477,7 @@ class PipeTransformerStrategy(ProcessLayout):
             return
         metrics = {**self._report.metrics(trainer.global_step, self.is_active), **report.cache_metrics(self.autocache)}
         if metrics and self.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+            _log_metrics(trainer, metrics)
 
     # ------------------------------------------------------------------ freeze points and the transition
 
@@ -614,7 +519,8 @@ class PipeTransformerStrategy(ProcessLayout):
             self._order_watch.remove()
             self._order_watch = None
         module = self.lightning_module
-        interrupted = module is not None and module._trainer is not None and module._trainer.state.status == TrainerStatus.INTERRUPTED
+        trainer = lightning_internals.attached_trainer(module)
+        interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
         self._stop_watch(finished=not interrupted)
         if module is not None:
             idle_hooks.restore_module_hooks(module)
@@ -624,24 +530,20 @@ class PipeTransformerStrategy(ProcessLayout):
             self._frozen_outputs.remove()
             self._frozen_outputs = None
         if self.autocache is not None:
-            self._record_stage_stats(module._trainer if module is not None else None)
-            self.autocache.detach()
-            self.autocache.close()
-            trainer = module._trainer if module is not None else None
-            remove_empty_folders(self.autocache, trainer.default_root_dir if trainer is not None else None, self.config.cache.dir)
-            self.autocache.keep_within_cap()  # cache_keep: the folder under its cap once this run lets go of its own
+            if trainer is not None:
+                self._cache_stats.end(str(trainer.state.fn.value if trainer.state.fn is not None else "fit"), self.autocache.stats())
+            cache_hooks.close_autocache(self.autocache, trainer.default_root_dir if trainer is not None else None, self.config.cache.dir)
         for config in self._kv_cache_configs:
             config.use_cache = True
         self._kv_cache_configs = []
         if module is not None:
             self.model = self._gradients.unwrap(self.model, module)  # unwrap, as DDPStrategy does
-        trainer = module._trainer if module is not None else None
-        if trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED:
+        if not interrupted:
             # This call's groups are freed (the next trainer call makes its own); after a failure
             # they are left as they are (a collective may still be pending on them, which a destroy
             # could wait for); the process ends soon after.
             self._replicas.close()
-        if module is not None and module._trainer is not None and module._trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
             assert self.model is not None
             self.model = self._layer_sync.revert(self.model)
         super().teardown()
@@ -652,26 +554,11 @@ class PipeTransformerStrategy(ProcessLayout):
         self._note_failure(exception)
         stopping = self._coordinator.stopping_signal if self._coordinator is not None else 0
         if isinstance(exception, SystemExit) and stopping:
-            # Lightning exits with status 0 and no word after SIGTERMException: say which signal, exit as the shell does.
-            name = signal.Signals(stopping).name
-            exception.code = 128 + stopping
             trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-            step = trainer.global_step if trainer is not None else "?"
-            print(
-                f"[pipetransformer] rank {self.global_rank}: stopped by {name} after global step {step}; "
-                f"exit status {exception.code}.", file=sys.stderr, flush=True,
-            )
+            faults.exit_for_signal(exception, stopping, self.global_rank, trainer.global_step if trainer is not None else "?")
         else:
             self._name_failed_peers(exception)
-        lightning_internals.augment_message(
-            exception,
-            pattern=".*Expected to have finished reduction in the prior iteration.*",
-            new_message=(
-                "A parameter that requires grad did not take part in producing the loss on one replica. "
-                "strategy='pipetransformer' builds DDP without find_unused_parameters: freeze such parameters "
-                "(requires_grad=False) or use them in every step."
-            ),
-        )
+        lightning_internals.augment_message(exception, pattern=UNUSED_PARAMETER_ERROR, new_message=UNUSED_PARAMETER_HINT)
         self._end_after_failure(exception)
 
     @classmethod
@@ -690,13 +577,9 @@ def _loop_side(strategy: PipeTransformerStrategy, trainer: pl.Trainer) -> LoopSi
     def drop_gradient_sync() -> None:
         strategy.model = strategy._gradients.unwrap(strategy.model, module)
 
-    def log_metrics(metrics: dict[str, float]) -> None:
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-
     return LoopSide(
         position=lambda: (trainer.current_epoch, trainer.global_step), fitting=trainer.state.fn == TrainerFn.FITTING,
-        module=module, optimizers=lambda: strategy.optimizers, log_metrics=log_metrics,
+        module=module, optimizers=lambda: strategy.optimizers, log_metrics=lambda metrics: _log_metrics(trainer, metrics),
         loop_state=lambda: ([c.scheduler for c in trainer.lr_scheduler_configs], getattr(strategy.precision_plugin, "scaler", None)),
         drop_gradient_sync=drop_gradient_sync, sync_gradients=lambda: strategy.configure_ddp(init_sync=False),
         restart_metric_order=lambda: idle_hooks.restart_metric_order(trainer),
@@ -705,20 +588,10 @@ def _loop_side(strategy: PipeTransformerStrategy, trainer: pl.Trainer) -> LoopSi
     )  # fmt: skip
 
 
-#: Lightning's arguments of a ParallelStrategy, which the Trainer fills in after construction.
-_LIGHTNING_ARGUMENTS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
-
-
-def _lightning_arguments(given: dict[str, Any]) -> dict[str, Any]:
-    """Check the keyword arguments beyond the strategy's own: Lightning's, or a clear error."""
-    unknown = sorted(set(given) - set(_LIGHTNING_ARGUMENTS))
-    if unknown:
-        own = [name for name in inspect.signature(PipeTransformerStrategy.__init__).parameters if name not in ("self", "lightning")]
-        raise TypeError(
-            f"PipeTransformerStrategy got unexpected argument(s) {unknown}. Its arguments: {', '.join(own)}, "
-            f"and Lightning's {', '.join(_LIGHTNING_ARGUMENTS)}."
-        )
-    return dict(given)
+def _log_metrics(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
+    """To every logger at the current step, as Lightning logs its own (the callers log on global rank 0 only)."""
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)
 
 
 _BATCH_TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
@@ -729,17 +602,9 @@ def _moves_batches_as_is(module: pl.LightningModule | None) -> bool:
     its datamodule overridden (one could reorder the rows, or make new indices, after the loader's)."""
     if module is None:
         return False
-    trainer = module._trainer
+    trainer = lightning_internals.attached_trainer(module)
     owners = [module, trainer.datamodule if trainer is not None else None]
     return not any(is_overridden(hook, owner) for owner in owners if owner is not None for hook in _BATCH_TRANSFER_HOOKS)
-
-
-def _pre_freezes_first(autofreeze: FreezeSource | None, stack: BlockStack) -> Callable[[], bool]:
-    """Whether AutoFreeze, watching ``stack``, freezes what runs before it with the first block once the first training
-    forward shows the call order, before that step's backward (the cache's first step from kept entries relies on it)."""
-    if autofreeze is None or autofreeze.stack is not stack:
-        return lambda: False
-    return lambda: bool(autofreeze.freeze_embeddings and autofreeze.num_frozen > 0)
 
 
 def _autofreeze_of(trainer: pl.Trainer) -> FreezeSource | None:
@@ -748,4 +613,6 @@ def _autofreeze_of(trainer: pl.Trainer) -> FreezeSource | None:
     return next((c for c in trainer.callbacks if isinstance(c, AutoFreeze)), None)
 
 
+# The Args of the class docstring, from the config's field docstrings (one text for the docs, the help and the errors).
+PipeTransformerStrategy.__doc__ = (PipeTransformerStrategy.__doc__ or "").replace("    Args:\n", f"    Args:\n{argument_docstring()}\n", 1)
 PipeTransformerStrategy.register_strategies(StrategyRegistry)

@@ -18,14 +18,17 @@ from torch import nn
 
 from lightning_pipetransformer.cache.autocache import AutoCache
 from lightning_pipetransformer.cache.budget import CacheConfigError, check_batch_fits
-from lightning_pipetransformer.cache.folders import default_cache_dir
+from lightning_pipetransformer.cache.folders import default_cache_dir, remove_empty_folders
 from lightning_pipetransformer.cache.indices import BatchIndices
 from lightning_pipetransformer.cache.store import probe_cache_dir
 from lightning_pipetransformer.config import CacheConfig
 from lightning_pipetransformer.freeze.apply import tied_outside, untrainable_prefix
+from lightning_pipetransformer.freeze.seam import FreezeSource
 from lightning_pipetransformer.stack.discovery import BlockStack
 
-__all__ = ["check_budget", "index_keys_from", "input_augmentation", "make_autocache", "reuse_autocache"]
+__all__ = [
+    "check_budget", "close_autocache", "index_keys_from", "input_augmentation", "make_autocache", "pre_freezes_first", "reuse_autocache",
+]  # fmt: skip
 
 
 def make_autocache(
@@ -141,6 +144,22 @@ def reuse_autocache(cache: AutoCache, *, stack: BlockStack, module: nn.Module, i
     if include_pre:
         cache.attach(stack, module)
     return cache
+
+
+def pre_freezes_first(autofreeze: FreezeSource | None, stack: BlockStack) -> Callable[[], bool]:
+    """Whether AutoFreeze, watching ``stack``, freezes what runs before it with the first block once the first training
+    forward shows the call order, before that step's backward (the cache's first step from kept entries relies on it)."""
+    if autofreeze is None or autofreeze.stack is not stack:
+        return lambda: False
+    return lambda: bool(autofreeze.freeze_embeddings and autofreeze.num_frozen > 0)
+
+
+def close_autocache(cache: AutoCache, default_root_dir: str | None, cache_dir: str | None) -> None:
+    """At teardown: the cache off the model, its stores closed, the empty folders removed, ``cache_keep``'s folder under its cap."""
+    cache.detach()
+    cache.close()
+    remove_empty_folders(cache, default_root_dir, cache_dir)
+    cache.keep_within_cap()  # cache_keep: the folder under its cap once this run lets go of its own
 
 
 def check_budget(cache: AutoCache, control_group: Any) -> None:

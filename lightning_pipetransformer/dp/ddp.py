@@ -24,7 +24,15 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_pipetransformer import devices as dev
 from lightning_pipetransformer.dp import averaging
 
-__all__ = ["GradientSync", "ddp_device_ids"]
+__all__ = ["UNUSED_PARAMETER_ERROR", "UNUSED_PARAMETER_HINT", "GradientSync", "ddp_device_ids"]
+
+#: DDP's error when a parameter that requires grad got no gradient on a replica, and what to do about it here.
+UNUSED_PARAMETER_ERROR = ".*Expected to have finished reduction in the prior iteration.*"
+UNUSED_PARAMETER_HINT = (
+    "A parameter that requires grad did not take part in producing the loss on one replica. "
+    "strategy='pipetransformer' builds DDP without find_unused_parameters: freeze such parameters "
+    "(requires_grad=False) or use them in every step."
+)
 
 
 def ddp_device_ids(root_device: torch.device, stage_devices: Sequence[torch.device]) -> list[int] | None:

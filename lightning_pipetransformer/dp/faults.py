@@ -130,6 +130,16 @@ class SignalNotice:
         self.signum = 0
 
 
+def exit_for_signal(exception: SystemExit, signum: int, rank: int, step: Any) -> None:
+    """Lightning exits with status 0 and no word after ``SIGTERMException``: say which signal stopped ``rank``, and
+    exit as the shell does for it (``128 + signum``)."""
+    exception.code = 128 + signum
+    print(
+        f"[pipetransformer] rank {rank}: stopped by {signal.Signals(signum).name} after global step {step}; "
+        f"exit status {exception.code}.", file=sys.stderr, flush=True,
+    )  # fmt: skip
+
+
 def agree_at_step(error: BaseException | None, signum: int, group: Any, where: str) -> int:
     """Every rank of ``group`` calls this at the same point of every step: a failure or a signal on any rank reaches all.
 

@@ -44,6 +44,16 @@ class IdleLoader:
         return (IDLE_BATCH for _ in range(self.length))
 
 
+def stand_in_loader(dataloader: Any) -> IdleLoader:
+    """A shadow rank's loader: as many stand-in batches as ``dataloader`` has over an active replica's share."""
+    if not hasattr(dataloader, "__len__"):
+        raise ValueError(
+            "strategy='pipetransformer' with several processes needs loaders with a length (a map-style "
+            f"dataset): idle processes stand in with the same number of batches. Got {type(dataloader).__name__} without len()."
+        )
+    return IdleLoader(len(dataloader))
+
+
 def is_idle_batch(batch: Any) -> bool:
     return isinstance(batch, IdleBatch)
 

@@ -6,6 +6,8 @@
   hands its message to every rank and checks they are in lock-step; :meth:`Elastic.regroup`
   makes the group of the active ranks; :meth:`Elastic.send_weights` and
   :meth:`Elastic.send_state` bring the ranks that join up to date.
+* :class:`Ranks` and :func:`stage_devices`: where this process stands, and the devices its
+  pipeline stages run on under a plan (none on a shadow rank).
 
 Both take ranks, the backend, the timeout, plans, modules and state dicts, and return data; they
 never see the strategy or the trainer (the strategy's transition composes them, in order), which
@@ -26,7 +28,7 @@ from torch import nn
 from lightning_pipetransformer.dp import faults, groups, state_transfer
 from lightning_pipetransformer.plan import Plan
 
-__all__ = ["Elastic", "LockStepError", "OneProcess", "Replicas"]
+__all__ = ["Elastic", "LockStepError", "OneProcess", "Ranks", "Replicas", "stage_devices"]
 
 
 class LockStepError(RuntimeError):
@@ -165,3 +167,26 @@ class Elastic:
 
 #: What the strategy holds: one of the two, picked at ``setup_environment``.
 Replicas = OneProcess | Elastic
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    """Where this process stands: its ranks, its device, and whether several processes take part."""
+
+    global_rank: int = 0
+    local_rank: int = 0
+    node_rank: int = 0
+    num_processes: int = 1
+    root_device: torch.device = torch.device("cpu")
+    distributed: bool = False
+
+
+def stage_devices(plan: Plan | None, ranks: Ranks, replicas: Replicas) -> tuple[torch.device, ...]:
+    """The devices this process's pipeline stages run on under ``plan`` (none on a shadow rank)."""
+    if plan is None:
+        return (ranks.root_device,)
+    if ranks.num_processes == 1:
+        return (ranks.root_device,) * plan.pipe_len
+    if not replicas.is_active(plan):
+        return ()
+    return tuple(torch.device(d) for d in plan.devices_for(ranks.local_rank))

@@ -6,7 +6,7 @@ Order of precedence: an explicit ``layers`` argument, then the module's own
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torch import nn
 
@@ -47,17 +47,23 @@ def block_stack_of(
     return resolve_block_stack(module, spec)
 
 
-def stack_for_strategy(module: nn.Module, layers: str | None, asked: Sequence[str]) -> BlockStack | None:
+def stack_for_strategy(module: nn.Module, layers: str | None, asked: Sequence[str], warn: Callable[[str], None]) -> BlockStack | None:
     """The stack the pipeline strategy plans over: :func:`block_stack_of`, or None when the model has none.
 
     ``asked``: the strategy's arguments that need a stack (``"pipe_len=2"``, ...). With any of them,
-    a missing stack is an error that names them; without, the caller trains the model as written.
+    a missing stack is an error that names them; without, the caller trains the model as written,
+    and ``warn`` says so.
     """
     try:
         return block_stack_of(module, layers)
     except BlockStackError as err:
         if asked:
             raise BlockStackError(f"{', '.join(asked)} needs a block stack to pipeline or cache. {err}") from None
+    warn(
+        f"PipeTransformer: {type(module).__name__} has no stack of repeated blocks, so there is nothing to freeze, "
+        "pipeline or cache: it trains as under the plain strategy. To use the pipeline, name the block container "
+        "with PipeTransformerStrategy(layers='model.encoder.layer') or define configure_block_stack() on the module."
+    )
     return None
 
 

@@ -11,11 +11,28 @@ needs no list here.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-__all__ = ["builds_kv_cache"]
+from lightning_pipetransformer.stack.model_flags import turn_off_kv_cache
+
+__all__ = ["builds_kv_cache", "off_while_fitting"]
+
+
+def off_while_fitting(module: nn.Module, announce: Callable[[str], None]) -> list[Any]:
+    """``use_cache=False`` while fitting (micro-batches would share one key-value cache); returns the configs to
+    restore at teardown. Said only for a model that builds such a cache (a decoder), never for an encoder that ignores
+    the flag."""
+    configs = turn_off_kv_cache(module)
+    if any(builds_kv_cache(module, config) for config in configs):
+        announce(
+            "PipeTransformer: the model's key-value cache for generation (config.use_cache) is off while fitting,\n"
+            "  since micro-batches would share it; it is restored after fit. (Not AutoCache, the strategy's cache=,\n"
+            "  which stores the frozen blocks' outputs.)"
+        )
+    return configs
 
 
 def builds_kv_cache(module: nn.Module, config: Any) -> bool:

@@ -69,3 +69,30 @@ def test_every_field_has_a_docstring_and_the_docs_hold_the_generated_table():
         "docs/configuration.md is stale: regenerate it with "
         "python -c 'from lightning_pipetransformer.config import write_docs; write_docs()'"
     )
+
+
+def test_the_arguments_are_the_configs_fields_and_the_error_and_the_help_list_every_one():
+    """The argument lists are written from the config: an argument missing from the error's text, from the class
+    docstring's ``Args`` or from the config (a value that never reaches it) fails here."""
+    import inspect
+
+    from lightning_pipetransformer.config import LIGHTNING_ARGUMENTS, strategy_arguments
+
+    own = strategy_arguments()
+    assert sorted(n for n in inspect.signature(PipeTransformerStrategy).parameters if n != "lightning") == sorted(own)
+    with pytest.raises(TypeError, match=r"unexpected argument\(s\) \['pipe_length'\]") as error:
+        PipeTransformerStrategy(pipe_length=2)
+    assert [n for n in [*own, *LIGHTNING_ARGUMENTS] if not re.search(rf"\b{n}\b", str(error.value))] == []
+    assert [n for n in own if f"\n        {n}: " not in (PipeTransformerStrategy.__doc__ or "")] == []
+    given = {
+        "pipe_len": 2, "chunks": 3, "frozen_cost": 0.5, "layers": "model.layers", "process_group_backend": "gloo",
+        "timeout": 5.0, "batch_policy": "global", "self_check": False, "cache": True, "cache_key": "index",
+        "cache_dir": "/tmp/cache", "cache_memory": 7, "cache_skip_embeddings": False, "cache_frozen_eval": True,
+        "cache_keep": True, "cache_keep_bytes": 9,
+    }  # fmt: skip
+    assert sorted(given) == sorted(own)
+    assert PipeTransformerStrategy(**given).config == PipeTransformerConfig(
+        pipe_len=2, chunks=3, frozen_cost=0.5, layers="model.layers", process_group_backend="gloo", timeout=5.0,
+        batch_policy="global", self_check=False,
+        cache=CacheConfig(mode=True, key="index", dir="/tmp/cache", memory=7, skip_embeddings=False, frozen_eval=True, keep=True, keep_bytes=9),
+    )  # fmt: skip

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from lightning_pipetransformer.coordinator import Coordinator, LoopSide, Ranks, replaced_blocks, stage_devices
+from lightning_pipetransformer.coordinator import Coordinator, LoopSide, replaced_blocks
 from lightning_pipetransformer.dp.faults import SignalNotice
-from lightning_pipetransformer.dp.replicas import Elastic, OneProcess
+from lightning_pipetransformer.dp.replicas import Elastic, OneProcess, Ranks, stage_devices
 from lightning_pipetransformer.plan import Plan
 from tests.unit.test_engine import CPU, engine_for, freeze
 

@@ -139,7 +139,8 @@ def test_the_cache_boundary_opens_now_and_lazily_with_one_process_and_is_deferre
 def test_the_strategy_syncs_each_cache_boundary_once_on_every_rank():
     from types import SimpleNamespace
 
-    from lightning_pipetransformer.coordinator import Coordinator, Ranks
+    from lightning_pipetransformer.coordinator import Coordinator
+    from lightning_pipetransformer.dp.replicas import Ranks
 
     synced = []
     cache = SimpleNamespace(sync_boundary=lambda group, node: synced.append((group, node)))

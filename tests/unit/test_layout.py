@@ -74,16 +74,27 @@ def test_private_lightning_names_only_in_lightning_internals() -> None:
             private = [n for n in names if n.startswith("_")] + [part for part in module.split(".") if part.startswith("_")]
             if _is_lightning(module) and private:
                 offenders.append(f"{name}:{line} imports {private} from {module}")
-        for node in ast.walk(tree):  # trainer._logger_connector, loop._results, ...
-            if (
-                isinstance(node, ast.Attribute)
-                and node.attr.startswith("_")
-                and not node.attr.startswith("__")
-                and isinstance(node.value, (ast.Name, ast.Attribute))
-                and _root_name(node.value) in ("trainer", "fit_loop", "epoch_loop", "loop", "pl_module")
-            ):
-                offenders.append(f"{name}:{node.lineno} reads {_root_name(node.value)}...{node.attr}")
+        offenders += [f"{name}:{line} reads {read}" for line, read in _private_lightning_reads(tree)]
     assert not offenders, "Private Lightning names outside lightning_internals.py: " + "; ".join(offenders)
+
+
+#: Private attributes of a LightningModule, caught whatever the name they are read through
+#: (``module._trainer``, ``self.lightning_module._trainer``): lightning_internals.attached_trainer reads it.
+LIGHTNING_MODULE_PRIVATE = ("_trainer", "_fabric")
+
+
+def _private_lightning_reads(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, what) of every private Lightning attribute read: ``trainer._logger_connector``, ``loop._results``, ...,
+    and a LightningModule's own (:data:`LIGHTNING_MODULE_PRIVATE`) through any name."""
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+            continue
+        if isinstance(node.value, (ast.Name, ast.Attribute)) and _root_name(node.value) in ("trainer", "fit_loop", "epoch_loop", "loop", "pl_module"):
+            found.append((node.lineno, f"{_root_name(node.value)}...{node.attr}"))
+        elif node.attr in LIGHTNING_MODULE_PRIVATE:
+            found.append((node.lineno, f"{ast.unparse(node.value)}.{node.attr}"))
+    return sorted(found)
 
 
 def _root_name(node: ast.AST) -> str:
@@ -99,6 +110,20 @@ def test_the_layout_rules_catch_a_violation(tmp_path) -> None:
     assert any(_is_lightning(m) and "_Loop" in names for m, names, _ in found)
     reads = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and _root_name(n.value) == "trainer"]
     assert reads == ["_logger_connector"]
+    assert _private_lightning_reads(tree) == [(5, "trainer..._logger_connector")]
+
+
+def test_the_private_name_rule_catches_a_lightning_modules_trainer_read_through_any_name():
+    """``module._trainer`` (what LightningModule.trainer reads without raising) is Lightning's private name too."""
+    sample = ast.parse(
+        "def teardown(self, module):\n"
+        "    trainer = module._trainer if module is not None else None\n"
+        "    status = self.lightning_module._trainer.state.status\n"
+        "    return module._parameters, module.__class__, trainer._fit_loop\n"
+    )
+    assert _private_lightning_reads(sample) == [
+        (2, "module._trainer"), (3, "self.lightning_module._trainer"), (4, "trainer..._fit_loop"),
+    ]  # fmt: skip
 
 
 #: The package's floors (issue 26): a folder or top-level module may import only lower floors (and

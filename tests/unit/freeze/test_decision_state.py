@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import torch
 
-from lightning_pipetransformer.coordinator import Coordinator, Ranks
-from lightning_pipetransformer.dp.replicas import Elastic
+from lightning_pipetransformer.coordinator import Coordinator
+from lightning_pipetransformer.dp.replicas import Elastic, Ranks
 from lightning_pipetransformer.plan import Plan
 from tests.unit.freeze.test_non_finite_steps import callback_on, one_step
 
