@@ -5,23 +5,21 @@ frozen prefix runs forward only and leaves DDP's gradient all-reduce), and under
 follows the freeze points (:class:`~lightning_pipetransformer.freeze.seam.FreezeFollower`:
 ``strategy="pipetransformer"``), which repartitions the pipeline at each.
 
-The callback is the mechanism; the rule is a policy object
-(:class:`~lightning_pipetransformer.freeze.policies.FreezeRule`) that observes each optimizer step
-and answers, at a freeze point, how many blocks should be frozen. When things happen (every rank
-runs the same code on the same numbers, so decisions agree):
+This module is the Lightning side: the hooks, the strategy's part and smooth freezing's glue. The
+mechanism (the stack, applying, the checkpoint) is its base,
+:class:`~lightning_pipetransformer.freeze.mechanism.FreezeMechanism`; *when* a point falls is
+asked of :class:`~lightning_pipetransformer.freeze.clock.FreezeClock`; *how many* blocks freeze
+there is the rule's, a policy object (:class:`~lightning_pipetransformer.freeze.policies.FreezeRule`).
+When things happen (every rank runs the same code on the same numbers, so decisions agree):
 
 * every optimizer step (``on_before_optimizer_step``: gradients are final, after DDP averaging
   and gradient accumulation, and unscaled under AMP): the rule observes the gradients (the
   statistics of :mod:`lightning_pipetransformer.freeze.statistics`, on the device, no host sync).
-* at each freeze point: the rule decides the new frozen count ``F``, capped at
-  ``len(stack) - min_active`` and never below the current; the blocks freeze, and the strategy is
-  told (DDP's wrapper is rebuilt so frozen parameters leave the gradient buckets; a
-  :class:`~lightning_pipetransformer.freeze.seam.FreezeFollower` re-plans). Freeze points are the
-  start of every ``freeze_every_n_epochs``-th epoch, or, with ``freeze_interval``, every N
-  optimizer steps (an int) or every fraction of an epoch (a float: that share of the first epoch's
-  optimizer steps, counted across epochs), checked in ``on_train_batch_start`` of a batch that
-  begins an accumulation window, so that a freeze never splits one. A plan per epoch
-  (``schedule=``) is asked at every epoch start.
+* at each freeze point (an epoch start, or with ``freeze_interval`` a batch that opens an
+  accumulation window, so that a freeze never splits one): the rule decides the new frozen count
+  ``F``, capped at ``len(stack) - min_active`` and never below the current; the blocks freeze,
+  and the strategy is told (DDP's wrapper is rebuilt so frozen parameters leave the gradient
+  buckets; a :class:`~lightning_pipetransformer.freeze.seam.FreezeFollower` re-plans).
 * at the end of every epoch: log ``autofreeze/num_frozen``.
 
 Deciding at epoch *start* (not end) makes resuming exact wherever the checkpoint was written
@@ -44,23 +42,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_pipetransformer.freeze.anneal import AnnealSpec
-from lightning_pipetransformer.freeze.anneal_timing import AnnealTiming
-from lightning_pipetransformer.freeze.apply import (
-    apply_freeze,
-    ensure_frozen_eval,
-    frozen_parameters,
-    tied_outside,
-    untrainable_prefix,
-)
-from lightning_pipetransformer.freeze.call_order import CallOrderWatch, Split, refine
-from lightning_pipetransformer.freeze.clock import FreezeClock
+from lightning_pipetransformer.freeze.apply import ensure_frozen_eval
+from lightning_pipetransformer.freeze.call_order import CallOrderWatch
 from lightning_pipetransformer.freeze.config import AutoFreezeConfig, Rule
+from lightning_pipetransformer.freeze.mechanism import FreezeMechanism
 from lightning_pipetransformer.freeze.nested_tensor import NestedTensorGuard, guard_nested_tensor
-from lightning_pipetransformer.freeze.policies import FreezePoint, FreezeRule, make_rule
+from lightning_pipetransformer.freeze.policies import FreezeRule
 from lightning_pipetransformer.freeze.seam import FreezeFollower
-from lightning_pipetransformer.stack.declared import block_stack_of
 from lightning_pipetransformer.stack.discovery import BlockStack, BlockStackError
-from lightning_pipetransformer.terminal import debug_log, wrap
+from lightning_pipetransformer.terminal import wrap
 from lightning_pipetransformer.warn_once import WarnOnce
 
 __all__ = ["AutoFreeze"]
@@ -72,7 +62,7 @@ def _info(message: str) -> None:
     rank_zero_info(wrap(message))
 
 
-class AutoFreeze(Callback):
+class AutoFreeze(FreezeMechanism, Callback):
     """Freeze a model's leading Transformer blocks progressively while it trains.
 
     Args:
@@ -143,56 +133,17 @@ class AutoFreeze(Callback):
         percentile: float = 50.0,
         anneal: AnnealSpec | None = None,
     ) -> None:
-        super().__init__()
-        #: The arguments, checked once (:class:`~lightning_pipetransformer.freeze.config.AutoFreezeConfig`).
-        self.config = config = AutoFreezeConfig(
+        config = AutoFreezeConfig(
             alpha=alpha, rule=rule, schedule=schedule, layers=layers, pre=pre, freeze_every_n_epochs=freeze_every_n_epochs,
             min_active=min_active, freeze_embeddings=freeze_embeddings, freeze_interval=freeze_interval, percentile=percentile,
             anneal=anneal,
         )  # fmt: skip
-        #: The policy that decides at each freeze point (:mod:`lightning_pipetransformer.freeze.policies`).
-        self.freeze_rule: FreezeRule = make_rule(config.rule, config.alpha, config.percentile, config.explicit_schedule)
-        #: When the freeze points fall (:mod:`lightning_pipetransformer.freeze.clock`).
-        self.clock = FreezeClock(config.interval_for(self.freeze_rule), config.freeze_every_n_epochs, self.freeze_rule.per_epoch)
-        self.rule: str = rule if isinstance(rule, str) else rule.name
-        self.pre = list(config.pre) if config.pre is not None else None
-        #: Whether the modules before the stack freeze with the first block: as asked, unless tied to the head.
-        self.freeze_embeddings = config.freeze_embeddings
-        #: Why the embeddings keep training although freeze_embeddings=True was asked (tied to the head); None otherwise.
-        self.embeddings_kept_training: str | None = None
-        # Smooth freezing's timing; its annealer is built at setup, where it can engage (see _setup_anneal).
-        self._anneal = (
-            AnnealTiming(anneal, self.freeze_rule.plans_ahead, warn=rank_zero_warn, info=_info) if anneal is not None else None
-        )
-        self._order = CallOrderWatch()
+        super().__init__(config, say=_info, warn=rank_zero_warn)
+        self._order = CallOrderWatch()  # the first training forward's call order (freeze/call_order.py)
         self._nested_guard: NestedTensorGuard | None = None  # nn.TransformerEncoder: nested tensors in eval mode only
         self._said = WarnOnce(lambda message, stacklevel: _info(message))
 
-        self.stack: BlockStack | None = None
-        self.num_frozen = 0
-        #: Whether the modules before the stack count as frozen (AutoFreeze froze them, or they were before fit).
-        self._pre_frozen = False
-        self._untrainable = 0  # leading blocks that had no trainable parameter when the stack was found
-        self._module: pl.LightningModule | None = None  # the module of the current fit (lazily built models)
-        self.history: list[tuple[int, int]] = []  # (epoch, num_frozen) at each freeze event
-        #: (global step, num_frozen) at each freeze event.
-        self.step_history: list[tuple[int, int]] = []
-        self._last_rate: float | None = None  # the learning rate of the last optimizer step (FreezePoint)
-
-    @property
-    def freeze_interval(self) -> int | float | None:
-        """The interval between freeze points inside epochs in force (a rule's own when none was given), or None."""
-        return self.clock.interval
-
     # ------------------------------------------------------------------ set-up and checks
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.stack) if self.stack is not None else 0
-
-    @property
-    def max_frozen(self) -> int:
-        return self.num_blocks - self.config.min_active
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -213,112 +164,6 @@ class AutoFreeze(Callback):
             # setup, on_fit_start), and fail then if it is still missing.
             if not _builds_lazily(pl_module):
                 raise
-
-    def find_stack(self, pl_module: pl.LightningModule, trainer: pl.Trainer | None = None) -> BlockStack:
-        """The block stack this callback freezes, found (and checked) the first time it is asked for.
-
-        Called at ``setup`` and, for a model built in ``setup()`` / ``configure_model()``, again once
-        it exists (by the pipeline strategy's setup, :meth:`load_state_dict` or ``on_fit_start``).
-        Leading blocks without a trainable parameter (frozen before fit, or PEFT adapters on the upper
-        layers only) count as frozen from the start: AutoFreeze treats them as blocks it froze (eval
-        mode) and the strategy's plan packs and caches past them.
-        """
-        if self.stack is not None:
-            return self.stack
-        stack = block_stack_of(pl_module, self.config.layers, self.pre)
-        if self.config.min_active > len(stack):
-            raise ValueError(
-                f"min_active={self.config.min_active} exceeds the {len(stack)} blocks of {stack.path}; use at most {len(stack)}."
-            )
-        self.stack = stack
-        if self.config.min_active == 0 and not self._trains_outside_stack(pl_module):
-            self.stack = None
-            raise ValueError(
-                "min_active=0 would leave nothing to train: every trainable parameter is in the block stack "
-                "(or before it). Use min_active >= 1."
-            )
-        epochs = trainer.max_epochs if trainer is not None and trainer.max_epochs is not None and trainer.max_epochs > 0 else None
-        self.freeze_rule.check(self.max_frozen, epochs)
-        # One short line (module lists cut to a few names) for the console; the full lists at DEBUG.
-        _info(f"AutoFreeze: block stack {stack.describe(limit=3)}; {self._rule_text()}.")
-        debug_log.debug("AutoFreeze: block stack %s.", stack.describe())
-        untrainable = self._untrainable = untrainable_prefix(stack)
-        if untrainable > self.num_frozen:
-            _info(
-                f"AutoFreeze: blocks 0..{untrainable - 1} have no trainable parameter: counted as frozen from the start "
-                "(eval mode, as blocks AutoFreeze freezes)."
-            )
-            self.num_frozen = untrainable
-        self._check_ties(pl_module)
-        if self.freeze_embeddings and self.num_frozen and not _pre_trainable(stack):
-            self._pre_frozen = True  # frozen before fit (PEFT): treated as AutoFreeze would
-        if self.num_frozen:  # a second fit() with the same callback, or blocks frozen before fit
-            apply_freeze(stack, self.num_frozen, self._pre_applies())
-        return stack
-
-    def _check_ties(self, pl_module: nn.Module) -> None:
-        """Input embeddings tied to an output head keep training unless ``pre=`` names them (see ``freeze_embeddings``)."""
-        assert self.stack is not None
-        said = self.embeddings_kept_training
-        self.freeze_embeddings, self.embeddings_kept_training = self.config.freeze_embeddings, None
-        if not self.freeze_embeddings:
-            return
-        tied = tied_outside(self.stack, pl_module)
-        if not tied:
-            return
-        listed = ", ".join(f"{a} is {b}" for a, b in tied[:3])
-        if self.pre is not None:  # asked for by name: freeze them, and the head with them
-            rank_zero_warn(
-                f"AutoFreeze(pre=[...]) freezes the embeddings with the first block, but they are tied to a module after "
-                f"the stack ({listed}): that output head stops training too, as asked. To keep the head training, leave "
-                "the tied module out of pre=; to freeze the embeddings alone, untie the weights (tie_word_embeddings=False)."
-            )
-            return
-        self.freeze_embeddings = False
-        self.embeddings_kept_training = (
-            f"the input embeddings are tied to the output head ({listed}): freezing them would freeze the head, so they "
-            "keep training, the frozen blocks still run backward for them (without weight gradients of their own) and "
-            "AutoCache stands aside. For the cache, untie them (tie_word_embeddings=False: the head gets its own copy of "
-            "the weights, which then trains alone while the embeddings freeze with the first block); to freeze the head "
-            "with the embeddings, name them in AutoFreeze(pre=[...])"
-        )
-        if self.embeddings_kept_training != said:  # once (checked again when the call order refines pre)
-            _info(f"AutoFreeze: {self.embeddings_kept_training}.")
-
-    def _pre_applies(self) -> bool:
-        """Whether to freeze ``pre`` now: it counts as frozen, and it is known (observed or declared) what runs before."""
-        return self._pre_frozen and self.stack is not None and not self.stack.provisional
-
-    # ------------------------------------------------------------------ what runs before the stack (observed, freeze/call_order.py)
-
-    def _finish_observation(self, pl_module: pl.LightningModule) -> None:
-        """After the forward (before backward and any optimizer step): put ``pre``/``post`` where they ran."""
-        split = self._order.finish(self.stack) if self.stack is not None else None
-        if split is not None:
-            self._refine(pl_module, split)
-
-    def _refine(self, pl_module: nn.Module, split: Split) -> None:
-        assert self.stack is not None
-        refine(self.stack, split, _info)
-        self._check_ties(pl_module)
-        if not self.freeze_embeddings:
-            self._pre_frozen = False
-        if self.num_frozen and self._pre_applies():
-            # A freeze decided before the first forward (an explicit schedule at epoch 0, a restored state)
-            # froze the blocks; what runs before them freezes now, before any gradient reaches it.
-            apply_freeze(self.stack, self.num_frozen, True)
-
-    def _rule_text(self) -> str:
-        anneal = self._anneal.describe() if self._anneal is not None else ""
-        if self.freeze_rule.per_epoch:
-            return self.freeze_rule.name + anneal
-        c = self.config
-        return f"rule '{self.freeze_rule.name}', alpha={c.alpha:.3g}, {self.clock.describe()}, min_active={c.min_active}{anneal}"
-
-    def _trains_outside_stack(self, pl_module: pl.LightningModule) -> bool:
-        assert self.stack is not None
-        covered = {id(p) for p in frozen_parameters(self.stack, self.num_blocks, self.freeze_embeddings)}
-        return any(p.requires_grad and id(p) not in covered for p in pl_module.parameters())
 
     @staticmethod
     def _check_strategy(trainer: pl.Trainer) -> None:
@@ -345,6 +190,12 @@ class AutoFreeze(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._finish_observation(pl_module)  # a step that skipped backward (training_step returned None)
 
+    def _finish_observation(self, pl_module: pl.LightningModule) -> None:
+        """After the forward (before backward and any optimizer step): put ``pre``/``post`` where they ran."""
+        split = self._order.finish(self.stack) if self.stack is not None else None
+        if split is not None:
+            self._refine(pl_module, split)
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.clock.start(trainer.global_step, trainer.num_training_batches, trainer.accumulate_grad_batches)
         if self.clock.within_epochs:
@@ -361,21 +212,6 @@ class AutoFreeze(Callback):
         why = self.clock.too_few_points(self.freeze_rule.points_before_first_freeze + lag, rule, total, trainer.max_epochs)
         if why is not None:
             rank_zero_warn(why)
-
-    def _follow_thaws(self) -> None:
-        """Blocks it froze that other code made trainable again (a callback's ``requires_grad_(True)``, Lightning's
-        ``BaseFinetuning.unfreeze_and_add_param_group``): counted as active again, so that AutoFreeze neither keeps
-        them in eval mode nor ignores their gradients (its rule may freeze them again at a later point), and a
-        replica that takes its state (AutoDP) does not freeze them back."""
-        if self.stack is None or not self.num_frozen:
-            return
-        frozen_now = untrainable_prefix(self.stack)
-        if frozen_now < self.num_frozen:
-            _info(
-                f"AutoFreeze: blocks {frozen_now}..{self.num_frozen - 1} train again (other code unfroze them): counted as "
-                f"active from here on ({frozen_now}/{self.num_blocks} frozen)."
-            )
-            self.num_frozen = frozen_now
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._follow_thaws()
@@ -430,15 +266,6 @@ class AutoFreeze(Callback):
 
     # ------------------------------------------------------------------ freeze points
 
-    def _epoch_index(self, epoch: int) -> int | None:
-        """The index of the freeze point at the start of ``epoch`` (None: no point there, or no stack yet)."""
-        return self.clock.epoch_point(epoch) if self.stack is not None else None
-
-    def _point(self, index: int, epoch: int, learning_rate: float | None = None) -> FreezePoint:
-        return FreezePoint(
-            index, epoch, self.num_frozen, self.num_blocks, self.max_frozen, self._untrainable, learning_rate, self._last_rate
-        )
-
     def _decides_here(self, trainer: pl.Trainer) -> bool:
         """AutoDP: global rank 0 alone decides (an idle rank has no gradient statistics, and stale
         ones from rank 0's half-finished interval would decide otherwise). Its decision and state
@@ -462,13 +289,6 @@ class AutoFreeze(Callback):
         self._anneal_ahead(trainer, step, epoch if epoch_level else None)
         return changed
 
-    def _decide(self, index: int, epoch: int, learning_rate: float | None = None) -> int:
-        """The rule's answer at point ``index``, kept between the blocks frozen now and ``max_frozen``:
-        blocks never thaw. The point is built here, after any freeze earlier at the same point."""
-        if self.stack is None:
-            return self.num_frozen
-        return max(self.num_frozen, min(self.freeze_rule.decide(self._point(index, epoch, learning_rate)), self.max_frozen))
-
     def _points_wait_for_epochs(self, trainer: pl.Trainer) -> bool:
         """Several processes under the pipeline strategy: AutoDP changes replicas at epoch starts only."""
         waits = _follower(trainer) is not None and trainer.world_size > 1
@@ -480,23 +300,6 @@ class AutoFreeze(Callback):
         return waits
 
     # ------------------------------------------------------------------ applying a freeze
-
-    def _apply(self, target: int, epoch: int, step: int) -> int:
-        """Freeze ``target`` leading blocks, record and log the event; how many parameters froze."""
-        assert self.stack is not None
-        before = self.num_frozen
-        self._pre_frozen = self.freeze_embeddings
-        changed = apply_freeze(self.stack, target, self._pre_applies())
-        self.num_frozen = target
-        self.history.append((int(epoch), target))
-        self.step_history.append((int(step), target))
-        where = self.clock.where(epoch, step)
-        blocks = f"block {before}" if target - before == 1 else f"blocks {before}..{target - 1}"
-        _info(
-            f"AutoFreeze: {where}: froze {blocks} "
-            f"({target}/{self.num_blocks} frozen{', embeddings too' if self.freeze_embeddings else ''})."
-        )
-        return changed
 
     def _tell_strategy(self, trainer: pl.Trainer, epoch_start: bool, changed: int) -> None:
         """After a freeze point: a :class:`FreezeFollower` brings its plan in line with :attr:`num_frozen`
@@ -548,73 +351,6 @@ class AutoFreeze(Callback):
         if target is not None and min(target, self.max_frozen) > self.num_frozen:
             self._begin_anneal(min(target, self.max_frozen), step, self._following_step(trainer, step, epoch))
 
-    # ------------------------------------------------------------------ checkpointing
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._state(full=True)
-
-    def decision_state(self) -> dict[str, Any]:
-        """What every rank needs of rank 0's decisions (what AutoDP's agree message carries): the
-        state without the rule's bulk statistics (the ``"autofreeze"`` rule's summed gradients, a
-        copy of the active blocks' size: ~340 MB for BERT-base), which only the deciding rank reads.
-        :meth:`load_state_dict` takes it; the receiving rank's own statistics restart empty."""
-        return self._state(full=False)
-
-    def _state(self, full: bool) -> dict[str, Any]:
-        known = self.stack is not None and not self.stack.provisional
-        return {
-            "num_frozen": self.num_frozen,
-            "num_blocks": self.num_blocks,
-            "history": [list(h) for h in self.history],
-            "step_history": [list(h) for h in self.step_history],
-            **self.clock.state_dict(),  # decided_epoch, next_point, points
-            "pre_frozen": self._pre_frozen,
-            "last_rate": self._last_rate,
-            # anneal: the interval that anneals now (blocks, steps); None without one.
-            "anneal": self._anneal.state_dict() if self._anneal is not None else None,
-            # What runs before and after the stack, once observed: a resumed run freezes the same modules.
-            "pre": [p for p, _ in self.stack.pre] if known and self.stack is not None else None,
-            "post": [p for p, _ in self.stack.post] if known and self.stack is not None else None,
-            # The rule's state between points, as flat keys ("norm_sum"/"norm_steps", "previous_l1"/"grad_sums").
-            **self.freeze_rule.state_dict(full),
-        }
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        if self.stack is None and self._module is not None:
-            # Restored after the module's setup() and configure_model(): a lazily built model exists now.
-            self.find_stack(self._module)
-        if self.stack is not None and state_dict["num_blocks"] not in (0, self.num_blocks):
-            raise ValueError(
-                f"The checkpoint's AutoFreeze state is for {state_dict['num_blocks']} blocks, this model's stack "
-                f"has {self.num_blocks}."
-            )
-        self.num_frozen = int(state_dict["num_frozen"])
-        self.history = [(int(e), int(f)) for e, f in state_dict.get("history", [])]
-        self.step_history = [(int(a), int(b)) for a, b in state_dict.get("step_history", [])]
-        self.clock.load_state_dict(state_dict)
-        self._last_rate = state_dict.get("last_rate")
-        self._pre_frozen = bool(state_dict.get("pre_frozen", self.freeze_embeddings and self.num_frozen > 0))
-        self.freeze_rule.load_state_dict(state_dict, self.stack)
-        if self._anneal is not None:
-            self._anneal.load_state_dict(state_dict.get("anneal"))
-        order = state_dict.get("pre"), state_dict.get("post")
-        if self.stack is not None and self.stack.provisional and order[0] is not None and self._module is not None:
-            root = self._module
-            self._refine(root, ([(p, root.get_submodule(p)) for p in order[0]], [(p, root.get_submodule(p)) for p in order[1] or []]))
-        if self.stack is not None and self.num_frozen:
-            # Callbacks are restored before the strategy wraps the model: freeze now so DDP's
-            # first wrapper already leaves the frozen prefix out.
-            apply_freeze(self.stack, self.num_frozen, self._pre_applies())
-
-    def most_frozen(self, num_epochs: int | None) -> int:
-        """The most blocks this run will freeze, as far as known before it: ``max_frozen``, or an
-        explicit plan's largest value over ``num_epochs`` epochs (never below the blocks frozen now)."""
-        most = self.max_frozen
-        schedule = self.config.explicit_schedule
-        if schedule is not None and num_epochs is not None and num_epochs > 0:
-            most = min(most, max(schedule(e) for e in range(num_epochs)))
-        return max(most, self.num_frozen)
-
 
 def _follower(trainer: pl.Trainer) -> FreezeFollower | None:
     """The strategy, if it follows the freeze points itself (the pipeline strategy)."""
@@ -640,7 +376,3 @@ def _builds_lazily(pl_module: pl.LightningModule) -> bool:
     """Whether the module builds (part of) its model after the callbacks' setup: in setup() or configure_model()."""
     return any(is_overridden(hook, pl_module) for hook in ("setup", "configure_model", "configure_sharded_model"))
 
-
-def _pre_trainable(stack: BlockStack) -> bool:
-    """Whether a parameter before the stack (embeddings, a cls token) still requires grad."""
-    return any(p.requires_grad for _, m in stack.pre for p in m.parameters()) or any(p.requires_grad for _, p in stack.pre_params)
