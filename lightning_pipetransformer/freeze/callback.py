@@ -44,10 +44,10 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_pipetransformer.freeze.anneal import AnnealSpec
 from lightning_pipetransformer.freeze.apply import ensure_frozen_eval
 from lightning_pipetransformer.freeze.call_order import CallOrderWatch
-from lightning_pipetransformer.freeze.config import AutoFreezeConfig, Rule
+from lightning_pipetransformer.freeze.config import AutoFreezeConfig
 from lightning_pipetransformer.freeze.mechanism import FreezeMechanism
 from lightning_pipetransformer.freeze.nested_tensor import NestedTensorGuard, guard_nested_tensor
-from lightning_pipetransformer.freeze.policies import FreezeRule
+from lightning_pipetransformer.freeze.policies import FreezeRule, Rule
 from lightning_pipetransformer.freeze.seam import FreezeFollower
 from lightning_pipetransformer.stack.discovery import BlockStack, BlockStackError
 from lightning_pipetransformer.terminal import wrap

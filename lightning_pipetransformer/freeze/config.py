@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING
 
 from lightning_pipetransformer.freeze.anneal import AnnealSpec, anneal_curve
-from lightning_pipetransformer.freeze.policies import FreezeRule, validate_percentile
+from lightning_pipetransformer.freeze.policies import FreezeRule, Rule, check_rule, validate_percentile
 from lightning_pipetransformer.freeze.rules import ExplicitSchedule, validate_alpha, validate_interval
 
 if TYPE_CHECKING:
@@ -24,12 +24,7 @@ if TYPE_CHECKING:
 
     from lightning_pipetransformer.stack.discovery import BlockStack
 
-__all__ = ["RULES", "AutoFreezeConfig", "Rule"]
-
-Rule = Literal["paper", "schedule", "autofreeze", "plasticity"]
-#: The built-in rules by name, in the order the error lists them.
-RULES: tuple[str, ...] = get_args(Rule)
-
+__all__ = ["AutoFreezeConfig"]
 
 @dataclasses.dataclass(frozen=True)
 class AutoFreezeConfig:
@@ -92,8 +87,7 @@ class AutoFreezeConfig:
         if self.anneal is not None:
             anneal_curve(self.anneal)
         object.__setattr__(self, "alpha", validate_alpha(self.alpha))
-        if not (isinstance(self.rule, FreezeRule) or self.rule in RULES):
-            raise ValueError(f"rule must be {', '.join(map(repr, RULES))} or a FreezeRule object, got {self.rule!r}.")
+        check_rule(self.rule)
         object.__setattr__(self, "freeze_interval", validate_interval(self.freeze_interval))
         if self.freeze_interval is not None and self.schedule is not None:
             raise ValueError("freeze_interval sets freeze points inside epochs; schedule is a plan per epoch. Pass one of them.")

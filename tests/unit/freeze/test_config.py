@@ -11,8 +11,8 @@ import pytest
 
 from lightning_pipetransformer import AutoFreeze
 from lightning_pipetransformer.config import _field_docs
-from lightning_pipetransformer.freeze.config import RULES, AutoFreezeConfig
-from lightning_pipetransformer.freeze.policies import FreezeRuleBase, GeometricSchedule, PlasticityRule
+from lightning_pipetransformer.freeze.config import AutoFreezeConfig
+from lightning_pipetransformer.freeze.policies import RULES, FreezeRuleBase, GeometricSchedule, PlasticityRule
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "configuration.md"
 
