@@ -347,9 +347,10 @@ class AutoFreeze(FreezeMechanism, Callback):
         if self._anneal is None or self._anneal.annealer is None or self._anneal.lags or self.stack is None:
             return
         following = self.clock.following(epoch, trainer.current_epoch, trainer.max_epochs)
-        target = self.freeze_rule.ahead(self._point(*following)) if following is not None else None
-        if target is not None and min(target, self.max_frozen) > self.num_frozen:
-            self._begin_anneal(min(target, self.max_frozen), step, self._following_step(trainer, step, epoch))
+        ahead = self.freeze_rule.ahead(self._point(*following)) if following is not None else None
+        target = min(ahead, self.max_frozen) if ahead is not None else self.num_frozen
+        if target > self.num_frozen:
+            self._begin_anneal(target, step, self._following_step(trainer, step, epoch))
 
 
 def _follower(trainer: pl.Trainer) -> FreezeFollower | None:
