@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lightning_pipetransformer.freeze.anneal import Annealer, AnnealPlan, AnnealSpec, anneal_curve
+from lightning_pipetransformer.freeze.anneal import Annealer, AnnealPlan, AnnealSpec
 from lightning_pipetransformer.stack.discovery import BlockStack
 from lightning_pipetransformer.warn_once import WarnOnce
 
@@ -41,14 +41,16 @@ class AnnealTiming:
     """The annealing of one AutoFreeze: built at set-up where it can engage, off (with the reason) where not.
 
     Args:
-        spec: the curve (checked now, so a bad one is refused at construction).
+        spec: the curve (checked by :class:`~lightning_pipetransformer.freeze.config.AutoFreezeConfig`).
+        plans_ahead: the rule knows its coming decisions (a fixed plan); else its freezes come one
+            interval after their decisions.
         warn: how a reason is said (rank zero's warning in the callback).
         info: how a begun annealing is logged.
     """
 
-    def __init__(self, spec: AnnealSpec, warn: Callable[[str], None], info: Callable[[str], None]) -> None:
-        anneal_curve(spec)
+    def __init__(self, spec: AnnealSpec, plans_ahead: bool, warn: Callable[[str], None], info: Callable[[str], None]) -> None:
         self.spec = spec
+        self.plans_ahead = plans_ahead
         self.annealer: Annealer | None = None
         self._said = WarnOnce(lambda message, stacklevel: warn(message))
         self._info = info
@@ -56,6 +58,16 @@ class AnnealTiming:
     @property
     def label(self) -> str:
         return self.spec if isinstance(self.spec, str) else "custom"
+
+    @property
+    def lags(self) -> bool:
+        """Engaged for a rule that decides from the interval's gradients: it knows the next ``F`` only at
+        the point itself, so that decision anneals over the next interval and freezes at the point after."""
+        return self.annealer is not None and not self.plans_ahead
+
+    def describe(self) -> str:
+        """The annealing in AutoFreeze's first log line."""
+        return f", anneal={self.label}" + ("" if self.plans_ahead else " (each freeze one interval after its decision)")
 
     @property
     def plan(self) -> AnnealPlan | None:

@@ -5,23 +5,21 @@ frozen prefix runs forward only and leaves DDP's gradient all-reduce), and under
 follows the freeze points (:class:`~lightning_pipetransformer.freeze.seam.FreezeFollower`:
 ``strategy="pipetransformer"``), which repartitions the pipeline at each.
 
-The callback is the mechanism; the rule is a policy object
-(:class:`~lightning_pipetransformer.freeze.policies.FreezeRule`) that observes each optimizer step
-and answers, at a freeze point, how many blocks should be frozen. When things happen (every rank
-runs the same code on the same numbers, so decisions agree):
+This module is the Lightning side: the hooks, the strategy's part and smooth freezing's glue. The
+mechanism (the stack, applying, the checkpoint) is its base,
+:class:`~lightning_pipetransformer.freeze.mechanism.FreezeMechanism`; *when* a point falls is
+asked of :class:`~lightning_pipetransformer.freeze.clock.FreezeClock`; *how many* blocks freeze
+there is the rule's, a policy object (:class:`~lightning_pipetransformer.freeze.policies.FreezeRule`).
+When things happen (every rank runs the same code on the same numbers, so decisions agree):
 
 * every optimizer step (``on_before_optimizer_step``: gradients are final, after DDP averaging
   and gradient accumulation, and unscaled under AMP): the rule observes the gradients (the
   statistics of :mod:`lightning_pipetransformer.freeze.statistics`, on the device, no host sync).
-* at each freeze point: the rule decides the new frozen count ``F``, capped at
-  ``len(stack) - min_active`` and never below the current; the blocks freeze, and the strategy is
-  told (DDP's wrapper is rebuilt so frozen parameters leave the gradient buckets; a
-  :class:`~lightning_pipetransformer.freeze.seam.FreezeFollower` re-plans). Freeze points are the
-  start of every ``freeze_every_n_epochs``-th epoch, or, with ``freeze_interval``, every N
-  optimizer steps (an int) or every fraction of an epoch (a float: that share of the first epoch's
-  optimizer steps, counted across epochs), checked in ``on_train_batch_start`` of a batch that
-  begins an accumulation window, so that a freeze never splits one. A plan per epoch
-  (``schedule=``) is asked at every epoch start.
+* at each freeze point (an epoch start, or with ``freeze_interval`` a batch that opens an
+  accumulation window, so that a freeze never splits one): the rule decides the new frozen count
+  ``F``, capped at ``len(stack) - min_active`` and never below the current; the blocks freeze,
+  and the strategy is told (DDP's wrapper is rebuilt so frozen parameters leave the gradient
+  buckets; a :class:`~lightning_pipetransformer.freeze.seam.FreezeFollower` re-plans).
 * at the end of every epoch: log ``autofreeze/num_frozen``.
 
 Deciding at epoch *start* (not end) makes resuming exact wherever the checkpoint was written
@@ -32,7 +30,7 @@ callback state, and the decision for the next epoch is taken after loading it.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -44,22 +42,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_pipetransformer.freeze.anneal import AnnealSpec
-from lightning_pipetransformer.freeze.anneal_timing import AnnealTiming
-from lightning_pipetransformer.freeze.apply import (
-    apply_freeze,
-    ensure_frozen_eval,
-    frozen_parameters,
-    tied_outside,
-    untrainable_prefix,
-)
+from lightning_pipetransformer.freeze.apply import ensure_frozen_eval
+from lightning_pipetransformer.freeze.call_order import CallOrderWatch
+from lightning_pipetransformer.freeze.config import AutoFreezeConfig
+from lightning_pipetransformer.freeze.mechanism import FreezeMechanism
 from lightning_pipetransformer.freeze.nested_tensor import NestedTensorGuard, guard_nested_tensor
-from lightning_pipetransformer.freeze.policies import FreezePoint, FreezeRule, make_rule, validate_percentile
-from lightning_pipetransformer.freeze.rules import ExplicitSchedule, interval_steps, validate_alpha, validate_interval
+from lightning_pipetransformer.freeze.policies import FreezeRule, Rule
 from lightning_pipetransformer.freeze.seam import FreezeFollower
-from lightning_pipetransformer.stack.declared import block_stack_of
 from lightning_pipetransformer.stack.discovery import BlockStack, BlockStackError
-from lightning_pipetransformer.stack.execution import CallOrderObserver, split_by_order
-from lightning_pipetransformer.terminal import debug_log, wrap
+from lightning_pipetransformer.terminal import wrap
 from lightning_pipetransformer.warn_once import WarnOnce
 
 __all__ = ["AutoFreeze"]
@@ -70,11 +61,8 @@ def _info(message: str) -> None:
     Warnings stay one line each: pytest.warns and warnings filters match them by their text."""
     rank_zero_info(wrap(message))
 
-Rule = Literal["paper", "schedule", "autofreeze", "plasticity"]
-RULES = ("paper", "schedule", "autofreeze", "plasticity")
 
-
-class AutoFreeze(Callback):
+class AutoFreeze(FreezeMechanism, Callback):
     """Freeze a model's leading Transformer blocks progressively while it trains.
 
     Args:
@@ -145,73 +133,17 @@ class AutoFreeze(Callback):
         percentile: float = 50.0,
         anneal: AnnealSpec | None = None,
     ) -> None:
-        super().__init__()
-        self.anneal = anneal
-        # Smooth freezing's timing; its annealer is built at setup, where it can engage (see _setup_anneal).
-        self._anneal = AnnealTiming(anneal, warn=rank_zero_warn, info=_info) if anneal is not None else None
-        self.alpha = validate_alpha(alpha)
-        if not (isinstance(rule, FreezeRule) or rule in RULES):
-            raise ValueError(
-                f"rule must be 'paper', 'schedule', 'autofreeze', 'plasticity' or a FreezeRule object, got {rule!r}."
-            )
-        self.freeze_interval = validate_interval(freeze_interval)
-        if self.freeze_interval is not None and schedule is not None:
-            raise ValueError(
-                "freeze_interval sets freeze points inside epochs; schedule is a plan per epoch. Pass one of them."
-            )
-        if self.freeze_interval is not None and freeze_every_n_epochs != 1:
-            raise ValueError("Pass freeze_interval (points inside epochs) or freeze_every_n_epochs, not both.")
-        self.percentile = validate_percentile(percentile)
-        if isinstance(freeze_every_n_epochs, bool) or not isinstance(freeze_every_n_epochs, int) or freeze_every_n_epochs < 1:
-            raise ValueError(f"freeze_every_n_epochs must be a positive int, got {freeze_every_n_epochs!r}.")
-        if isinstance(min_active, bool) or not isinstance(min_active, int) or min_active < 0:
-            raise ValueError(f"min_active must be an int >= 0, got {min_active!r}.")
-        self.schedule = ExplicitSchedule(schedule) if schedule is not None else None
-        #: The policy that decides at each freeze point (:mod:`lightning_pipetransformer.freeze.policies`).
-        self.freeze_rule: FreezeRule = make_rule(rule, self.alpha, self.percentile, self.schedule)
-        preferred = getattr(self.freeze_rule, "default_interval", None)  # a rule meant for points inside epochs
-        if preferred is not None and self.freeze_interval is None and self.schedule is None and freeze_every_n_epochs == 1:
-            self.freeze_interval = validate_interval(preferred)
-        if self.freeze_rule.per_epoch and self.freeze_interval is not None:
-            raise ValueError(f"The rule {self.freeze_rule.name!r} is a plan per epoch: pass it without freeze_interval.")
-        self.rule: str = rule if isinstance(rule, str) else rule.name
-        self.layers = layers
-        self.pre = list(pre) if pre is not None else None
-        self.freeze_every_n_epochs = freeze_every_n_epochs
-        self.min_active = min_active
-        self.freeze_embeddings = freeze_embeddings
-        self._asked_embeddings = freeze_embeddings
-        #: Why the embeddings keep training although freeze_embeddings=True was asked (tied to the head); None otherwise.
-        self.embeddings_kept_training: str | None = None
-        self._observer: CallOrderObserver | None = None
+        config = AutoFreezeConfig(
+            alpha=alpha, rule=rule, schedule=schedule, layers=layers, pre=pre, freeze_every_n_epochs=freeze_every_n_epochs,
+            min_active=min_active, freeze_embeddings=freeze_embeddings, freeze_interval=freeze_interval, percentile=percentile,
+            anneal=anneal,
+        )  # fmt: skip
+        super().__init__(config, say=_info, warn=rank_zero_warn)
+        self._order = CallOrderWatch()  # the first training forward's call order (freeze/call_order.py)
         self._nested_guard: NestedTensorGuard | None = None  # nn.TransformerEncoder: nested tensors in eval mode only
         self._said = WarnOnce(lambda message, stacklevel: _info(message))
 
-        self.stack: BlockStack | None = None
-        self.num_frozen = 0
-        #: Whether the modules before the stack count as frozen (AutoFreeze froze them, or they were before fit).
-        self._pre_frozen = False
-        self._untrainable = 0  # leading blocks that had no trainable parameter when the stack was found
-        self._module: pl.LightningModule | None = None  # the module of the current fit (lazily built models)
-        self.history: list[tuple[int, int]] = []  # (epoch, num_frozen) at each freeze event
-        #: (global step, num_frozen) at each freeze event.
-        self.step_history: list[tuple[int, int]] = []
-        self._decided_epoch = 0  # the last epoch whose start already took its freeze decision
-        # freeze_interval: the global step of the next freeze point, and how many points have passed.
-        self._next_point: int | None = None
-        self._points = 0
-        self._interval_steps: int | None = None
-        self._last_rate: float | None = None  # the learning rate of the last optimizer step (FreezePoint)
-
     # ------------------------------------------------------------------ set-up and checks
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.stack) if self.stack is not None else 0
-
-    @property
-    def max_frozen(self) -> int:
-        return self.num_blocks - self.min_active
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -232,147 +164,6 @@ class AutoFreeze(Callback):
             # setup, on_fit_start), and fail then if it is still missing.
             if not _builds_lazily(pl_module):
                 raise
-
-    def find_stack(self, pl_module: pl.LightningModule, trainer: pl.Trainer | None = None) -> BlockStack:
-        """The block stack this callback freezes, found (and checked) the first time it is asked for.
-
-        Called at ``setup`` and, for a model built in ``setup()`` / ``configure_model()``, again once
-        it exists (by the pipeline strategy's setup, :meth:`load_state_dict` or ``on_fit_start``).
-        Leading blocks without a trainable parameter (frozen before fit, or PEFT adapters on the upper
-        layers only) count as frozen from the start: AutoFreeze treats them as blocks it froze (eval
-        mode) and the strategy's plan packs and caches past them.
-        """
-        if self.stack is not None:
-            return self.stack
-        stack = block_stack_of(pl_module, self.layers, self.pre)
-        if self.min_active > len(stack):
-            raise ValueError(
-                f"min_active={self.min_active} exceeds the {len(stack)} blocks of {stack.path}; use at most {len(stack)}."
-            )
-        self.stack = stack
-        if self.min_active == 0 and not self._trains_outside_stack(pl_module):
-            self.stack = None
-            raise ValueError(
-                "min_active=0 would leave nothing to train: every trainable parameter is in the block stack "
-                "(or before it). Use min_active >= 1."
-            )
-        epochs = trainer.max_epochs if trainer is not None and trainer.max_epochs is not None and trainer.max_epochs > 0 else None
-        self.freeze_rule.check(self.max_frozen, epochs)
-        # One short line (module lists cut to a few names) for the console; the full lists at DEBUG.
-        _info(f"AutoFreeze: block stack {stack.describe(limit=3)}; {self._rule_text()}.")
-        debug_log.debug("AutoFreeze: block stack %s.", stack.describe())
-        untrainable = self._untrainable = untrainable_prefix(stack)
-        if untrainable > self.num_frozen:
-            _info(
-                f"AutoFreeze: blocks 0..{untrainable - 1} have no trainable parameter: counted as frozen from the start "
-                "(eval mode, as blocks AutoFreeze freezes)."
-            )
-            self.num_frozen = untrainable
-        self._check_ties(pl_module)
-        if self.freeze_embeddings and self.num_frozen and not _pre_trainable(stack):
-            self._pre_frozen = True  # frozen before fit (PEFT): treated as AutoFreeze would
-        if self.num_frozen:  # a second fit() with the same callback, or blocks frozen before fit
-            apply_freeze(stack, self.num_frozen, self._pre_applies())
-        return stack
-
-    def _check_ties(self, pl_module: nn.Module) -> None:
-        """Input embeddings tied to an output head keep training unless ``pre=`` names them (see ``freeze_embeddings``)."""
-        assert self.stack is not None
-        said = self.embeddings_kept_training
-        self.freeze_embeddings, self.embeddings_kept_training = self._asked_embeddings, None
-        if not self.freeze_embeddings:
-            return
-        tied = tied_outside(self.stack, pl_module)
-        if not tied:
-            return
-        listed = ", ".join(f"{a} is {b}" for a, b in tied[:3])
-        if self.pre is not None:  # asked for by name: freeze them, and the head with them
-            rank_zero_warn(
-                f"AutoFreeze(pre=[...]) freezes the embeddings with the first block, but they are tied to a module after "
-                f"the stack ({listed}): that output head stops training too, as asked. To keep the head training, leave "
-                "the tied module out of pre=; to freeze the embeddings alone, untie the weights (tie_word_embeddings=False)."
-            )
-            return
-        self.freeze_embeddings = False
-        self.embeddings_kept_training = (
-            f"the input embeddings are tied to the output head ({listed}): freezing them would freeze the head, so they "
-            "keep training, the frozen blocks still run backward for them (without weight gradients of their own) and "
-            "AutoCache stands aside. For the cache, untie them (tie_word_embeddings=False: the head gets its own copy of "
-            "the weights, which then trains alone while the embeddings freeze with the first block); to freeze the head "
-            "with the embeddings, name them in AutoFreeze(pre=[...])"
-        )
-        if self.embeddings_kept_training != said:  # once (checked again when the call order refines pre)
-            _info(f"AutoFreeze: {self.embeddings_kept_training}.")
-
-    def _pre_applies(self) -> bool:
-        """Whether to freeze ``pre`` now: it counts as frozen, and it is known (observed or declared) what runs before."""
-        return self._pre_frozen and self.stack is not None and not self.stack.provisional
-
-    # ------------------------------------------------------------------ what runs before the stack (observed)
-
-    def _observe_order(self, pl_module: pl.LightningModule) -> None:
-        """At a training batch start: watch this forward's call order, while ``pre``/``post`` are provisional."""
-        if self.stack is not None and self.stack.provisional and self._observer is None:
-            self._observer = CallOrderObserver(pl_module, self.stack)
-
-    def _finish_observation(self, pl_module: pl.LightningModule) -> None:
-        """After the forward (before backward and any optimizer step): put ``pre``/``post`` where they ran.
-
-        A forward that ran no block (an idle AutoDP rank's stand-in step) tells nothing: watch the next one.
-        """
-        observer = self._observer
-        if observer is None or self.stack is None:
-            return
-        order = observer.finish()
-        self._observer = None
-        if not self.stack.provisional:  # the order arrived meanwhile (an AutoDP rank: with rank 0's state)
-            return
-        if not order.saw_stack:
-            self._observer = CallOrderObserver(pl_module, self.stack)
-            return
-        before = [p for p, _ in self.stack.pre]
-        try:
-            pre, post = split_by_order(self.stack, order)
-        except BlockStackError as err:
-            raise BlockStackError(f"AutoFreeze: {err}") from None
-        self._refine(pl_module, pre, post, before)
-
-    def _refine(self, pl_module: nn.Module, pre: list, post: list, before: list[str]) -> None:
-        assert self.stack is not None
-        self.stack.refine(pre, post)
-        moved_in = [p for p, _ in pre if p not in before]
-        moved_out = [p for p in before if p not in {q for q, _ in pre}]
-        if moved_in or moved_out:
-            _info(
-                "AutoFreeze: from the model's call order, "
-                + "; ".join(
-                    ([f"{', '.join(moved_out)} run(s) after the block stack (not frozen with the embeddings)"] if moved_out else [])
-                    + ([f"{', '.join(moved_in)} run(s) before it (frozen with the embeddings)"] if moved_in else [])
-                )
-                + f". Before the stack: {', '.join(p for p, _ in pre) or 'nothing'}."
-            )
-        self._check_ties(pl_module)
-        if not self.freeze_embeddings:
-            self._pre_frozen = False
-        if self.num_frozen and self._pre_applies():
-            # A freeze decided before the first forward (an explicit schedule at epoch 0, a restored state)
-            # froze the blocks; what runs before them freezes now, before any gradient reaches it.
-            apply_freeze(self.stack, self.num_frozen, True)
-
-    def _rule_text(self) -> str:
-        if self.freeze_rule.per_epoch:
-            return self.freeze_rule.name + self._anneal_text()
-        every = (
-            f"every {self.freeze_interval} optimizer step(s)" if isinstance(self.freeze_interval, int)
-            else f"every {self.freeze_interval:g} of an epoch" if self.freeze_interval is not None
-            else f"every {self.freeze_every_n_epochs} epoch(s)"
-        )
-        return f"rule '{self.freeze_rule.name}', alpha={self.alpha:.3g}, {every}, min_active={self.min_active}{self._anneal_text()}"
-
-    def _trains_outside_stack(self, pl_module: pl.LightningModule) -> bool:
-        assert self.stack is not None
-        covered = {id(p) for p in frozen_parameters(self.stack, self.num_blocks, self.freeze_embeddings)}
-        return any(p.requires_grad and id(p) not in covered for p in pl_module.parameters())
 
     @staticmethod
     def _check_strategy(trainer: pl.Trainer) -> None:
@@ -399,11 +190,15 @@ class AutoFreeze(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._finish_observation(pl_module)  # a step that skipped backward (training_step returned None)
 
+    def _finish_observation(self, pl_module: pl.LightningModule) -> None:
+        """After the forward (before backward and any optimizer step): put ``pre``/``post`` where they ran."""
+        split = self._order.finish(self.stack) if self.stack is not None else None
+        if split is not None:
+            self._refine(pl_module, split)
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.freeze_interval is not None:
-            self._interval_steps = interval_steps(self.freeze_interval, _steps_per_epoch(trainer))
-            if self._next_point is None:  # a fresh run; a resumed one restored its next point
-                self._next_point = trainer.global_step + self._interval_steps
+        self.clock.start(trainer.global_step, trainer.num_training_batches, trainer.accumulate_grad_batches)
+        if self.clock.within_epochs:
             self._anneal_ahead(trainer, trainer.global_step)
         self._warn_if_no_point_fits(trainer)
 
@@ -411,56 +206,21 @@ class AutoFreeze(Callback):
         """Once, before training: a run too short for any freeze decision freezes nothing, and says so."""
         if self.freeze_rule.per_epoch or self.num_frozen >= self.max_frozen:
             return
-        lag = self._anneal_lags()  # anneal: a gradient rule's freeze comes one point after its decision
-        needed = self.freeze_rule.points_before_first_freeze + lag
-        if self.freeze_interval is not None:
-            total = trainer.estimated_stepping_batches
-            assert self._next_point is not None and self._interval_steps is not None
-            if total == float("inf"):
-                return
-            fits = max(0, (int(total) - 1 - self._next_point) // self._interval_steps + 1) if self._next_point < total else 0
-            every = f"freeze_interval={self.freeze_interval!r} ({self._interval_steps} optimizer steps)"
-            length, fix = f"{int(total)} optimizer steps", "a shorter freeze_interval (a float is a fraction of an epoch)"
-        else:
-            epochs = trainer.max_epochs
-            if epochs is None or epochs < 0:
-                return
-            first = max(self.freeze_every_n_epochs, self._decided_epoch + self.freeze_every_n_epochs)
-            fits = len(range(first, epochs, self.freeze_every_n_epochs))
-            every = f"freeze_every_n_epochs={self.freeze_every_n_epochs}"
-            length, fix = f"max_epochs={epochs}", "more epochs, or freeze points inside epochs (freeze_interval=0.5)"
-        if fits < needed:
-            rule = f"rule='{self.freeze_rule.name}'" + (" with anneal (each freeze one point after its decision)" if lag else "")
-            count = {2: "two", 3: "three"}.get(needed, str(needed))
-            what = "freeze point falls inside it" if fits == 0 else f"freeze point{'s fit' if fits > 1 else ' fits'}, and {rule} needs {count}"
-            rank_zero_warn(
-                f"AutoFreeze: with {every} and a run of {length}, {'no' if fits == 0 else 'only one' if fits == 1 else f'only {fits}'} {what}: "
-                f"nothing will be frozen. Use {fix}."
-            )
-
-    def _follow_thaws(self) -> None:
-        """Blocks it froze that other code made trainable again (a callback's ``requires_grad_(True)``, Lightning's
-        ``BaseFinetuning.unfreeze_and_add_param_group``): counted as active again, so that AutoFreeze neither keeps
-        them in eval mode nor ignores their gradients (its rule may freeze them again at a later point), and a
-        replica that takes its state (AutoDP) does not freeze them back."""
-        if self.stack is None or not self.num_frozen:
-            return
-        frozen_now = untrainable_prefix(self.stack)
-        if frozen_now < self.num_frozen:
-            _info(
-                f"AutoFreeze: blocks {frozen_now}..{self.num_frozen - 1} train again (other code unfroze them): counted as "
-                f"active from here on ({frozen_now}/{self.num_blocks} frozen)."
-            )
-            self.num_frozen = frozen_now
+        lag = self._anneal is not None and self._anneal.lags  # anneal: a gradient rule's freeze comes one point after its decision
+        rule = f"rule='{self.freeze_rule.name}'" + (" with anneal (each freeze one point after its decision)" if lag else "")
+        total = trainer.estimated_stepping_batches if self.clock.within_epochs else None
+        why = self.clock.too_few_points(self.freeze_rule.points_before_first_freeze + lag, rule, total, trainer.max_epochs)
+        if why is not None:
+            rank_zero_warn(why)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._follow_thaws()
         changed = 0
-        if self.freeze_interval is None:
+        if not self.clock.within_epochs:
             if self._decides_here(trainer):
                 changed = self._at_point(trainer, self._epoch_index(trainer.current_epoch), epoch_level=True)
         elif self._points_wait_for_epochs(trainer):
-            index = self._interval_index(trainer)
+            index = self.clock.step_point(trainer.global_step)
             if index is not None and self._decides_here(trainer):
                 changed = self._at_point(trainer, index, epoch_level=False)
         if self.stack is not None:
@@ -470,11 +230,11 @@ class AutoFreeze(Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if (
-            self.freeze_interval is not None
-            and batch_idx % max(1, trainer.accumulate_grad_batches) == 0  # never inside an accumulation window
+            self.clock.within_epochs
+            and self.clock.opens_window(batch_idx, trainer.accumulate_grad_batches)  # never inside an accumulation window
             and not self._points_wait_for_epochs(trainer)
         ):
-            index = self._interval_index(trainer)
+            index = self.clock.step_point(trainer.global_step)
             if index is not None:
                 changed = self._at_point(trainer, index, epoch_level=False) if self._decides_here(trainer) else 0
                 self._tell_strategy(trainer, epoch_start=False, changed=changed)  # one process: the plan follows inside the epoch
@@ -483,7 +243,8 @@ class AutoFreeze(Callback):
         self._follow_thaws()
         if self.stack is not None and self.num_frozen:
             ensure_frozen_eval(self.stack, self.num_frozen, self._pre_applies())
-        self._observe_order(pl_module)
+        if self.stack is not None:
+            self._order.start(pl_module, self.stack)
         if self._anneal is not None and self.stack is not None:  # which optimizer step comes next: its update's factor
             self._anneal.at_step(self.stack, self.freeze_embeddings, self._pre_frozen, trainer.global_step, trainer.optimizers)
 
@@ -496,9 +257,7 @@ class AutoFreeze(Callback):
         pl_module.log("autofreeze/num_frozen", float(self.num_frozen), on_step=False, on_epoch=True, sync_dist=True)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._observer is not None:
-            self._observer.remove()
-            self._observer = None
+        self._order.remove()
         if self._nested_guard is not None:
             self._nested_guard.remove()
             self._nested_guard = None
@@ -506,35 +265,6 @@ class AutoFreeze(Callback):
             self._anneal.detach()
 
     # ------------------------------------------------------------------ freeze points
-
-    def _epoch_index(self, epoch: int) -> int | None:
-        """The index ``T`` of the freeze point at the start of ``epoch``, or None when the epoch start
-        is not one (a plan per epoch is asked at every epoch; a resumed epoch start does not decide twice)."""
-        if self.stack is None:
-            return None
-        if self.freeze_rule.per_epoch:
-            return epoch
-        n = self.freeze_every_n_epochs
-        if epoch == 0 or epoch % n != 0 or epoch <= self._decided_epoch:
-            return None
-        self._decided_epoch = epoch
-        return epoch // n
-
-    def _interval_index(self, trainer: pl.Trainer) -> int | None:
-        """With ``freeze_interval``: the index of the point due at this step (counting every interval
-        passed since the last one, as under AutoDP, which applies them at epoch starts), or None."""
-        step = trainer.global_step
-        if self._next_point is None or self._interval_steps is None or step < self._next_point:
-            return None
-        passed = (step - self._next_point) // self._interval_steps + 1
-        self._points += passed
-        self._next_point += passed * self._interval_steps
-        return self._points
-
-    def _point(self, index: int, epoch: int, learning_rate: float | None = None) -> FreezePoint:
-        return FreezePoint(
-            index, epoch, self.num_frozen, self.num_blocks, self.max_frozen, self._untrainable, learning_rate, self._last_rate
-        )
 
     def _decides_here(self, trainer: pl.Trainer) -> bool:
         """AutoDP: global rank 0 alone decides (an idle rank has no gradient statistics, and stale
@@ -559,13 +289,6 @@ class AutoFreeze(Callback):
         self._anneal_ahead(trainer, step, epoch if epoch_level else None)
         return changed
 
-    def _decide(self, index: int, epoch: int, learning_rate: float | None = None) -> int:
-        """The rule's answer at point ``index``, kept between the blocks frozen now and ``max_frozen``:
-        blocks never thaw. The point is built here, after any freeze earlier at the same point."""
-        if self.stack is None:
-            return self.num_frozen
-        return max(self.num_frozen, min(self.freeze_rule.decide(self._point(index, epoch, learning_rate)), self.max_frozen))
-
     def _points_wait_for_epochs(self, trainer: pl.Trainer) -> bool:
         """Several processes under the pipeline strategy: AutoDP changes replicas at epoch starts only."""
         waits = _follower(trainer) is not None and trainer.world_size > 1
@@ -577,23 +300,6 @@ class AutoFreeze(Callback):
         return waits
 
     # ------------------------------------------------------------------ applying a freeze
-
-    def _apply(self, target: int, epoch: int, step: int) -> int:
-        """Freeze ``target`` leading blocks, record and log the event; how many parameters froze."""
-        assert self.stack is not None
-        before = self.num_frozen
-        self._pre_frozen = self.freeze_embeddings
-        changed = apply_freeze(self.stack, target, self._pre_applies())
-        self.num_frozen = target
-        self.history.append((int(epoch), target))
-        self.step_history.append((int(step), target))
-        where = f"epoch {epoch}" + (f", step {step}" if self.freeze_interval is not None else "")
-        blocks = f"block {before}" if target - before == 1 else f"blocks {before}..{target - 1}"
-        _info(
-            f"AutoFreeze: {where}: froze {blocks} "
-            f"({target}/{self.num_blocks} frozen{', embeddings too' if self.freeze_embeddings else ''})."
-        )
-        return changed
 
     def _tell_strategy(self, trainer: pl.Trainer, epoch_start: bool, changed: int) -> None:
         """After a freeze point: a :class:`FreezeFollower` brings its plan in line with :attr:`num_frozen`
@@ -616,30 +322,14 @@ class AutoFreeze(Callback):
         if self._anneal is not None:
             self._anneal.setup(_follower(trainer) is not None and trainer.world_size > 1)
 
-    def _anneal_text(self) -> str:
-        if self._anneal is None:
-            return ""
-        lag = not self.freeze_rule.plans_ahead
-        return f", anneal={self._anneal.label}" + (" (each freeze one interval after its decision)" if lag else "")
-
-    def _anneal_lags(self) -> bool:
-        """The rules that decide from the interval's gradients know the next F only at the point itself."""
-        return self._anneal is not None and self._anneal.annealer is not None and not self.freeze_rule.plans_ahead
-
-    def _next_point_step(self, trainer: pl.Trainer, step: int, epoch: int | None) -> int | None:
+    def _following_step(self, trainer: pl.Trainer, step: int, epoch: int | None) -> int | None:
         """The optimizer step of the next freeze point after the one at ``step`` (None: unknown)."""
-        if self.freeze_interval is not None:
-            return self._next_point
-        if epoch is None:
-            return None
         try:
-            per_epoch = _steps_per_epoch(trainer)
+            return self.clock.following_step(step, epoch, trainer.num_training_batches, trainer.accumulate_grad_batches)
         except ValueError:
             assert self._anneal is not None
             self._anneal.no_length()
             return None
-        n = 1 if self.freeze_rule.per_epoch else self.freeze_every_n_epochs
-        return step + ((epoch // n + 1) * n - epoch) * per_epoch
 
     def _begin_anneal(self, target: int, step: int, end: int | None) -> bool:
         assert self._anneal is not None and self.stack is not None
@@ -648,101 +338,19 @@ class AutoFreeze(Callback):
     def _anneal_lagging(self, trainer: pl.Trainer, target: int, step: int, epoch: int | None) -> bool:
         """A rule that decides from gradients: this point's decision anneals over the next interval
         and freezes at the next point. True when it does (nothing freezes now)."""
-        if not self._anneal_lags():
+        if self._anneal is None or not self._anneal.lags:
             return False
-        return self._begin_anneal(target, step, self._next_point_step(trainer, step, epoch))
+        return self._begin_anneal(target, step, self._following_step(trainer, step, epoch))
 
     def _anneal_ahead(self, trainer: pl.Trainer, step: int, epoch: int | None = None) -> None:
         """A rule that knows its next decision: anneal that decision's blocks over the interval before its point."""
-        if self._anneal is None or self._anneal.annealer is None or self._anneal_lags() or self.stack is None:
+        if self._anneal is None or self._anneal.annealer is None or self._anneal.lags or self.stack is None:
             return
-        if self.freeze_rule.per_epoch:
-            assert epoch is not None
-            if trainer.max_epochs is not None and 0 < trainer.max_epochs <= epoch + 1:
-                return  # no freeze point after the last epoch
-            point = self._point(epoch + 1, epoch + 1)
-        elif epoch is None:  # freeze_interval
-            point = self._point(self._points + 1, trainer.current_epoch)
-        else:
-            n = self.freeze_every_n_epochs
-            point = self._point(epoch // n + 1, (epoch // n + 1) * n)
-        target = self.freeze_rule.ahead(point)
-        if target is None:
-            return
-        target = min(target, self.max_frozen)
+        following = self.clock.following(epoch, trainer.current_epoch, trainer.max_epochs)
+        ahead = self.freeze_rule.ahead(self._point(*following)) if following is not None else None
+        target = min(ahead, self.max_frozen) if ahead is not None else self.num_frozen
         if target > self.num_frozen:
-            self._begin_anneal(target, step, self._next_point_step(trainer, step, epoch))
-
-    # ------------------------------------------------------------------ checkpointing
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._state(full=True)
-
-    def decision_state(self) -> dict[str, Any]:
-        """What every rank needs of rank 0's decisions (what AutoDP's agree message carries): the
-        state without the rule's bulk statistics (the ``"autofreeze"`` rule's summed gradients, a
-        copy of the active blocks' size: ~340 MB for BERT-base), which only the deciding rank reads.
-        :meth:`load_state_dict` takes it; the receiving rank's own statistics restart empty."""
-        return self._state(full=False)
-
-    def _state(self, full: bool) -> dict[str, Any]:
-        known = self.stack is not None and not self.stack.provisional
-        return {
-            "num_frozen": self.num_frozen,
-            "num_blocks": self.num_blocks,
-            "history": [list(h) for h in self.history],
-            "decided_epoch": self._decided_epoch,
-            "step_history": [list(h) for h in self.step_history],
-            "next_point": self._next_point,
-            "points": self._points,
-            "pre_frozen": self._pre_frozen,
-            "last_rate": self._last_rate,
-            # anneal: the interval that anneals now (blocks, steps); None without one.
-            "anneal": self._anneal.state_dict() if self._anneal is not None else None,
-            # What runs before and after the stack, once observed: a resumed run freezes the same modules.
-            "pre": [p for p, _ in self.stack.pre] if known and self.stack is not None else None,
-            "post": [p for p, _ in self.stack.post] if known and self.stack is not None else None,
-            # The rule's state between points, as flat keys ("norm_sum"/"norm_steps", "previous_l1"/"grad_sums").
-            **self.freeze_rule.state_dict(full),
-        }
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        if self.stack is None and self._module is not None:
-            # Restored after the module's setup() and configure_model(): a lazily built model exists now.
-            self.find_stack(self._module)
-        if self.stack is not None and state_dict["num_blocks"] not in (0, self.num_blocks):
-            raise ValueError(
-                f"The checkpoint's AutoFreeze state is for {state_dict['num_blocks']} blocks, this model's stack "
-                f"has {self.num_blocks}."
-            )
-        self.num_frozen = int(state_dict["num_frozen"])
-        self.history = [(int(e), int(f)) for e, f in state_dict.get("history", [])]
-        self._decided_epoch = int(state_dict.get("decided_epoch", 0))
-        self.step_history = [(int(a), int(b)) for a, b in state_dict.get("step_history", [])]
-        self._next_point = state_dict.get("next_point")
-        self._points = int(state_dict.get("points", 0))
-        self._last_rate = state_dict.get("last_rate")
-        self._pre_frozen = bool(state_dict.get("pre_frozen", self.freeze_embeddings and self.num_frozen > 0))
-        self.freeze_rule.load_state_dict(state_dict, self.stack)
-        if self._anneal is not None:
-            self._anneal.load_state_dict(state_dict.get("anneal"))
-        order = state_dict.get("pre"), state_dict.get("post")
-        if self.stack is not None and self.stack.provisional and order[0] is not None and self._module is not None:
-            root = self._module
-            self._refine(root, [(p, root.get_submodule(p)) for p in order[0]], [(p, root.get_submodule(p)) for p in order[1] or []],
-                         [p for p, _ in self.stack.pre])
-        if self.stack is not None and self.num_frozen:
-            # Callbacks are restored before the strategy wraps the model: freeze now so DDP's
-            # first wrapper already leaves the frozen prefix out.
-            apply_freeze(self.stack, self.num_frozen, self._pre_applies())
-
-    def most_frozen(self, num_epochs: int | None) -> int:
-        """The most blocks this run will freeze, as far as known before it: ``max_frozen``, or an
-        explicit plan's largest value over ``num_epochs`` epochs (never below the blocks frozen now)."""
-        most = self.max_frozen
-        if self.schedule is not None and num_epochs is not None and num_epochs > 0:
-            most = min(most, max(self.schedule(e) for e in range(num_epochs)))
-        return max(most, self.num_frozen)
+            self._begin_anneal(target, step, self._following_step(trainer, step, epoch))
 
 
 def _follower(trainer: pl.Trainer) -> FreezeFollower | None:
@@ -765,22 +373,7 @@ def _rate_of(optimizer: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) or torch.is_tensor(value) else None
 
 
-def _steps_per_epoch(trainer: pl.Trainer) -> int:
-    """Optimizer steps in one training epoch (what a fractional ``freeze_interval`` is a fraction of)."""
-    batches = trainer.num_training_batches
-    if batches == float("inf") or batches is None:
-        raise ValueError(
-            "freeze_interval as a fraction of an epoch needs a training loader with a length; pass an int number of "
-            "optimizer steps instead."
-        )
-    return max(1, -(-int(batches) // max(1, trainer.accumulate_grad_batches)))
-
-
 def _builds_lazily(pl_module: pl.LightningModule) -> bool:
     """Whether the module builds (part of) its model after the callbacks' setup: in setup() or configure_model()."""
     return any(is_overridden(hook, pl_module) for hook in ("setup", "configure_model", "configure_sharded_model"))
 
-
-def _pre_trainable(stack: BlockStack) -> bool:
-    """Whether a parameter before the stack (embeddings, a cls token) still requires grad."""
-    return any(p.requires_grad for _, m in stack.pre for p in m.parameters()) or any(p.requires_grad for _, p in stack.pre_params)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
 from lightning_pipetransformer.freeze.rules import (
     ExplicitSchedule,
@@ -52,6 +52,9 @@ __all__ = [
     "PaperRule",
     "PlasticityRule",
     "FreezeRuleBase",
+    "RULES",
+    "Rule",
+    "check_rule",
     "make_rule",
     "validate_percentile",
 ]
@@ -357,12 +360,20 @@ def make_rule(
         return ExplicitPlan(schedule)
     if isinstance(rule, FreezeRule) and not isinstance(rule, str):
         return rule
-    if rule == "paper":
-        return PaperRule(alpha)
-    if rule == "schedule":
-        return GeometricSchedule(alpha)
-    if rule == "autofreeze":
-        return AutoFreezeRule(percentile)
-    if rule == "plasticity":
-        return PlasticityRule()
-    raise ValueError(f"rule must be 'paper', 'schedule', 'autofreeze', 'plasticity' or a FreezeRule object, got {rule!r}.")
+    check_rule(rule)
+    built_in: dict[str, Callable[[], FreezeRule]] = {
+        "paper": lambda: PaperRule(alpha), "schedule": lambda: GeometricSchedule(alpha),
+        "autofreeze": lambda: AutoFreezeRule(percentile), "plasticity": PlasticityRule,
+    }  # fmt: skip
+    return built_in[rule]()
+
+
+#: The built-in rules by name (AutoFreeze's ``rule=``), in the order an error lists them.
+Rule = Literal["paper", "schedule", "autofreeze", "plasticity"]
+RULES: tuple[str, ...] = get_args(Rule)
+
+
+def check_rule(rule: object) -> None:
+    """Refuse a ``rule`` that is neither a built-in rule's name (:data:`RULES`) nor a :class:`FreezeRule` object."""
+    if not (isinstance(rule, FreezeRule) or rule in RULES):
+        raise ValueError(f"rule must be {', '.join(map(repr, RULES))} or a FreezeRule object, got {rule!r}.")

@@ -210,7 +210,7 @@ def test_a_paper_checkpoint_of_the_old_format_loads_and_decides_the_same():
 def test_an_autofreeze_checkpoint_of_the_old_format_loads_mid_interval():
     freeze = callback(rule="autofreeze", freeze_interval=2)
     freeze.load_state_dict(OLD_AUTOFREEZE)
-    assert (freeze._next_point, freeze._points) == (4, 1)
+    assert (freeze.clock.next_point, freeze.clock.points) == (4, 1)
     set_grads(freeze.stack, [0.5, 0.5, 1.5, 2.5, 1.0, 0.7])  # the interval's second step: sums [1, 1, 2, 3, 1.5, 1.2]
     freeze.on_before_optimizer_step(None, None, None)  # type: ignore[arg-type]
     assert freeze._decide(2, 0) == 2  # as test_the_autofreeze_rule_compares_two_intervals
