@@ -72,7 +72,7 @@ from lightning_pipetransformer.cache.validity import (
 )
 from lightning_pipetransformer.cache.watch import PrefixChange, PrefixWatch
 from lightning_pipetransformer.stack.discovery import BlockStack
-from lightning_pipetransformer.stack.interception import BlockArgs
+from lightning_pipetransformer.stack.stack_call import BlockArgs
 from lightning_pipetransformer.warn_once import WarnOnce
 
 __all__ = ["AutoCache"]

@@ -23,7 +23,7 @@ from lightning_pipetransformer.cache.batch import CachedBatch, StackInput
 from lightning_pipetransformer.cache.prefix import run_blocks
 from lightning_pipetransformer.stack.execution import graph_leaves
 from lightning_pipetransformer.stack.input_grad import as_marked_input, gradient_leaf
-from lightning_pipetransformer.stack.interception import BlockArgs, StackCall
+from lightning_pipetransformer.stack.stack_call import BlockArgs, StackCall
 
 if TYPE_CHECKING:
     from lightning_pipetransformer.cache.autocache import AutoCache

@@ -9,7 +9,8 @@ from torch import nn
 
 from lightning_pipetransformer import devices as dev
 from lightning_pipetransformer.pipe.pipeline import Pipeline, clock_cycles
-from lightning_pipetransformer.stack.interception import hidden_of, install_pipeline, pipelined, remove_pipeline
+from lightning_pipetransformer.stack.interception import install_pipeline, pipelined, remove_pipeline
+from lightning_pipetransformer.stack.stack_call import hidden_of
 from tests.helpers.block_runs import ForwardRuns
 from tests.unit.pipe.stand_in_streams import Timeline
 
