@@ -98,7 +98,7 @@ class Pipeline:
         balance: blocks per stage, e.g. ``(4, 4, 4)``.
         devices: one device per stage (stages may share a device; on CUDA each still gets a
             stream of its own, from a pool shared with other pipelines: see
-            :func:`~lightning_pipetransformer.devices.stage_streams`). The blocks must already be
+            :func:`~lightning_pipetransformer.devices.streams.stage_streams`). The blocks must already be
             there: see :meth:`place`.
         chunks: the number of micro-batches ``M`` (fewer for a batch of fewer samples).
         num_frozen: the leading blocks that are frozen (their parameters must not require
