@@ -14,20 +14,13 @@ often as any eviction policy and never rewrites a file. Memory therefore never e
 budget. With ``write_through=True`` every entry also goes to disk, so the other processes of
 the node (data-parallel replicas, replicas added later by AutoDP) see all of it.
 
-Files are safetensors: a JSON header and raw little-endian tensors, read through a memory map.
-No pickle anywhere, so opening a cache directory cannot run code. The header's metadata repeats
-the format, version, fingerprint, boundary, key and original dtype; an entry whose metadata does
-not match what this store expects (another model, another boundary, a renamed or foreign file)
-is a miss and is counted in ``stats().rejected``, never returned. Writers write a unique
-temporary name and ``os.replace`` it into place, so concurrent writers of one key are safe (both
-write the same bytes) and a reader sees a whole file or none.
-
-Every file carries a CRC-32 of each tensor's bytes in its header (``crc32.<name>``), checked
-on every read from disk: a file whose bytes changed under an intact header (a torn write, a bad
-sector, a tool that rewrote it) is a miss, counted in ``stats().corrupt``, and the next store
-rewrites it. Entries in this process's memory are not checked on each hit: they never left the
-process, and hashing 3 MiB per batch would cost about as much as the lookup itself (measured in
-``docs/cache.md``). Non-finite activations (NaN, inf) are never stored (``stats().nonfinite``):
+One file per entry, in the format of :mod:`~lightning_pipetransformer.cache.entry_file` (safetensors, no
+pickle, a header naming where the entry belongs, a CRC-32 per tensor, written atomically). A file whose
+header does not match what this store expects (another model, another boundary, a renamed or foreign
+file) is a miss counted in ``stats().rejected``, never returned; one whose bytes do not match their
+checksums is a miss counted in ``stats().corrupt``, and the next store rewrites it. Entries in this
+process's memory are not checked on each hit: they never left the process, and hashing 3 MiB per
+batch would cost about as much as the lookup itself (measured in ``docs/cache.md``). Non-finite activations (NaN, inf) are never stored (``stats().nonfinite``):
 one bad step would otherwise be replayed every epoch under index keys.
 
 Several stores (runs, processes) may share one directory: each holds a shared ``flock`` on it
@@ -58,22 +51,30 @@ import errno
 import os
 import secrets
 import tempfile
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save as safetensors_save
 from torch import Tensor
 
 from lightning_pipetransformer.cache.budget import CacheConfigError, check_batch_fits
+from lightning_pipetransformer.cache.entry_file import (
+    SUFFIX,
+    CorruptEntryFile,
+    check_keys,
+    dtype_name,
+    encode,
+    entry_path,
+    header,
+    key_of,
+    read_entry,
+    write_entry,
+)
 from lightning_pipetransformer.cache.folders import LOCKING, lock_directory, remove_directory, unlock
 from lightning_pipetransformer.cache.kept import folder_name, is_kept, mark_used
 from lightning_pipetransformer.cache.keys import KEY_PATTERN
-from lightning_pipetransformer.cache.validity import FORMAT_VERSION
 from lightning_pipetransformer.warn_once import WarnOnce
 
 __all__ = [
@@ -82,16 +83,10 @@ __all__ = [
     "CacheStats",
     "StoredEntry",
     "check_batch_fits",
-    "checksum",
     "probe_cache_dir",
 ]
 
-_FORMAT = "pipetransformer-activation"
-_SUFFIX = ".safetensors"
-_HIDDEN = "hidden"
-_EXTRA = "x."  # prefix of extra tensors' names inside a file
 _LOWER_PRECISION = (torch.bfloat16, torch.float16)
-_CHECKSUM = "crc32."  # header metadata: crc32.<tensor name> = the CRC-32 of that tensor's bytes
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -168,18 +163,6 @@ class _Entry:
     nbytes: int
 
 
-def checksum(tensor: Tensor) -> str:
-    """The CRC-32 of ``tensor``'s bytes as a file stores them (8 hex digits).
-
-    CRC-32 because it is the cheapest stdlib hash that catches what happens to files (any burst
-    of up to 32 flipped bits, any overwritten run with probability 1 - 2**-32): ~2 GB/s, ~45 us
-    for a 96 KiB activation, against ~5x that for BLAKE2b (``benchmarks/cache_store``). It is
-    not a defence against someone who can write the directory (0700): they could write any file.
-    """
-    flat = tensor.detach().contiguous().reshape(-1)
-    return f"{zlib.crc32(flat.view(torch.uint8).numpy()):08x}"
-
-
 def _finite(row: Tensor) -> bool:
     """Whether every element of one sample's activation is finite.
 
@@ -194,26 +177,6 @@ def _finite(row: Tensor) -> bool:
     wide = torch.float32 if row.is_floating_point() and row.element_size() < 4 else None
     total = row.sum(dtype=wide).item()  # tested in Python: a 0-d torch.isfinite alone took ~50 us
     return cmath.isfinite(total) or bool(torch.isfinite(row).all())
-
-
-def _key_of(name: str) -> str | None:
-    """The key an entry file's name holds, or ``None`` for any other file (a temporary, a probe)."""
-    if not name.endswith(_SUFFIX):
-        return None
-    key = name[: -len(_SUFFIX)]
-    return key if KEY_PATTERN.match(key) else None
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _check_keys(keys: Sequence[str]) -> None:
-    for key in keys:
-        if not isinstance(key, str) or not KEY_PATTERN.match(key):
-            raise ValueError(
-                f"Invalid cache key {key!r}: keys become file names; use content_keys() or index_keys()."
-            )
 
 
 class ActivationStore:
@@ -269,7 +232,7 @@ class ActivationStore:
         if storage_dtype is not None and storage_dtype not in _LOWER_PRECISION:
             raise CacheConfigError(
                 f"storage_dtype must be None (the activation's dtype) or one of "
-                f"{[_dtype_name(d) for d in _LOWER_PRECISION]}, got {storage_dtype!r}."
+                f"{[dtype_name(d) for d in _LOWER_PRECISION]}, got {storage_dtype!r}."
             )
         self.fingerprint = fingerprint
         self.boundary = boundary
@@ -278,7 +241,7 @@ class ActivationStore:
         self.keep = keep
         # Kept entries are for other runs: they must be on disk, whatever fits in this run's memory.
         self.write_through = write_through or keep
-        storage = _dtype_name(storage_dtype) if storage_dtype is not None else "native"
+        storage = dtype_name(storage_dtype) if storage_dtype is not None else "native"
         self.root = Path(cache_dir)
         self.directory = self.root / folder_name(fingerprint, boundary, storage)
         self._mem: dict[str, _Entry] = {}
@@ -349,7 +312,7 @@ class ActivationStore:
         try:
             with os.scandir(self.directory) as it:
                 for item in it:
-                    key = _key_of(item.name)
+                    key = key_of(item.name)
                     if key is not None:
                         try:
                             found[key] = item.stat().st_size
@@ -415,7 +378,7 @@ class ActivationStore:
         entries' original dtype) on ``device`` (default CPU). An entry whose shape differs from
         ``sample_shape`` (or from the first hit's) is a miss: index keys with dynamic padding.
         """
-        _check_keys(keys)
+        check_keys(keys)
         want = tuple(sample_shape) if sample_shape is not None else None
         hit_mask = torch.zeros(len(keys), dtype=torch.bool)
         rows: list[Tensor] = []
@@ -465,7 +428,7 @@ class ActivationStore:
         next blocks need, to advance the entry later). ``check_fits``: refuse a batch larger than
         a positive budget (:func:`check_batch_fits`); off for groups that are not a training batch.
         """
-        _check_keys(keys)
+        check_keys(keys)
         extras = dict(extras or {})
         if activations.shape[0] != len(keys) or any(t.shape[0] != len(keys) for t in extras.values()):
             raise ValueError(
@@ -516,7 +479,7 @@ class ActivationStore:
 
     def read(self, key: str) -> StoredEntry | None:
         """The whole entry for ``key`` (activation in its original dtype, extras), or ``None``."""
-        _check_keys([key])
+        check_keys([key])
         mem = self._mem.get(key)
         if mem is not None:
             # Copies: the caller may modify what it gets without touching the memory entry.
@@ -532,7 +495,7 @@ class ActivationStore:
         try:
             with os.scandir(self.directory) as it:
                 for item in it:
-                    key = _key_of(item.name)
+                    key = key_of(item.name)
                     if key is not None:
                         found.setdefault(key)
         except FileNotFoundError:
@@ -593,7 +556,7 @@ class ActivationStore:
         self._lock = None
         if delete == "if_empty":
             try:
-                if any(item.name.endswith(_SUFFIX) for item in os.scandir(self.directory)):
+                if any(item.name.endswith(SUFFIX) for item in os.scandir(self.directory)):
                     return False
             except FileNotFoundError:
                 self._forget_files()
@@ -621,7 +584,7 @@ class ActivationStore:
     # ------------------------------------------------------------------ files
 
     def _path(self, key: str) -> Path:
-        return self.directory / f"{key}{_SUFFIX}"
+        return entry_path(self.directory, key)
 
     def _write(self, key: str, hidden: Tensor, original: torch.dtype, extras: Mapping[str, Tensor]) -> bool:
         """Write one entry's file; ``True`` if it is on disk (now or already), ``False`` if it could not be.
@@ -635,16 +598,10 @@ class ActivationStore:
             return False
         if key not in self._bad and self._file_size(key) is not None:
             return True  # written by another process (same fingerprint: same bytes)
-        tensors = {_HIDDEN: hidden.contiguous(), **{_EXTRA + n: t.contiguous() for n, t in extras.items()}}
-        metadata = {
-            **self._header(key),
-            "dtype": _dtype_name(original),
-            **{_CHECKSUM + name: checksum(t) for name, t in tensors.items()},
-        }
-        data = safetensors_save(tensors, metadata=metadata)
+        data = encode(self._header(key), hidden, original, extras)
         for attempt in range(2):
             try:
-                self._write_file(key, data)
+                write_entry(self.directory, key, data)
                 self._note_file(key, len(data))
                 break
             except FileNotFoundError as err:
@@ -658,20 +615,6 @@ class ActivationStore:
                 return False
         self._bad.discard(key)
         return True
-
-    def _write_file(self, key: str, data: bytes) -> None:
-        tmp = self.directory / f".{key}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, self._path(key))  # atomic: readers see the old file, the new one, or none
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
 
     def _recreate(self, err: OSError) -> bool:
         """The directory was removed from outside (a cleaner, a user): make it again; ``False`` if that fails."""
@@ -694,13 +637,7 @@ class ActivationStore:
 
     def _header(self, key: str) -> dict[str, str]:
         """What a file's metadata says about where it belongs: written with every entry, matched on every read."""
-        return {
-            "format": _FORMAT,
-            "version": str(FORMAT_VERSION),
-            "fingerprint": self.fingerprint,
-            "boundary": str(self.boundary),
-            "key": key,
-        }
+        return header(self.fingerprint, self.boundary, key)
 
     def _read(self, key: str, with_extras: bool) -> _Entry | None:
         """The entry from disk (activation in the storage dtype; extras only ``with_extras``), or ``None``
@@ -709,30 +646,18 @@ class ActivationStore:
         if self._file_size(key) is None:
             return None
         try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                meta = f.metadata() or {}
-                expected = self._header(key)
-                if any(meta.get(k) != v for k, v in expected.items()):
-                    raise ValueError(f"metadata {meta} does not match {expected}")
-                original = getattr(torch, meta.get("dtype", ""), None)
-                if not isinstance(original, torch.dtype):
-                    raise ValueError(f"unknown dtype {meta.get('dtype')!r}")
-                names = [_HIDDEN, *(n for n in f.keys() if n.startswith(_EXTRA))] if with_extras else [_HIDDEN]
-                tensors = {n: f.get_tensor(n) for n in names}
+            hidden, original, extras = read_entry(path, self._header(key), with_extras)
+        except CorruptEntryFile:
+            self._stats.corrupt += 1
+            self._bad.add(key)
+            return None
         except Exception:  # noqa: BLE001 - any unreadable file is a miss, never an error or a wrong hit
             if self._file_size(key) is not None:
                 self._stats.rejected += 1
                 self._bad.add(key)
             return None
-        # The bytes this read returns are exactly the ones checked (the memory map is copied by get_tensor).
-        if any(meta.get(_CHECKSUM + n) != checksum(t) for n, t in tensors.items()):
-            self._stats.corrupt += 1
-            self._bad.add(key)
-            return None
-        hidden = tensors[_HIDDEN]
         if self.storage_dtype is not None and hidden.dtype != self.storage_dtype:
             self._stats.rejected += 1
             self._bad.add(key)
             return None
-        extras = {n[len(_EXTRA) :]: t for n, t in tensors.items() if n != _HIDDEN}
         return _Entry(hidden, original, extras, hidden.nbytes + sum(t.nbytes for t in extras.values()))
