@@ -31,7 +31,7 @@ from lightning_pipetransformer.pipe.chunks import ChunkTuner
 from lightning_pipetransformer.pipe.partition import active_balance
 from lightning_pipetransformer.pipe.pipeline import Pipeline
 from lightning_pipetransformer.pipe.planner import Plan
-from lightning_pipetransformer.stack.interception import StackCall
+from lightning_pipetransformer.stack.stack_call import StackCall
 
 __all__ = ["ReturnTo", "cached_runner", "pipeline_runner"]
 

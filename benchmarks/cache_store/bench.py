@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 from transformers import BertConfig, BertModel
 
+from lightning_pipetransformer.cache.entry_file import checksum
 from lightning_pipetransformer.cache.keys import content_keys
-from lightning_pipetransformer.cache.store import ActivationStore, checksum
+from lightning_pipetransformer.cache.store import ActivationStore
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "cache.md"
 BEGIN, END = "<!-- cache_store:begin -->", "<!-- cache_store:end -->"

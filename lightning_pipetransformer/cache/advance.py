@@ -19,7 +19,7 @@ from torch import Tensor
 
 from lightning_pipetransformer.cache.arguments import INPUTS_MARKER, unpack_block_inputs
 from lightning_pipetransformer.cache.store import ActivationStore, StoredEntry
-from lightning_pipetransformer.stack.interception import hidden_of
+from lightning_pipetransformer.stack.stack_call import hidden_of
 
 __all__ = ["advance_store", "shard_of"]
 
@@ -52,7 +52,7 @@ def advance_store(
     Args:
         run: ``run(hidden, calls)`` runs blocks F..F'-1 exactly as the model's loop does, block
             ``F + i`` with ``calls[i]`` (its stored ``(args, kwargs)``), and returns the hidden
-            state (or a block output :func:`~lightning_pipetransformer.stack.interception.hidden_of` reads). It is called under
+            state (or a block output :func:`~lightning_pipetransformer.stack.stack_call.hidden_of` reads). It is called under
             ``torch.no_grad()``.
         batch_size: entries per call of ``run``.
         device: where ``run`` computes (inputs are moved there); default CPU.

@@ -47,7 +47,7 @@ from torch import Tensor
 
 from lightning_pipetransformer import tree
 from lightning_pipetransformer.pipe.microbatch import per_sample_view
-from lightning_pipetransformer.stack.interception import BlockArgs
+from lightning_pipetransformer.stack.stack_call import BlockArgs
 
 __all__ = [
     "ENTRY_FORMAT",

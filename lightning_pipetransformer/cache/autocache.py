@@ -35,13 +35,13 @@ AutoCache holds one object per part, each in its own module: the boundaries and 
 (:mod:`~lightning_pipetransformer.cache.first_hit`), refusals (:class:`~lightning_pipetransformer.cache.prefix.Verdicts`),
 counters (:mod:`~lightning_pipetransformer.cache.metrics`) and the batch-size measure
 (:mod:`~lightning_pipetransformer.cache.budget`). It keeps the settings and the decisions that
-span them: whether the frozen blocks' input lets the cache serve, ``cache="auto"``, the keys.
+span them: whether the frozen prefix may be cached, ``cache="auto"``, the keys. Whether one batch may
+be served (a trainable input among them) is the cached stack's call (:mod:`~lightning_pipetransformer.cache.cached_stack`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -61,18 +61,11 @@ from lightning_pipetransformer.cache.kept import evict, folder_name
 from lightning_pipetransformer.cache.keys import content_keys
 from lightning_pipetransformer.cache.metrics import BatchCounters, PeriodHits, cache_metrics
 from lightning_pipetransformer.cache.prefix import Verdicts, with_block_arguments
-from lightning_pipetransformer.cache.store import (
-    ActivationStore,
-    CacheConfigError,
-)
-from lightning_pipetransformer.cache.validity import (
-    check_deterministic,
-    prefix_fingerprint,
-    prefix_modules,
-)
+from lightning_pipetransformer.cache.store import ActivationStore
+from lightning_pipetransformer.cache.validity import check_deterministic, prefix_fingerprint, prefix_modules
 from lightning_pipetransformer.cache.watch import PrefixChange, PrefixWatch
 from lightning_pipetransformer.stack.discovery import BlockStack
-from lightning_pipetransformer.stack.interception import BlockArgs
+from lightning_pipetransformer.stack.stack_call import BlockArgs
 from lightning_pipetransformer.warn_once import WarnOnce
 
 __all__ = ["AutoCache"]
@@ -82,7 +75,6 @@ CacheMode = bool | Literal["auto"]
 #: Below this share of hits in an epoch after the boundary's entries were stored, content keys are
 #: naming other tensors than the stored ones (fixed inputs hit every time): worth a warning.
 _LOW_HIT_RATE = 0.8
-_INPUT_TRAINS = "the input of the frozen blocks requires grad and its gradient trains something"
 
 
 class AutoCache:
@@ -196,37 +188,6 @@ class AutoCache:
         """Run without the cache for this batch; warn the first time for each reason."""
         self.counters.skipped += 1
         self._said(("skip", reason), f"AutoCache is not used for these batches: {reason}. Results are exact; only the speed-up is lost.")
-
-    def describe_input_gradient(self, leaf: Any) -> str:
-        """What the frozen blocks' input trains, in words (``leaf``: :func:`~lightning_pipetransformer.stack.input_grad.gradient_leaf`)."""
-        name = self.parameter_names.get(id(leaf)) if isinstance(leaf, Tensor) else None
-        return _INPUT_TRAINS + (f" (it reaches {name})" if name else "")
-
-    def cannot_serve(self, trainable: str) -> None:
-        """The frozen blocks read ``trainable``, which requires grad: refuse (``cache=True``) or stay off."""
-        if trainable.startswith(_INPUT_TRAINS):
-            # Trainable embeddings (tied to the head, or freeze_embeddings=False): expected, and exact without the cache.
-            why = self.pre_trains_because or (
-                "a trainable parameter before the stack (trainable embeddings, e.g. AutoFreeze(freeze_embeddings=False), "
-                "or a parameter nothing froze: name its module in AutoFreeze(pre=[...]))"
-            )
-            self.skip_once(f"{trainable}: {why}")
-            return
-        reason = (
-            f"the frozen blocks read {trainable}, which requires grad: their output changes as training goes and the "
-            "gradient must flow through them, so it cannot be cached"
-        )
-        if self.mode is True:
-            modules = sorted({n.rsplit(".", 1)[0] for n in re.findall(r"[\w.]+\.(?:weight|bias)\b", trainable)})
-            fix = (
-                f"freeze {', '.join(modules)} with the prefix: AutoFreeze(pre=[<the modules before the stack>, "
-                f"{', '.join(repr(m) for m in modules)}])" if modules else "freeze what produces that argument with the prefix (AutoFreeze(pre=[...]))"
-            )
-            raise CacheConfigError(
-                f"AutoCache cannot serve this model: {reason}. To cache, {fix}; or use cache=False (or cache='auto', "
-                "which then stays off)."
-            )
-        self.skip_once(reason)
 
     def attach(self, stack: BlockStack, root: nn.Module | None = None) -> None:
         """Record the inputs of the first module before the stack (cheap keys); skip it when possible

@@ -26,7 +26,7 @@ from lightning_pipetransformer.cache.arguments import select_rows
 from lightning_pipetransformer.cache.prefix import run_blocks
 from lightning_pipetransformer.cache.store import ActivationStore
 from lightning_pipetransformer.stack.input_grad import needs_no_gradient
-from lightning_pipetransformer.stack.interception import BlockArgs
+from lightning_pipetransformer.stack.stack_call import BlockArgs
 
 __all__ = ["CachedBatch", "OlderEntries", "StackInput", "merge_rows"]
 

@@ -10,6 +10,7 @@ missed, store), and runs the active blocks on the boundary it returns.
 from __future__ import annotations
 
 import functools
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -20,13 +21,17 @@ from torch import Tensor, nn
 from lightning_pipetransformer import tree
 from lightning_pipetransformer.cache.arguments import pack_block_inputs
 from lightning_pipetransformer.cache.batch import CachedBatch, StackInput
+from lightning_pipetransformer.cache.budget import CacheConfigError
 from lightning_pipetransformer.cache.prefix import run_blocks
 from lightning_pipetransformer.stack.execution import graph_leaves
 from lightning_pipetransformer.stack.input_grad import as_marked_input, gradient_leaf
-from lightning_pipetransformer.stack.interception import BlockArgs, StackCall
+from lightning_pipetransformer.stack.stack_call import BlockArgs, StackCall
 
 if TYPE_CHECKING:
     from lightning_pipetransformer.cache.autocache import AutoCache
+
+#: How :func:`input_gradient` begins: the stack's input itself trains something (trainable embeddings, usually).
+_INPUT_TRAINS = "the input of the frozen blocks requires grad and its gradient trains something"
 
 
 def first_trainable(calls: Sequence[BlockArgs], parameter_names: Mapping[int, str] | None = None) -> str | None:
@@ -40,6 +45,12 @@ def first_trainable(calls: Sequence[BlockArgs], parameter_names: Mapping[int, st
                 source = f", computed from {', '.join(sorted(set(found))[:3])}" if found else ""
                 return f"block {index}'s {name}{source}"
     return None
+
+
+def input_gradient(leaf: Any, parameter_names: Mapping[int, str]) -> str:
+    """What the frozen blocks' input trains, in words (``leaf``: :func:`~lightning_pipetransformer.stack.input_grad.gradient_leaf`)."""
+    name = parameter_names.get(id(leaf)) if isinstance(leaf, Tensor) else None
+    return _INPUT_TRAINS + (f" (it reaches {name})" if name else "")
 
 
 class CachedStack:
@@ -89,13 +100,13 @@ class CachedStack:
             return self._prefix(given.full(), prefix_calls)
         if torch.is_grad_enabled() and frozen:
             trainable = (
-                cache.describe_input_gradient(gradient_leaf(hidden)) if hidden.requires_grad and not given.grad_free
+                input_gradient(gradient_leaf(hidden), cache.parameter_names) if hidden.requires_grad and not given.grad_free
                 else first_trainable(prefix_calls, cache.parameter_names)
             )
             if trainable is not None:
                 # Something the frozen blocks read still trains: the gradient must flow through them,
                 # and their output changes with it, so there is nothing to cache.
-                cache.cannot_serve(trainable)
+                self._cannot_serve(trainable)
                 return self._prefix(given.full(), prefix_calls)
         if call.observed:
             # Hooks observe the blocks (stack/observers.py): served rows would not run the frozen blocks,
@@ -121,6 +132,33 @@ class CachedStack:
         if keys is None:
             return self._prefix_plain(given.full(), prefix_calls)
         return self._serve(store, keys, extras, given, prefix_calls)
+
+    def _cannot_serve(self, trainable: str) -> None:
+        """The frozen blocks read ``trainable``, which requires grad: refuse (``cache=True``) or stay off."""
+        cache = self.cache
+        if trainable.startswith(_INPUT_TRAINS):
+            # Trainable embeddings (tied to the head, or freeze_embeddings=False): expected, and exact without the cache.
+            why = cache.pre_trains_because or (
+                "a trainable parameter before the stack (trainable embeddings, e.g. AutoFreeze(freeze_embeddings=False), "
+                "or a parameter nothing froze: name its module in AutoFreeze(pre=[...]))"
+            )
+            cache.skip_once(f"{trainable}: {why}")
+            return
+        reason = (
+            f"the frozen blocks read {trainable}, which requires grad: their output changes as training goes and the "
+            "gradient must flow through them, so it cannot be cached"
+        )
+        if cache.mode is True:
+            modules = sorted({n.rsplit(".", 1)[0] for n in re.findall(r"[\w.]+\.(?:weight|bias)\b", trainable)})
+            fix = (
+                f"freeze {', '.join(modules)} with the prefix: AutoFreeze(pre=[<the modules before the stack>, "
+                f"{', '.join(repr(m) for m in modules)}])" if modules else "freeze what produces that argument with the prefix (AutoFreeze(pre=[...]))"
+            )
+            raise CacheConfigError(
+                f"AutoCache cannot serve this model: {reason}. To cache, {fix}; or use cache=False (or cache='auto', "
+                "which then stays off)."
+            )
+        cache.skip_once(reason)
 
     def _serve(
         self, store: Any, keys: list[str], extras: dict[str, Tensor], given: StackInput, calls: Sequence[BlockArgs],

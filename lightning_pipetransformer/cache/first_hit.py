@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from lightning_pipetransformer.cache.arguments import select_rows
 from lightning_pipetransformer.cache.prefix import StaleCacheError
-from lightning_pipetransformer.stack.interception import BlockArgs
+from lightning_pipetransformer.stack.stack_call import BlockArgs
 from lightning_pipetransformer.stack.tolerance import precisions_in_play, verification_tolerance
 
 __all__ = ["FirstHitCheck"]

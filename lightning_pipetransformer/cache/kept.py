@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lightning_pipetransformer.cache.entry_file import SUFFIX
 from lightning_pipetransformer.cache.folders import remove_directory
 
 __all__ = ["MARKER", "Eviction", "StoreFolder", "clear", "evict", "folder_name", "is_kept", "mark_used", "store_folders"]
@@ -81,7 +82,7 @@ def store_folders(cache_dir: str | os.PathLike[str]) -> list[StoreFolder]:
                     total += item.stat(follow_symlinks=False).st_size
                 except FileNotFoundError:
                     continue
-                files += item.name.endswith(".safetensors")
+                files += item.name.endswith(SUFFIX)
             marker = Path(entry.path) / MARKER
             kept = marker.exists()
             last_used = (marker if kept else Path(entry.path)).stat().st_mtime

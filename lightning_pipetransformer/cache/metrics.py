@@ -1,6 +1,6 @@
 """What the cache reports: batch counters, the hit rate of a period, and the metrics the logger gets.
 
-The store counts its own lookups (:class:`~lightning_pipetransformer.cache.store.CacheStats`); this
+The store counts its own lookups (:class:`~lightning_pipetransformer.cache.store_stats.CacheStats`); this
 module counts whole batches (served in full, looked up, run without the cache) and turns both into
 the flat ``autocache/...`` metrics :mod:`lightning_pipetransformer.report` sorts for the loggers.
 """

@@ -17,7 +17,8 @@ from torch import Tensor, nn
 from lightning_pipetransformer import tree
 from lightning_pipetransformer.cache.arguments import shared_once
 from lightning_pipetransformer.cache.keys import content_keys
-from lightning_pipetransformer.stack.interception import BlockArgs, call_block, hidden_of
+from lightning_pipetransformer.stack.interception import call_block
+from lightning_pipetransformer.stack.stack_call import BlockArgs, hidden_of
 
 __all__ = ["StaleCacheError", "Verdicts", "run_blocks", "with_block_arguments"]
 

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from lightning_pipetransformer.pipe.pipeline import Pipeline
-from lightning_pipetransformer.stack.interception import StackCall, hidden_of, uncounted
+from lightning_pipetransformer.stack.interception import uncounted
+from lightning_pipetransformer.stack.stack_call import StackCall, hidden_of
 from lightning_pipetransformer.warn_once import WarnOnce
 
 __all__ = ["ChunkTuner"]

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from lightning_pipetransformer import tree
-from lightning_pipetransformer.stack.interception import BlockArgs
+from lightning_pipetransformer.stack.stack_call import BlockArgs
 
 __all__: list[str] = []
 

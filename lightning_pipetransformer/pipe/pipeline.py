@@ -1,7 +1,7 @@
 """The pipeline executor: one process drives a block stack cut into stages on K devices.
 
 GPipe fill-drain in the style of torchgpipe. :meth:`Pipeline.run` takes one pass of the model's
-loop over its blocks (:class:`~lightning_pipetransformer.stack.interception.StackCall`: the hidden
+loop over its blocks (:class:`~lightning_pipetransformer.stack.stack_call.StackCall`: the hidden
 state and every block's own arguments), cuts it into ``chunks`` micro-batches
 (:mod:`~lightning_pipetransformer.pipe.microbatch`), runs micro-batch ``i`` on
 stage ``j`` at clock cycle ``i + j`` (:func:`clock_cycles`), and joins the last block's outputs on
@@ -44,8 +44,9 @@ from lightning_pipetransformer.devices import Device, Stream
 from lightning_pipetransformer.pipe.microbatch import Scatter, batch_size, gather, scatter
 from lightning_pipetransformer.plan import boundaries
 from lightning_pipetransformer.stack.input_grad import as_marked_input, needs_no_gradient
-from lightning_pipetransformer.stack.interception import BlockArgs, InterceptionError, StackCall, call_block, hidden_of
+from lightning_pipetransformer.stack.interception import call_block
 from lightning_pipetransformer.stack.placeholders import refuse_placeholder
+from lightning_pipetransformer.stack.stack_call import BlockArgs, InterceptionError, StackCall, hidden_of
 from lightning_pipetransformer.warn_once import WarnOnce
 
 __all__ = ["Pipeline", "PipelineStats", "clock_cycles"]
@@ -97,7 +98,7 @@ class Pipeline:
         balance: blocks per stage, e.g. ``(4, 4, 4)``.
         devices: one device per stage (stages may share a device; on CUDA each still gets a
             stream of its own, from a pool shared with other pipelines: see
-            :func:`~lightning_pipetransformer.devices.stage_streams`). The blocks must already be
+            :func:`~lightning_pipetransformer.devices.streams.stage_streams`). The blocks must already be
             there: see :meth:`place`.
         chunks: the number of micro-batches ``M`` (fewer for a batch of fewer samples).
         num_frozen: the leading blocks that are frozen (their parameters must not require
@@ -109,7 +110,7 @@ class Pipeline:
 
     Which arguments are batch-shaped follows :mod:`~lightning_pipetransformer.pipe.microbatch`, and
     the hidden state in a block's output follows
-    :func:`~lightning_pipetransformer.stack.interception.hidden_of`: the interception learns the
+    :func:`~lightning_pipetransformer.stack.stack_call.hidden_of`: the interception learns the
     blocks' outputs by that same rule, so the two must never disagree.
 
     With one stage and one micro-batch a call is the plain loop: no split, no copy, no extra

@@ -10,8 +10,8 @@ changing the model's code. Models loop in many ways::
 
 so the interception is on each *block*, not on the container. Every block's class is swapped for
 a subclass whose ``__call__`` records the call's arguments instead of running it and returns a
-:class:`Deferred` placeholder for its output; the call of the *last* block hands the whole pass,
-every block with its own arguments (:class:`StackCall`), to the installed runner (the pipeline
+:class:`~.deferred.Deferred` placeholder for its output; the call of the *last* block hands the whole pass,
+every block with its own arguments (:class:`~.stack_call.StackCall`), to the installed runner (the pipeline
 executor, AutoCache's cached stack) and returns the real output of the last block::
 
     block 0 (h, a0) -> Deferred d0        recorded: h, (a0)
@@ -26,7 +26,7 @@ What cannot be deferred is refused loudly, never run wrongly:
 
 - a placeholder used for anything but being passed to the next block (the model reads or
   changes an intermediate output between blocks, e.g. DeBERTa-v2's convolution after block 0,
-  or a loop that stops before the last block) raises :class:`InterceptionError` at that use;
+  or a loop that stops before the last block) raises :class:`~.stack_call.InterceptionError` at that use;
 - blocks called out of order, or an intermediate output passed as another argument, raise;
 - to return a placeholder of the right structure, the interception must know what each block
   returns (a tensor, or a tuple such as BLOOM's ``(hidden, attention)``). The first pass over a
@@ -40,7 +40,9 @@ What cannot be deferred is refused loudly, never run wrongly:
   which has no batch dimension to split or key. A later pass whose real outputs differ from the structure learnt raises.
 
 Runs the runner makes itself call blocks through :func:`call_block`, which bypasses the
-interception. The cost per block call is a dictionary lookup and a tuple append.
+interception. The cost per block call is a dictionary lookup and a tuple append. What a pass is
+(the types every runner shares) is :mod:`~.stack_call`; the placeholders are :mod:`~.deferred`;
+what the probe puts back is :mod:`~.probe`.
 """
 
 from __future__ import annotations
@@ -48,28 +50,27 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import astuple, dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from lightning_pipetransformer import tree
+from lightning_pipetransformer.stack.deferred import Deferred, contains_deferred, output_template, placeholder_output, same_structure
 from lightning_pipetransformer.stack.observers import BlockHooks, Observer, block_modules, silenced
 from lightning_pipetransformer.stack.placeholders import is_placeholder, refuse_placeholder
+from lightning_pipetransformer.stack.probe import Probe, block_device
+from lightning_pipetransformer.stack.stack_call import Args, BlockArgs, InterceptionError, Kwargs, Runner, StackCall, hidden_of
 from lightning_pipetransformer.warn_once import WarnOnce
 
 __all__ = [
-    "Deferred",
-    "InterceptionError",
-    "Runner",
-    "StackCall",
+    "InterceptionStats",
     "arm_self_check",
     "bypass",
     "call_block",
-    "hidden_of",
     "uncounted",
     "install_pipeline",
     "installed_pipeline",
@@ -77,161 +78,6 @@ __all__ = [
     "pipelined",
     "remove_pipeline",
 ]
-
-Args = tuple[Any, ...]
-Kwargs = dict[str, Any]
-#: One block call's arguments after the hidden state.
-BlockArgs = tuple[Args, Kwargs]
-
-
-class InterceptionError(RuntimeError):
-    """The model's loop does something with the block stack that a pipeline or a cache cannot reproduce."""
-
-
-@dataclass(frozen=True)
-class StackCall:
-    """One pass of the model's loop over the stack: the first block's input and every block's arguments."""
-
-    hidden: Tensor
-    #: Per block, in order: its positional arguments after the hidden state, and its keyword arguments.
-    calls: tuple[BlockArgs, ...]
-    #: Called by an executor with ``(block index, output)`` for the first micro-batch of each block.
-    observe: Callable[[int, Any], None] | None = field(default=None, compare=False)
-    #: Wraps a hidden state into what the last block returns (a tensor, or e.g. BLOOM's tuple), for a
-    #: runner that produces the last hidden state without running the last block (all blocks cached).
-    as_output: Callable[[Tensor], Any] = field(default=lambda hidden: hidden, compare=False)
-    #: Hooks that observe the blocks in this pass (:mod:`~.observers`): a runner must then run each
-    #: block once on the whole batch (one micro-batch, no cache), so that they see the plain loop's calls.
-    observed: tuple[Observer, ...] = field(default=(), compare=False)
-
-    @classmethod
-    def uniform(cls, hidden: Tensor, args: Args, kwargs: Kwargs, num_blocks: int) -> StackCall:
-        """A pass where every block gets the same arguments (a plain ``for block in blocks`` loop)."""
-        return cls(hidden, ((tuple(args), dict(kwargs)),) * num_blocks)
-
-    def __len__(self) -> int:
-        return len(self.calls)
-
-    def part(self, start: int, stop: int | None = None, hidden: Tensor | None = None) -> StackCall:
-        """The pass over blocks ``start..stop-1`` (block indices of :attr:`observe` shift with it)."""
-        observe = self.observe
-        shifted = None if observe is None else (lambda i, out: observe(i + start, out))
-        return StackCall(self.hidden if hidden is None else hidden, self.calls[start:stop], shifted, self.as_output, self.observed)
-
-
-class Runner(Protocol):
-    """What is installed in place of the stack: it runs a whole pass and returns the last block's output."""
-
-    blocks: tuple[nn.Module, ...]
-
-    def run(self, call: StackCall) -> Any: ...
-
-
-# -- placeholders ------------------------------------------------------------------------------
-
-# Reading these from a placeholder is harmless: they do not depend on values not computed yet.
-_HARMLESS = frozenset(
-    {
-        Tensor.dtype.__get__,  # type: ignore[attr-defined]
-        Tensor.device.__get__,  # type: ignore[attr-defined]
-        Tensor.is_cuda.__get__,  # type: ignore[attr-defined]
-        Tensor.requires_grad.__get__,  # type: ignore[attr-defined]
-    }
-)
-
-
-class Deferred(Tensor):
-    """The output of a block that has not run yet: it runs when the stack's last block is called.
-
-    It carries the dtype and device of the block's input and nothing else; any use other than
-    passing it on to the next block raises :class:`InterceptionError` naming the block.
-    """
-
-    _what: str
-
-    @staticmethod
-    def __new__(cls, like: Tensor, what: str) -> Deferred:
-        data = torch.empty(0, dtype=like.dtype, device=like.device)
-        placeholder = Tensor._make_subclass(cls, data, False)
-        placeholder._what = what
-        return placeholder
-
-    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
-        return f"Deferred({self._what})"
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
-        if func in _HARMLESS:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        what = next((a._what for a in tree.leaves((args, kwargs)) if isinstance(a, Deferred)), "a block output")
-        owner = getattr(func, "__self__", None)  # a property getter: name the property ('shape')
-        name = getattr(owner, "__name__", None) if getattr(func, "__name__", "") == "__get__" else getattr(func, "__name__", None)
-        name = name or repr(func)
-        raise InterceptionError(
-            f"The model used {what} ({name}), a placeholder for a block output that the pipeline or cache does not "
-            "produce. strategy='pipetransformer' runs the whole stack when its last block is called, so a model's "
-            "loop may only pass each block's output on to the next block (no reading or changing it between blocks, "
-            "no stopping early, no keeping it: a model that collects per-layer outputs in its own loop, with "
-            "output_hidden_states=True or output_attentions=True, keeps placeholders; turn those flags off while "
-            "training). Use pipe_len=1, chunks=1 and cache=False for this model, or name another container with layers=."
-        )
-
-
-def _contains_deferred(value: Any) -> bool:
-    return any(isinstance(v, Deferred) for v in tree.tensors(value))
-
-
-# -- what a block returns ------------------------------------------------------------------------
-
-_HIDDEN, _TENSOR = "hidden", "tensor"
-
-
-def output_template(output: Any) -> Any:
-    """The structure of a block output: tensors are slots, the first one (the hidden state) marked.
-
-    Follows :func:`hidden_of`: a tensor is the hidden state, else the first element of a tuple /
-    list / ``ModelOutput``.
-    """
-    if isinstance(output, Tensor):
-        return _HIDDEN
-    if isinstance(output, (tuple, list)) and output:
-        rest = [_TENSOR if isinstance(v, Tensor) else ("value", v) if not isinstance(v, (tuple, list, Mapping)) else None for v in output[1:]]
-        if any(r is None for r in rest):
-            return ("opaque", type(output).__name__)
-        return ("seq", type(output), (_HIDDEN, *rest))
-    return ("opaque", type(output).__name__)
-
-
-def _same_structure(a: Any, b: Any) -> bool:
-    if a == b:
-        return True
-    if isinstance(a, tuple) and isinstance(b, tuple) and a[:2] == b[:2] and a[0] == "seq":
-        # Plain values (None, flags) inside may differ between calls only if both are plain values.
-        return len(a[2]) == len(b[2]) and all(
-            x == y or (isinstance(x, tuple) and isinstance(y, tuple) and x[0] == y[0] == "value")
-            for x, y in zip(a[2], b[2])
-        )
-    return False
-
-
-def _placeholder_output(template: Any, like: Tensor, what: str) -> tuple[Any, Deferred]:
-    """A stand-in for a block output of ``template``'s structure, and the placeholder of its hidden state."""
-    hidden = Deferred(like, what)
-    if template == _HIDDEN:
-        return hidden, hidden
-    if template[0] != "seq":
-        raise InterceptionError(
-            f"{what[0].upper()}{what[1:]} is a {template[1]}, not a tensor or a tuple of tensors and plain values: a "
-            "placeholder of that structure cannot be made, so the pass cannot be deferred to the stack's last block. "
-            "Use pipe_len=1, chunks=1 and cache=False for this model."
-        )
-    _, kind, slots = template
-    items = [hidden] + [
-        Deferred(like, f"{what} (element {i + 1})") if s == _TENSOR else s[1] for i, s in enumerate(slots[1:])
-    ]
-    out = kind(*items) if hasattr(kind, "_fields") else kind(items)
-    return out, hidden
 
 
 # -- the interception itself ------------------------------------------------------------------------
@@ -302,8 +148,8 @@ class _Pass:
     """The pass of the model's loop in progress."""
 
     hidden: Tensor
-    #: The first pass with gradients: blocks also run (no graph) to learn what they return, see :class:`_Probe`.
-    probe: _Probe | None
+    #: The first pass with gradients: blocks also run (no graph) to learn what they return, see :class:`~.probe.Probe`.
+    probe: Probe | None
     #: A pass run as the model calls it, block by block, and final: no runner (a first pass whose
     #: blocks update a key-value cache, or a pass over a nested tensor).
     eager: bool = False
@@ -315,27 +161,6 @@ class _Pass:
     observed: tuple[Observer, ...] = ()
     #: In the probe: the real output of the block probed last (the model holds its placeholder).
     probe_hidden: Any = None
-
-
-class _Probe:
-    """What running the blocks once to learn their outputs must leave untouched: RNG state and buffers."""
-
-    def __init__(self, blocks: Sequence[nn.Module]) -> None:
-        cuda = sorted({t.device.index for b in blocks for t in (*b.parameters(), *b.buffers()) if t.is_cuda})
-        self._cpu = torch.get_rng_state()
-        self._cuda = [(d, torch.cuda.get_rng_state(d)) for d in cuda]
-        self._buffers = [(t, t.detach().clone()) for b in blocks for t in b.buffers()]
-
-    def restore(self) -> None:
-        torch.set_rng_state(self._cpu)
-        for device, state in self._cuda:
-            torch.cuda.set_rng_state(state, device)
-        with torch.no_grad():
-            for buffer, saved in self._buffers:
-                # Only what changed: an in-place copy bumps a buffer's version, and a graph built since
-                # (the self-check restores after the runner's pass) may have saved it (Swin's index buffers).
-                if not torch.equal(buffer, saved):
-                    buffer.copy_(saved)
 
 
 @dataclass
@@ -405,7 +230,7 @@ class _Interceptor:
             # A nested tensor (nn.TransformerEncoder's fast path in eval mode: padding dropped) has no batch
             # dimension to split into micro-batches or to key cache rows by: the pass runs as the model calls it.
             eager = hidden.is_nested or (learn and any(tree.is_stateful(v) for v in tree.leaves((args, kwargs))))
-            self._pass = _Pass(hidden, _Probe(self.blocks) if learn and not eager else None, eager, observed=self.observers())
+            self._pass = _Pass(hidden, Probe(self.blocks) if learn and not eager else None, eager, observed=self.observers())
         else:
             current = self._pass
             if current is None or index != len(current.calls):
@@ -422,7 +247,7 @@ class _Interceptor:
                     f"state between blocks {index - 1} and {index} (e.g. DeBERTa-v2 with conv_kernel_size > 0). A "
                     "pipeline or cache cannot reproduce that: use pipe_len=1, chunks=1 and cache=False for this model."
                 )
-        if _contains_deferred((args, kwargs)):
+        if contains_deferred((args, kwargs)):
             self._pass = None
             raise InterceptionError(
                 f"Block {index} got an earlier block's output as an extra argument: the model feeds intermediate "
@@ -450,12 +275,12 @@ class _Interceptor:
             self.templates[index] = output_template(out)
             if not last:
                 current.probe_hidden = hidden_of(out)
-                out, current.last = _placeholder_output(self.templates[index], current.hidden, f"the output of block {index}")
+                out, current.last = placeholder_output(self.templates[index], current.hidden, f"the output of block {index}")
                 return out
             current.probe.restore()  # the runner's pass draws and updates as if the probe never ran
             self.stats.probes += 1
         elif not last:
-            out, current.last = _placeholder_output(self.templates[index], current.hidden, f"the output of block {index}")
+            out, current.last = placeholder_output(self.templates[index], current.hidden, f"the output of block {index}")
             return out
         self._pass = None
         assert self.runner is not None
@@ -480,7 +305,7 @@ class _Interceptor:
         the pass again), refusing a key-value cache object (it would be updated twice).
         """
         home = self._pass.hidden.device if self._pass is not None else hidden.device
-        where = _device_of(self.blocks[index], home)
+        where = block_device(self.blocks[index], home)
         if where != home or hidden.device != where:
             hidden, args, kwargs = tree.map_tensors(lambda v: v.to(where), (hidden, args, kwargs))
         if probe:
@@ -507,7 +332,7 @@ class _Interceptor:
 
     def _as_last_output(self, hidden: Tensor) -> Any:
         """``hidden`` in the structure the last block returns; its other tensors raise if used."""
-        out, placeholder = _placeholder_output(self.templates[-1], hidden, "an output of the last block")
+        out, placeholder = placeholder_output(self.templates[-1], hidden, "an output of the last block")
         if out is placeholder:
             return hidden
         items = [hidden, *out[1:]]
@@ -516,7 +341,7 @@ class _Interceptor:
     def _check_structure(self, index: int, output: Any) -> None:
         """A block's real output must have the structure its placeholder had (learned in the first pass)."""
         template = output_template(output)
-        if not _same_structure(template, self.templates[index]):
+        if not same_structure(template, self.templates[index]):
             previous, self.templates[index] = self.templates[index], template
             raise InterceptionError(
                 f"Block {index} returned {template} this time but {previous} in the model's first pass, whose "
@@ -559,33 +384,6 @@ def _split_hidden(block: nn.Module, args: Args, kwargs: Kwargs) -> tuple[Tensor,
             f"{type(block).__name__} got {type(hidden).__name__}."
         )
     return hidden, rest, kwargs
-
-
-def hidden_of(output: Any) -> Tensor:
-    """The hidden state inside a block's output, to feed the next block.
-
-    A tensor is itself; a tuple or list (older Hugging Face layers, BLOOM, Swin) and a
-    ``ModelOutput``-like object (anything with ``to_tuple``) give their first element.
-    """
-    if isinstance(output, Tensor):
-        return output
-    if isinstance(output, (tuple, list)) and output:
-        return output[0]
-    if hasattr(output, "to_tuple"):
-        return output.to_tuple()[0]
-    raise TypeError(
-        f"Cannot find the hidden state in a block output of type {type(output).__name__}: it is the output itself "
-        "(a tensor) or the first element of a tuple, list or ModelOutput. A pipeline or cache cannot run this model's "
-        "blocks: use pipe_len=1, chunks=1 and cache=False for it."
-    )
-
-
-def _device_of(block: nn.Module, default: torch.device) -> torch.device:
-    for tensor in block.parameters():
-        return tensor.device
-    for tensor in block.buffers():
-        return tensor.device
-    return default
 
 
 # -- installing a runner -------------------------------------------------------------------------

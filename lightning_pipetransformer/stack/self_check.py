@@ -35,21 +35,11 @@ from torch import Tensor, nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from lightning_pipetransformer import tree
-from lightning_pipetransformer.stack.interception import (
-    Deferred,
-    InterceptionError,
-    Runner,
-    StackCall,
-    _device_of,
-    _Probe,
-    _same_structure,
-    bypass,
-    call_block,
-    hidden_of,
-    output_template,
-    uncounted,
-)
+from lightning_pipetransformer.stack.deferred import Deferred, output_template, same_structure
+from lightning_pipetransformer.stack.interception import bypass, call_block, uncounted
 from lightning_pipetransformer.stack.observers import Observer, block_modules, replacing_hooks, silenced
+from lightning_pipetransformer.stack.probe import Probe, block_device
+from lightning_pipetransformer.stack.stack_call import InterceptionError, Runner, StackCall, hidden_of
 from lightning_pipetransformer.stack.tolerance import lowest_precision, precisions_in_play
 from lightning_pipetransformer.terminal import wrap
 
@@ -88,15 +78,15 @@ class SelfCheck:
 
     def __call__(self, runner: Runner, call: StackCall) -> Any:
         blocks = self.blocks
-        before = _Probe(blocks)  # random state and buffers as the runner found them
+        before = Probe(blocks)  # random state and buffers as the runner found them
         # Copies, a tensor shared by several blocks copied once: the plain loop gets what the runner got.
         hidden, calls = tree.map_tensors(lambda v: v.detach().clone(), (call.hidden, call.calls), memo={})
         watched = self._watched(call.observed)
         # Read before the runner runs: the autocast and matmul precision both passes compute at.
-        precisions = precisions_in_play(_device_of(blocks[0], call.hidden.device) if blocks else call.hidden.device, blocks)
+        precisions = precisions_in_play(block_device(blocks[0], call.hidden.device) if blocks else call.hidden.device, blocks)
         with _counting(watched) as fired, replacing_hooks(self._modules) as replacing:
             out = runner.run(call)
-        after = _Probe(blocks)
+        after = Probe(blocks)
         before.restore()
         rng = _rng_states(blocks)
         with _counting(watched) as expected, silenced((m for _, m in self._modules), every=True):
@@ -147,7 +137,7 @@ class SelfCheck:
         out: Any = hidden
         with bypass(), uncounted(), torch.no_grad():
             for block, (args, kwargs) in zip(self.blocks, calls):
-                where = _device_of(block, hidden.device)
+                where = block_device(block, hidden.device)
                 here, args, kwargs = tree.map_tensors(lambda v, d=where: v.to(d), (hidden, args, kwargs))
                 out = call_block(block, here, *args, **kwargs)
                 hidden = hidden_of(out)
@@ -191,7 +181,7 @@ def _differences(
     magnitude; ``precisions``: what the blocks' math ran at (:func:`value_tolerance`).
     """
     shape, expected = output_template(out), output_template(plain)
-    if not _same_structure(shape, expected):
+    if not same_structure(shape, expected):
         return [f"the last block's output is {shape} where the plain loop's is {expected}"]
     found: list[str] = []
     got, want = tree.leaves(out), tree.leaves(plain)

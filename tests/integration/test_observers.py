@@ -28,9 +28,10 @@ from torch.nn.modules.module import register_module_forward_hook
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.cache.cached_stack import CachedStack
 from lightning_pipetransformer.pipe.pipeline import Pipeline
-from lightning_pipetransformer.stack.interception import InterceptionError, interception_stats
+from lightning_pipetransformer.stack.interception import interception_stats
 from lightning_pipetransformer.stack.model_flags import check_model_flags
 from lightning_pipetransformer.stack.self_check import SelfCheckError
+from lightning_pipetransformer.stack.stack_call import InterceptionError
 from tests.helpers.block_runs import ForwardBackwardRunsPerEpoch
 from tests.helpers.compare import assert_same_weights
 from tests.helpers.families import BATCH, FamilyModule, family_data

@@ -494,7 +494,7 @@ def test_bart_decoder_pipelined():
 
 def test_t5_blocks_pass_the_position_bias_on_and_are_refused():
     """T5's first block computes the relative position bias and the loop hands it to the next ones."""
-    from lightning_pipetransformer.stack.interception import InterceptionError
+    from lightning_pipetransformer.stack.stack_call import InterceptionError
 
     with pytest.raises(InterceptionError, match="got an earlier block's output as an extra argument"):
         cpu_trainer(PipeTransformerStrategy(pipe_len=2, layers="model.encoder.block"), max_epochs=EPOCHS).fit(Seq2Seq("t5"), family_data("bert"))

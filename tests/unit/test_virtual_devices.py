@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_pipetransformer import devices as dev
 from lightning_pipetransformer.devices import VirtualDeviceError, VirtualDevices, optimizer_state_to_param_devices
+from lightning_pipetransformer.devices.handover import _Hop
 from lightning_pipetransformer.dp import state_transfer
 
 CPU0, CPU1, CPU2 = (torch.device("cpu", i) for i in range(3))
@@ -105,7 +106,7 @@ def test_a_collective_on_a_tensor_off_the_process_device_fails_and_staging_avoid
 def test_same_device_hop_returns_a_tensor_an_in_place_op_may_change():
     # A stage's input handed over on one device (the CUDA path's autograd function, run on CPU).
     x = torch.randn(3, 2, requires_grad=True)
-    y = dev._Hop.apply(None, None, torch.device("cpu"), x * 1)
+    y = _Hop.apply(None, None, torch.device("cpu"), x * 1)
     assert not y._is_view()
     y.relu_().sum().backward()  # raised "a view created inside a custom Function" before
     torch.testing.assert_close(x.grad, (x > 0).float())

@@ -18,7 +18,8 @@ from lightning_pipetransformer.cache.store import ActivationStore
 from lightning_pipetransformer.cache.validity import prefix_fingerprint
 from lightning_pipetransformer.freeze.apply import apply_freeze
 from lightning_pipetransformer.stack.discovery import find_block_stack
-from lightning_pipetransformer.stack.interception import StackCall, install_pipeline, remove_pipeline
+from lightning_pipetransformer.stack.interception import install_pipeline, remove_pipeline
+from lightning_pipetransformer.stack.stack_call import StackCall
 
 SEQ, VOCAB = 8, 50
 

@@ -11,7 +11,7 @@ take its CUDA path (streams, events, the ``hop`` autograd function) on CPU tenso
 - ``launch_cost``: host time one launch takes. One Python thread launches everything, so the
   host clock only moves forward; a kernel cannot start before its launch has been issued.
 
-- ``copy_cost``: a copy between devices (``devices._move_across``) is a kernel of that duration
+- ``copy_cost``: a copy between devices (``devices.handover._move_across``) is a kernel of that duration
   on the source device's current stream, after both devices' current streams' earlier work, and
   the destination's current stream waits for it: torch's two-way barrier around a peer copy.
   Kept in ``copies``, apart from the blocks' ``kernels``. Free by default.

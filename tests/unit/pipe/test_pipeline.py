@@ -8,8 +8,10 @@ import torch
 from torch import nn
 
 from lightning_pipetransformer import devices as dev
+from lightning_pipetransformer.devices.handover import _Hop
 from lightning_pipetransformer.pipe.pipeline import Pipeline, clock_cycles
-from lightning_pipetransformer.stack.interception import hidden_of, install_pipeline, pipelined, remove_pipeline
+from lightning_pipetransformer.stack.interception import install_pipeline, pipelined, remove_pipeline
+from lightning_pipetransformer.stack.stack_call import hidden_of
 from tests.helpers.block_runs import ForwardRuns
 from tests.unit.pipe.stand_in_streams import Timeline
 
@@ -402,7 +404,7 @@ def test_hop_autograd_function_passes_gradients_on_cpu():
     # The CUDA path's autograd function, exercised with CPU "streams" (None).
     x = torch.randn(3, 2, dtype=torch.double, requires_grad=True)
     cpu = torch.device("cpu")
-    torch.autograd.gradcheck(lambda t: dev._Hop.apply(None, None, cpu, t) * 2, (x,))
+    torch.autograd.gradcheck(lambda t: _Hop.apply(None, None, cpu, t) * 2, (x,))
     assert dev.hop(x, None, None, cpu) is x
     assert dev.new_stream(cpu) is None and dev.current_stream(cpu) is None
     dev.wait(None, None)

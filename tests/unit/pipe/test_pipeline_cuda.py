@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from lightning_pipetransformer.pipe.pipeline import Pipeline
-from lightning_pipetransformer.stack.interception import hidden_of, pipelined
+from lightning_pipetransformer.stack.interception import pipelined
+from lightning_pipetransformer.stack.stack_call import hidden_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (streams and events)")
 

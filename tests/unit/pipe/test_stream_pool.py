@@ -5,7 +5,7 @@ import torch
 from lightning_pipetransformer import devices as dev
 from lightning_pipetransformer.pipe.chunks import ChunkTuner, chunk_candidates
 from lightning_pipetransformer.pipe.pipeline import Pipeline
-from lightning_pipetransformer.stack.interception import StackCall
+from lightning_pipetransformer.stack.stack_call import StackCall
 from tests.unit.pipe.stand_in_streams import TimedBlock, Timeline, numbered_batch
 
 CPU0, CPU1 = torch.device("cpu", 0), torch.device("cpu", 1)

@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 from lightning_pipetransformer.pipe.pipeline import Pipeline
-from lightning_pipetransformer.stack.interception import Deferred, InterceptionError, interception_stats, pipelined
+from lightning_pipetransformer.stack.deferred import Deferred
+from lightning_pipetransformer.stack.interception import interception_stats, pipelined
+from lightning_pipetransformer.stack.stack_call import InterceptionError
 from tests.helpers.block_runs import ForwardRuns
 
 WIDTH, BATCH, SEQ = 8, 6, 5

@@ -8,8 +8,9 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook
 
 from lightning_pipetransformer import sees_block_runs
-from lightning_pipetransformer.stack.interception import StackCall, install_pipeline, interception_stats, remove_pipeline
+from lightning_pipetransformer.stack.interception import install_pipeline, interception_stats, remove_pipeline
 from lightning_pipetransformer.stack.observers import BlockHooks, block_modules, find_observers, silenced
+from lightning_pipetransformer.stack.stack_call import StackCall
 
 
 def blocks():

@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 from lightning_pipetransformer.pipe.pipeline import Pipeline
-from lightning_pipetransformer.stack.interception import StackCall, call_block
+from lightning_pipetransformer.stack.interception import call_block
 from lightning_pipetransformer.stack.placeholders import PlaceholderError, is_placeholder, make_placeholder
+from lightning_pipetransformer.stack.stack_call import StackCall
 
 
 def test_a_placeholder_is_marked_nan_and_tracks_versions_under_inference_mode():

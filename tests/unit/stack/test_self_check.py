@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from lightning_pipetransformer.pipe.pipeline import Pipeline
-from lightning_pipetransformer.stack.interception import StackCall
 from lightning_pipetransformer.stack.observers import Observer
 from lightning_pipetransformer.stack.self_check import SelfCheck, SelfCheckError, value_tolerance
+from lightning_pipetransformer.stack.stack_call import StackCall
 from lightning_pipetransformer.stack.tolerance import precisions_in_play
 
 
