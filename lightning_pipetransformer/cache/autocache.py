@@ -228,7 +228,7 @@ class AutoCache:
             source = (pending.args, pending.kwargs) if pending is not None else hidden
             store = self.store
             recording = store is not None and store.stats().hits == 0  # the store fills in this pass
-            changed = self.indices.check_forward(full, source, batch, recording) if full is not None else None
+            changed = self.indices.check_forward(full, source, batch, recording, self.boundaries.holds) if full is not None else None
             if changed is not None:
                 self.verdicts.refuse(changed)
                 return None  # several processes: the refusal waits for the step's end; compute meanwhile

@@ -234,6 +234,10 @@ class Boundaries:
         self.deferred = self._early = None
         self.advanced = 0
 
+    def holds(self, key: str) -> bool:
+        """Whether a store that could serve ``key`` has an entry for it (the current one, or an older one a lazy advance reads)."""
+        return any(store.holds(key) for store in (self.current, *self._older) if store is not None)
+
     @property
     def holds_older(self) -> bool:
         """Whether earlier boundaries' stores are still open (a lazy advance in progress)."""

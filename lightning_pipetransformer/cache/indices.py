@@ -86,7 +86,9 @@ class BatchIndices:
         """A pass over a loader begins: its first :data:`FORWARD_PROBES` forwards probe again."""
         self.forward_probes = FORWARD_PROBES
 
-    def check_forward(self, keys: list[str], source: Any, batch: int, recording: bool) -> InputChanged | None:
+    def check_forward(
+        self, keys: list[str], source: Any, batch: int, recording: bool, holds: Callable[[str], bool] | None = None
+    ) -> InputChanged | None:
         """A forward's rows as the model receives them (``source``: the embeddings' recorded inputs or the stack's
         input) against what they were when their entries were stored: ``None``, or the error naming a masking or
         augmentation applied after the loader (in ``training_step`` or the model), which :meth:`read`'s probe of the
@@ -94,7 +96,9 @@ class BatchIndices:
 
         ``recording``: the current store is filling (its entries are stored in this pass): every forward's content keys
         are kept (one read of 16 bytes per row, where the store copies the new entries to the host anyway). Else only
-        the first :data:`FORWARD_PROBES` forwards of a pass are compared, before anything of theirs is served."""
+        the first :data:`FORWARD_PROBES` forwards of a pass are compared, before anything of theirs is served.
+        ``holds(key)``: whether the store has an entry for ``key``. A key whose earlier input left none (a NaN read once is
+        not stored) has nothing stale to serve: its new input is kept instead of refused."""
         if not recording and self.forward_probes <= 0:
             return None
         self.forward_probes -= 0 if recording else 1
@@ -104,7 +108,9 @@ class BatchIndices:
             return None  # what cannot be hashed cannot be probed: the loader's probe still runs
         for key, now in zip(keys, content):
             before = self._first_forward.setdefault(key, now)
-            if before != now:
+            if before != now and holds is not None and not holds(key):
+                self._first_forward[key] = now
+            elif before != now:
                 return InputChanged(
                     f"cache_key='index': sample {key.rsplit('-', 1)[0].rsplit('i', 1)[-1]} reached the model with another "
                     "input than when its entry was stored: a random masking or augmentation in training_step or in the "

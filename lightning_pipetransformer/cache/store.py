@@ -352,6 +352,10 @@ class ActivationStore:
     def in_memory(self, key: str) -> bool:
         return key in self._mem
 
+    def holds(self, key: str) -> bool:
+        """Whether ``key`` has an entry (memory, or one ``stat`` of its file)."""
+        return key in self._mem or self.on_disk(key)
+
     def count_as_hits(self, memory: int, disk: int) -> None:
         """Lookups this store missed that an earlier boundary's store answered (a lazy advance): hits of the cache."""
         self._stats.misses -= memory + disk

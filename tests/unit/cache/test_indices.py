@@ -54,3 +54,22 @@ def test_an_unprobed_sample_may_change_unnoticed_but_its_neighbours_are_compared
         if not probed(i):
             other[i] += 1
     indices.read(batch(other), "ns-", "train0", 0, raise_it)  # the probed rows are unchanged
+
+
+def test_a_forward_whose_rows_changed_stops_only_where_an_entry_was_stored():
+    """A row that reaches the model with another input stops the run when an entry computed from its old input could be
+    served (a masking in training_step); a row that left no entry (a NaN read once is not stored) takes its new input."""
+    indices = BatchIndices()
+    keys = [f"ns-i{i}-0f3a" for i in range(4)]  # an index key and its blocks' arguments (prefix.with_block_arguments)
+    first = torch.arange(32.0).reshape(4, 8)
+    assert indices.check_forward(keys, first, 4, recording=True) is None
+    changed = first.clone()
+    changed[1] += 1
+    indices.new_pass()
+    stored = {keys[0], keys[2], keys[3]}  # row 1's entry was never stored
+    assert indices.check_forward(keys, changed, 4, recording=False, holds=stored.__contains__) is None
+    assert indices.check_forward(keys, changed, 4, recording=False, holds=stored.__contains__) is None  # now its input
+    masked = changed.clone()
+    masked[2] = 0
+    error = indices.check_forward(keys, masked, 4, recording=False, holds=stored.__contains__)
+    assert isinstance(error, InputChanged) and "sample 2 " in str(error)
