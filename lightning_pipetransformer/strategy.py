@@ -31,11 +31,10 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_pipetransformer import devices as dev
-from lightning_pipetransformer import lightning_internals, report
+from lightning_pipetransformer import lightning_internals, report, trainer_side
 from lightning_pipetransformer.cache import hooks as cache_hooks
 from lightning_pipetransformer.cache.autocache import AutoCache
 from lightning_pipetransformer.config import PipeTransformerConfig, argument_docstring, check_lightning_arguments, strategy_arguments
@@ -44,7 +43,7 @@ from lightning_pipetransformer.dp import data, faults, groups, idle, idle_hooks,
 from lightning_pipetransformer.dp.ddp import UNUSED_PARAMETER_ERROR, UNUSED_PARAMETER_HINT, GradientSync
 from lightning_pipetransformer.dp.replicas import Elastic
 from lightning_pipetransformer.engine import Engine, make_planner
-from lightning_pipetransformer.freeze.apply import untrainable_prefix
+from lightning_pipetransformer.freeze.apply import in_frozen_prefix
 from lightning_pipetransformer.freeze.seam import FreezeSource
 from lightning_pipetransformer.pipe.planner import AutoPipe
 from lightning_pipetransformer.plan import Plan
@@ -176,7 +175,7 @@ class PipeTransformerStrategy(ProcessLayout):
         if self.is_distributed:  # Lightning's handler would run collectives inside the signal handler
             self._signals.reset()
             lightning_internals.replace_sigterm_notifier(trainer, self._signals)
-        autofreeze = _autofreeze_of(trainer)
+        autofreeze = trainer_side.autofreeze_of(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         previous_stack = self._stack
         self._stack = self._find_stack(module, autofreeze, fitting)
@@ -223,7 +222,7 @@ class PipeTransformerStrategy(ProcessLayout):
             self.engine.load_state_dict(self._restored)
         self._report = report.EngagementReport(stack, rank_zero_warn)
         if fitting:  # frozen blocks are in eval mode on purpose (restored from a checkpoint, before the first batch)
-            lightning_internals.exclude_from_eval_mode_warning(trainer, self._is_frozen_module)
+            lightning_internals.exclude_from_eval_mode_warning(trainer, lambda m: in_frozen_prefix(stack, m))
         # Unless AutoFreeze watches this very stack, what runs before it is read from the first training forward here.
         watched = autofreeze is not None and autofreeze.stack is stack
         self._order_watch = OrderWatch(module, stack, announce=rank_zero_info) if not watched and stack.provisional else None
@@ -237,15 +236,6 @@ class PipeTransformerStrategy(ProcessLayout):
             if self._replicas.is_active(plan):  # torchmetrics sync over the replicas, not WORLD (idle ranks never compute)
                 groups.point_metrics_at(module, self._replicas.active_group)
         self._setup_model_and_optimizers(trainer, plan)
-
-    def _is_frozen_module(self, module: torch.nn.Module) -> bool:
-        """Whether ``module`` belongs to the frozen prefix (blocks or embeddings without a trainable parameter)."""
-        stack = self._stack
-        if stack is None:
-            return False
-        frozen = list(stack.blocks[: untrainable_prefix(stack)])
-        frozen += [m for _, m in stack.pre if not any(p.requires_grad for p in m.parameters())]
-        return any(module is inner for outer in frozen for inner in outer.modules())
 
     def _find_stack(self, module: pl.LightningModule, autofreeze: FreezeSource | None, fitting: bool) -> BlockStack | None:
         """The block stack to plan over; ``None`` (with a warning) when the model has none and
@@ -330,7 +320,7 @@ class PipeTransformerStrategy(ProcessLayout):
 
     def _check_val_check_interval(self, trainer: pl.Trainer, dataloader: Any) -> None:
         """An int ``val_check_interval`` must fit the shortest epoch batch_policy='replica' reaches."""
-        interval, autofreeze = trainer.val_check_interval, _autofreeze_of(trainer)
+        interval, autofreeze = trainer.val_check_interval, trainer_side.autofreeze_of(trainer)
         if (
             self.config.batch_policy != "replica" or isinstance(interval, bool) or not isinstance(interval, int)
             or trainer.check_val_every_n_epoch is None or not trainer.limit_val_batches or autofreeze is None
@@ -345,7 +335,7 @@ class PipeTransformerStrategy(ProcessLayout):
         if idle.is_idle_batch(batch):
             return batch  # nothing to move, and the user's transfer hooks must not see a placeholder
         moved = super().batch_to_device(batch, device, dataloader_idx)
-        if self.autocache is not None and self.config.cache.key == "index" and _moves_batches_as_is(self.lightning_module):
+        if self.autocache is not None and self.config.cache.key == "index" and trainer_side.moves_batches_as_is(self.lightning_module):
             self.autocache.indices.remember(batch, moved)  # index keys read on the host, without a wait
         return moved
 
@@ -357,7 +347,7 @@ class PipeTransformerStrategy(ProcessLayout):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if self._report is not None and trainer is not None:
             self._report.start(trainer.global_step)
-            if _autofreeze_of(trainer) is None:  # no freeze points: the first boundary opens on every rank here
+            if trainer_side.autofreeze_of(trainer) is None:  # no freeze points: the first boundary opens on every rank here
                 with faults.signals_held():
                     assert self._coordinator is not None
                     self._coordinator.sync_cache_boundary()
@@ -373,7 +363,7 @@ class PipeTransformerStrategy(ProcessLayout):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._new_pass("train", args, kwargs)
         if self._coordinator is not None:
-            self._coordinator.follow_the_model(args[1] if len(args) > 1 else kwargs.get("batch_idx", 1), _autofreeze_of(self.lightning_module.trainer))
+            self._coordinator.follow_the_model(args[1] if len(args) > 1 else kwargs.get("batch_idx", 1), trainer_side.autofreeze_of(self.lightning_module.trainer))
         step = super().training_step
         output = self._watching_order(
             lambda: self._step_together("training_step", lambda: idle.idle_loss(self.root_device), step, "train", args, kwargs)
@@ -477,7 +467,7 @@ class PipeTransformerStrategy(ProcessLayout):
             return
         metrics = {**self._report.metrics(trainer.global_step, self.is_active), **report.cache_metrics(self.autocache)}
         if metrics and self.is_global_zero:
-            _log_metrics(trainer, metrics)
+            trainer_side.log_metrics(trainer, metrics)
 
     # ------------------------------------------------------------------ freeze points and the transition
 
@@ -579,38 +569,13 @@ def _loop_side(strategy: PipeTransformerStrategy, trainer: pl.Trainer) -> LoopSi
 
     return LoopSide(
         position=lambda: (trainer.current_epoch, trainer.global_step), fitting=trainer.state.fn == TrainerFn.FITTING,
-        module=module, optimizers=lambda: strategy.optimizers, log_metrics=lambda metrics: _log_metrics(trainer, metrics),
+        module=module, optimizers=lambda: strategy.optimizers, log_metrics=lambda metrics: trainer_side.log_metrics(trainer, metrics),
         loop_state=lambda: ([c.scheduler for c in trainer.lr_scheduler_configs], getattr(strategy.precision_plugin, "scaler", None)),
         drop_gradient_sync=drop_gradient_sync, sync_gradients=lambda: strategy.configure_ddp(init_sync=False),
         restart_metric_order=lambda: idle_hooks.restart_metric_order(trainer),
         rebuild_train_loader=lambda: lightning_internals.rebuild_train_loader(trainer),
         stop_after_this_batch=lambda: lightning_internals.mark_sigterm_received(trainer),
     )  # fmt: skip
-
-
-def _log_metrics(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
-    """To every logger at the current step, as Lightning logs its own (the callers log on global rank 0 only)."""
-    for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=trainer.global_step)
-
-
-_BATCH_TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
-
-
-def _moves_batches_as_is(module: pl.LightningModule | None) -> bool:
-    """Whether the device batch's tensors are the loader's, only copied: no transfer hook of the module or
-    its datamodule overridden (one could reorder the rows, or make new indices, after the loader's)."""
-    if module is None:
-        return False
-    trainer = lightning_internals.attached_trainer(module)
-    owners = [module, trainer.datamodule if trainer is not None else None]
-    return not any(is_overridden(hook, owner) for owner in owners if owner is not None for hook in _BATCH_TRANSFER_HOOKS)
-
-
-def _autofreeze_of(trainer: pl.Trainer) -> FreezeSource | None:
-    from lightning_pipetransformer.freeze.callback import AutoFreeze
-
-    return next((c for c in trainer.callbacks if isinstance(c, AutoFreeze)), None)
 
 
 # The Args of the class docstring, from the config's field docstrings (one text for the docs, the help and the errors).

@@ -12,7 +12,9 @@ from torch import nn
 
 from lightning_pipetransformer.stack.discovery import BlockStack
 
-__all__ = ["apply_freeze", "ensure_frozen_eval", "frozen_modules", "frozen_parameters", "tied_outside", "untrainable_prefix"]
+__all__ = [
+    "apply_freeze", "ensure_frozen_eval", "frozen_modules", "frozen_parameters", "in_frozen_prefix", "tied_outside", "untrainable_prefix",
+]  # fmt: skip
 
 
 def frozen_modules(stack: BlockStack, num_frozen: int, include_pre: bool) -> list[nn.Module]:
@@ -88,3 +90,11 @@ def tied_outside(stack: BlockStack, root: nn.Module) -> list[tuple[str, str]]:
             if id(param) in pre_names:
                 found.append((pre_names[id(param)], f"{path}.{name}" if path else name))
     return found
+
+
+def in_frozen_prefix(stack: BlockStack, module: nn.Module) -> bool:
+    """Whether ``module`` belongs to the frozen prefix as it is now (the leading blocks without a trainable parameter,
+    and the embeddings without one): such modules are in eval mode on purpose."""
+    frozen = list(stack.blocks[: untrainable_prefix(stack)])
+    frozen += [m for _, m in stack.pre if not any(p.requires_grad for p in m.parameters())]
+    return any(module is inner for outer in frozen for inner in outer.modules())

@@ -23,6 +23,7 @@ LIGHTNING_FACING = {
     "freeze/callback.py": "AutoFreeze is a Callback",
     "dp/idle_hooks.py": "wraps the LightningModule's hooks on idle ranks",
     "timeline/callback.py": "PipeTransformerTimeline is a Callback",
+    "trainer_side.py": "the strategy's reads of the Trainer (its AutoFreeze, the batch-transfer hooks, the loggers)",
 }
 
 
@@ -135,7 +136,7 @@ FLOORS = {
     "freeze": 2, "pipe": 2,
     "cache": 3, "costmodel": 3, "dp": 3,
     "runners": 4, "report": 4, "timeline": 4,
-    "engine": 5, "processes": 5,
+    "engine": 5, "processes": 5, "trainer_side": 5,
     "coordinator": 5.5,  # between: it drives the engine (floor 5) and the strategy's hooks call it (floor 6)
     "strategy": 6,
     "__init__": 7,  # the package's face: `from lightning_pipetransformer import AutoFreeze` imports everything
