@@ -23,6 +23,7 @@ from lightning_pipetransformer.freeze.call_order import Split, refine
 from lightning_pipetransformer.freeze.clock import FreezeClock
 from lightning_pipetransformer.freeze.config import AutoFreezeConfig
 from lightning_pipetransformer.freeze.policies import FreezePoint, FreezeRule, make_rule
+from lightning_pipetransformer.freeze.rules import ExplicitSchedule
 from lightning_pipetransformer.freeze.stack_checks import check_min_active, choose_embeddings, pre_trainable
 from lightning_pipetransformer.stack.declared import block_stack_of
 from lightning_pipetransformer.stack.discovery import BlockStack
@@ -74,6 +75,36 @@ class FreezeMechanism:
     def freeze_interval(self) -> int | float | None:
         """The interval between freeze points inside epochs in force (a rule's own when none was given), or None."""
         return self.clock.interval
+
+    # AutoFreeze's arguments as they were readable before they moved to :attr:`config` (user code reads them).
+
+    @property
+    def alpha(self) -> float:
+        return self.config.alpha
+
+    @property
+    def schedule(self) -> ExplicitSchedule | None:
+        return self.config.explicit_schedule
+
+    @property
+    def layers(self) -> Any:
+        return self.config.layers
+
+    @property
+    def freeze_every_n_epochs(self) -> int:
+        return self.config.freeze_every_n_epochs
+
+    @property
+    def min_active(self) -> int:
+        return self.config.min_active
+
+    @property
+    def percentile(self) -> float:
+        return self.config.percentile
+
+    @property
+    def anneal(self) -> Any:
+        return self.config.anneal
 
     @property
     def num_blocks(self) -> int:

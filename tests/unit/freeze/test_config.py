@@ -101,3 +101,13 @@ def test_the_field_docstrings_are_the_autofreeze_table_of_the_configuration_docs
     rows = re.findall(r"^\| `(\w+)` \| `[^`]*` \| (.*) \|$", section, flags=re.M)
     assert [name for name, _ in rows] == [f.name for f in dataclasses.fields(AutoFreezeConfig)]
     assert {name: meaning for name, meaning in rows} == docs
+
+
+def test_the_arguments_stay_readable_on_the_callback_as_before_the_config():
+    """User code reads ``autofreeze.min_active`` and the like: each argument stays an attribute, equal to the config's."""
+    schedule = {0: 1, 2: 3}
+    freeze = AutoFreeze(alpha=0.25, schedule=schedule, min_active=2, percentile=40.0, freeze_every_n_epochs=2, layers="encoder.layer")
+    assert (freeze.alpha, freeze.min_active, freeze.percentile, freeze.freeze_every_n_epochs, freeze.layers, freeze.anneal) == (
+        0.25, 2, 40.0, 2, "encoder.layer", None,
+    )  # fmt: skip
+    assert freeze.schedule is freeze.config.explicit_schedule and [freeze.schedule(e) for e in range(4)] == [1, 1, 3, 3]
