@@ -67,7 +67,10 @@ class FreezeClock:
         """At train start: the interval in optimizer steps, and (for a fresh run) the first point, one interval on."""
         if self.interval is None:
             return
-        self.interval_steps = interval_steps(self.interval, steps_per_epoch(batches, accumulate))
+        # An int is optimizer steps, whatever the epoch's length: a loader without one (an
+        # IterableDataset) is fine then; only a fraction of an epoch needs to know it.
+        epoch_steps = steps_per_epoch(batches, accumulate) if isinstance(self.interval, float) else None
+        self.interval_steps = interval_steps(self.interval, epoch_steps)
         if self.next_point is None:  # a resumed run restored its next point
             self.next_point = step + self.interval_steps
 
@@ -131,7 +134,7 @@ class FreezeClock:
         epochs freezes nothing, when fewer than ``needed`` points fit; None when enough do or the length is
         unknown. ``rule`` names the rule in the warning."""
         if self.interval is not None:
-            if total_steps is None or total_steps == float("inf"):
+            if total_steps is None or total_steps == float("inf") or total_steps < 0:  # Lightning's -1: a stream, no max_steps
                 return None
             assert self.next_point is not None and self.interval_steps is not None
             total = int(total_steps)

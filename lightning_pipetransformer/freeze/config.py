@@ -37,7 +37,10 @@ class AutoFreezeConfig:
     """`"paper"`: the geometric step is an upper bound and the freeze stops at the active block
     with the smallest gradient norm. `"schedule"`: the geometric step alone (the official code).
     `"autofreeze"`: the original AutoFreeze system's rule (Liu et al.), by the change of each
-    block's summed gradient between intervals. See [autofreeze.md](autofreeze.md)."""
+    block's summed gradient between intervals. `"plasticity"`: early freezing without a block
+    count, the leading blocks whose weights moved least since the start of fit (every 1/16 of an
+    epoch unless `freeze_interval` says otherwise). Or a `FreezeRule` of your own. See
+    [autofreeze.md](autofreeze.md)."""
 
     schedule: Mapping[int, int] | Callable[[int], int] | None = None
     """an explicit plan, `{epoch: num_frozen}` (a step function) or `epoch -> num_frozen`;

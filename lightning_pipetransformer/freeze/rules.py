@@ -158,10 +158,12 @@ def validate_interval(interval: int | float | None) -> int | float | None:
     return interval
 
 
-def interval_steps(interval: int | float, steps_per_epoch: int) -> int:
+def interval_steps(interval: int | float, steps_per_epoch: int | None) -> int:
     """Optimizer steps between freeze points: the int itself, or the fraction of an epoch rounded (at least 1)."""
     if isinstance(interval, int):
         return interval
+    if steps_per_epoch is None:
+        raise ValueError(f"freeze_interval={interval!r} is a fraction of an epoch: it needs the epoch's optimizer steps.")
     return max(1, round(interval * steps_per_epoch))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from lightning_pipetransformer import AutoFreeze, PipeTransformerStrategy
 from lightning_pipetransformer.freeze.rules import autofreeze_num_frozen, geometric_num_frozen
@@ -45,6 +46,33 @@ def test_freeze_points_inside_epochs_equal_a_plain_loop(interval, every):
     assert freeze.step_history == [(s, frozen_at(s)) for s in range(every, 16, every) if frozen_at(s) > frozen_at(s - every)]
     assert any(s % 8 for s, _ in freeze.step_history)  # at least one freeze inside an epoch
     assert_state_close(module.state_dict(), reference_by_steps(frozen_at, 2, data))
+
+
+class _Stream(IterableDataset):
+    """The same samples in the same order, from a loader without a length (a stream)."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        self.data = data
+
+    def __iter__(self):
+        return iter(self.data)
+
+
+def test_an_int_freeze_interval_works_on_a_loader_without_a_length(recwarn):
+    # Optimizer steps need no epoch length: a stream trains and freezes as the plain loop does
+    # (before, AutoFreeze refused it at train start, asking for the int it had been given).
+    data = text_dataset(32)
+    module = TextClassifier(num_layers=4)
+    freeze = AutoFreeze(rule="schedule", alpha=1 / 3, freeze_interval=3)
+    cpu_trainer(callbacks=[freeze], max_epochs=2).fit(module, DataLoader(_Stream(data), batch_size=4))
+
+    def frozen_at(step):
+        return min(3, geometric_num_frozen(4, 1 / 3, step // 3))
+
+    assert freeze.step_history and freeze.step_history == [(s, frozen_at(s)) for s in range(3, 16, 3) if frozen_at(s) > frozen_at(s - 3)]
+    assert_state_close(module.state_dict(), reference_by_steps(frozen_at, 2, data))
+    # The run's length is unknown (Lightning says -1 steps): no warning that nothing will be frozen.
+    assert not [w for w in recwarn if "nothing will be frozen" in str(w.message)]
 
 
 def test_the_original_autofreeze_rule():

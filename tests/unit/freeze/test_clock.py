@@ -43,6 +43,18 @@ def test_an_int_interval_is_optimizer_steps_whatever_the_epoch_length():
     assert clock.step_point(4) is None and clock.step_point(5) == 1 and clock.next_point == 10
 
 
+def test_an_int_interval_needs_no_epoch_length():
+    # An IterableDataset's loader has no length: an int interval (optimizer steps) still works;
+    # only a fraction of an epoch is refused, naming the fix.
+    for unknown in (float("inf"), None):
+        clock = started(5, batches=unknown)
+        assert (clock.interval_steps, clock.next_point) == (5, 5) and clock.step_point(5) == 1
+        with pytest.raises(ValueError, match="pass an int number of optimizer steps"):
+            started(0.25, batches=unknown)
+    # Lightning's estimated_stepping_batches is -1 for a stream without max_steps: an unknown length, no warning.
+    assert started(5, batches=float("inf")).too_few_points(1, "rule='schedule'", -1, None) is None
+
+
 def test_with_accumulation_a_fraction_counts_optimizer_steps_and_points_open_a_window():
     clock = started(0.5, batches=10, accumulate=4)  # 3 optimizer steps per epoch; half of it rounds to 2
     assert (clock.interval_steps, clock.next_point) == (2, 2)
