@@ -25,8 +25,8 @@ file is a miss); non-finite activations are never stored; index keys repeated wi
 over a loader are refused; the first batch with hits at each boundary is also recomputed
 and compared with what the store returned (a mismatch raises: something outside the frozen
 prefix feeds it and caching cannot be exact; NaN equals NaN there); and ``cache="auto"`` keeps
-the cache only while a lookup per sample is measured faster than the frozen prefix per sample
-on this device.
+the cache at a boundary only if a lookup per sample is measured faster than the frozen prefix per
+sample, in device time (:mod:`~lightning_pipetransformer.cache.auto_mode`).
 
 AutoCache holds one object per part, each in its own module: the boundaries and their stores
 (:mod:`~lightning_pipetransformer.cache.boundaries`), the embeddings' watch
@@ -51,6 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pipetransformer.cache.arguments import ENTRY_FORMAT, shared_once
+from lightning_pipetransformer.cache.auto_mode import AutoDecision
 from lightning_pipetransformer.cache.boundaries import Boundaries
 from lightning_pipetransformer.cache.budget import BatchBytes
 from lightning_pipetransformer.cache.embeddings import EmbeddingsWatch, Pending
@@ -64,6 +65,7 @@ from lightning_pipetransformer.cache.prefix import Verdicts, with_block_argument
 from lightning_pipetransformer.cache.store import ActivationStore
 from lightning_pipetransformer.cache.validity import check_deterministic, prefix_fingerprint, prefix_modules
 from lightning_pipetransformer.cache.watch import PrefixChange, PrefixWatch
+from lightning_pipetransformer.devices.timing import DeviceSpan
 from lightning_pipetransformer.stack.discovery import BlockStack
 from lightning_pipetransformer.stack.stack_call import BlockArgs
 from lightning_pipetransformer.warn_once import WarnOnce
@@ -132,7 +134,8 @@ class AutoCache:
         #: The watch is armed again at the next check (the early store's prefix froze since it opened).
         self._rearm_due = False
         self.enabled = bool(mode)
-        self.compute_time: float | None = None  # seconds per sample through the frozen prefix
+        #: ``cache="auto"``: the device time of a lookup against the frozen prefix's, measured until decided.
+        self.auto = AutoDecision(mode == "auto")
         self.first_hit = FirstHitCheck()
         #: Reasons said once per run: by global rank 0 (every replica would say the same), and by each rank.
         self._said = WarnOnce(_warn_from_rank_zero)
@@ -418,6 +421,7 @@ class AutoCache:
         self.changed, self._prefix = None, (stack, num_frozen, include_pre)
         if self.mode == "auto":
             self.enabled = True  # measured again at this boundary
+            self.auto.reopen()
         return store
 
     # ------------------------------------------------------------------ validity by observation (cache/watch.py)
@@ -500,11 +504,12 @@ class AutoCache:
 
     def after_hits(
         self, rows: Callable[[Tensor], Tensor], calls: Sequence[BlockArgs], hit_mask: Tensor,
-        boundary: Tensor, prefix: Callable[[Tensor, Sequence[BlockArgs]], Tensor], total: float, batch: int,
+        boundary: Tensor, prefix: Callable[[Tensor, Sequence[BlockArgs]], Tensor], lookup: DeviceSpan | None, batch: int,
     ) -> None:
         """Verify the first hits at a boundary; under ``"auto"`` keep the cache only if it pays.
 
-        ``rows(mask)``: the input of the frozen blocks for the rows in ``mask``.
+        ``rows(mask)``: the input of the frozen blocks for the rows in ``mask``; ``lookup``: the device time of this
+        batch's lookup while ``"auto"`` is still measuring (``None`` otherwise).
         """
         if self.key == "content" and not self.first_hit.done:
             where, store = self.boundaries.where, self.boundaries.current
@@ -513,14 +518,15 @@ class AutoCache:
             if stale is not None:
                 self.verdicts.refuse(stale)
                 return
-        if self.mode == "auto" and hit_mask.all() and self.compute_time is not None:
-            lookup_per_sample = total / batch
-            if lookup_per_sample >= self.compute_time:
-                self.enabled = False
-                _warn(
-                    f"AutoCache turned off at boundary {self.store.boundary if self.store else '?'}: a lookup takes "
-                    f"{lookup_per_sample * 1e3:.2f} ms per sample, the frozen prefix {self.compute_time * 1e3:.2f} ms."
-                )
+        verdict = self.auto.decide(lookup, batch) if lookup is not None and bool(hit_mask.all()) else None
+        if verdict is None:
+            return
+        at = self.store.boundary if self.store else "?"
+        if verdict.keep:
+            self.announce(f"AutoCache (cache='auto') keeps the cache at boundary {at}: {verdict.describe()}.")
+        else:
+            self.enabled = False
+            _warn(f"AutoCache turned off at boundary {at}: {verdict.describe()}.")
 
     def period_hit_rate(self) -> float | None:
         """The share of lookups that hit since the last call (once per epoch), when it says something.

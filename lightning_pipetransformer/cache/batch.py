@@ -14,7 +14,6 @@ so that a later boundary move can advance them.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +24,7 @@ from torch import Tensor, nn
 from lightning_pipetransformer.cache.arguments import select_rows
 from lightning_pipetransformer.cache.prefix import run_blocks
 from lightning_pipetransformer.cache.store import ActivationStore
+from lightning_pipetransformer.devices.timing import DeviceSpan
 from lightning_pipetransformer.stack.input_grad import needs_no_gradient
 from lightning_pipetransformer.stack.stack_call import BlockArgs
 
@@ -89,10 +89,13 @@ class CachedBatch:
         sample_shape, dtype, device: of one activation, as the first active block expects it.
         store_misses: ``False``: read-only, the misses are computed but not stored (the first forward served from
             kept entries before the call order is known: cache/first_forward.py).
+        time_prefix: time the frozen prefix in device time (``cache="auto"`` still deciding: cache/auto_mode.py);
+            ``False``: nothing is timed.
 
     After :meth:`boundary`: ``hit_mask`` and ``hits`` (the rows the store held), ``served`` (those plus the
-    rows an earlier boundary held: the cache answered them), ``compute_seconds`` (per sample through
-    the frozen prefix, when some ran) and ``computed_shape`` (one computed activation's shape).
+    rows an earlier boundary held: the cache answered them), ``prefix_time`` (with ``time_prefix``, when the
+    frozen prefix ran: its :class:`~lightning_pipetransformer.devices.timing.DeviceSpan` and the rows it ran, not
+    read here: reading waits for the device) and ``computed_shape`` (one computed activation's shape).
     """
 
     def __init__(
@@ -110,9 +113,11 @@ class CachedBatch:
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
         store_misses: bool = True,
+        time_prefix: bool = False,
     ) -> None:
         self.store = store
         self.store_misses = store_misses
+        self.time_prefix = time_prefix
         self.keys = list(keys)
         self.rows = rows
         self.calls = calls
@@ -126,7 +131,7 @@ class CachedBatch:
         self.hit_mask: Tensor | None = None
         self.hits = 0
         self.served = 0
-        self.compute_seconds: float | None = None
+        self.prefix_time: tuple[DeviceSpan, int] | None = None
         self.computed_shape: tuple[int, ...] | None = None
 
     def boundary(self) -> Tensor:
@@ -171,13 +176,19 @@ class CachedBatch:
         return parts
 
     def _run_prefix(self, rows: Tensor) -> Tensor:
-        """The frozen prefix, without a graph, for the rows in ``rows``; timed per sample (``cache="auto"``)."""
-        start = time.perf_counter()
+        """The frozen prefix, without a graph, for the rows in ``rows``; with ``time_prefix`` in device time."""
+        if not self.time_prefix:
+            return self._prefix_rows(rows)
+        span = DeviceSpan(self.device if self.device is not None else rows.device)
+        with span:
+            out = self._prefix_rows(rows)
+        self.prefix_time = (span, out.shape[0])
+        return out
+
+    def _prefix_rows(self, rows: Tensor) -> Tensor:
         hidden = self.rows(rows)
         with torch.no_grad():
-            out = self.prefix(hidden, select_rows(self.calls, rows, rows.numel()))
-        self.compute_seconds = (time.perf_counter() - start) / max(1, hidden.shape[0])
-        return out
+            return self.prefix(hidden, select_rows(self.calls, rows, rows.numel()))
 
     def _store(self, miss: Tensor, miss_keys: list[str], computed: Tensor) -> None:
         self.store.store(miss_keys, computed, {n: t[miss.to(t.device)] for n, t in self.extras.items()})

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import functools
 import re
-import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -172,21 +172,21 @@ class CachedStack:
             store, keys, rows=given.rows, calls=calls, extras=extras, blocks=self.blocks[: self.num_frozen], prefix=self._prefix,
             older=functools.partial(cache.boundaries.older, dtype=hidden.dtype, device=hidden.device) if cache.boundaries.holds_older else None,
             sample_shape=self._boundary_shapes.get(shape_in, shape_in), dtype=hidden.dtype, device=hidden.device,
-            store_misses=store_misses,
+            store_misses=store_misses, time_prefix=cache.auto.measuring,
         )
-        start = time.perf_counter()
-        boundary = served.boundary()
-        total = time.perf_counter() - start
+        # cache="auto" still deciding: the lookup in device time (devices/timing.py), read only when it decides.
+        lookup = cache.auto.span(hidden.device)
+        with lookup if lookup is not None else nullcontext():
+            boundary = served.boundary()
         if served.computed_shape is not None:
             self._boundary_shapes[shape_in] = served.computed_shape
-        if served.compute_seconds is not None:
-            cache.compute_time = served.compute_seconds
+        cache.auto.prefix_ran(served.prefix_time)
         batch = hidden.shape[0]
         hit_mask = served.hit_mask
         assert hit_mask is not None
         cache.counters.count_lookup(served.served, batch)
         if served.hits:
-            cache.after_hits(given.rows, calls, hit_mask, boundary, self._prefix, total, batch)
+            cache.after_hits(given.rows, calls, hit_mask, boundary, self._prefix, lookup, batch)
         return boundary
 
     def _prefix_plain(self, hidden: Tensor, calls: Sequence[BlockArgs]) -> Tensor:

@@ -58,13 +58,14 @@ def test_hits_earlier_boundary_and_misses_each_run_only_what_they_need(tmp_path)
 
     served = CachedBatch(
         current, keys, rows=lambda m: hidden[m], calls=calls, extras={"t.b2": torch.zeros(4, 1)}, blocks=blocks,
-        prefix=prefix_of(blocks), older=from_older, sample_shape=(2,), dtype=torch.float32,
+        prefix=prefix_of(blocks), older=from_older, sample_shape=(2,), dtype=torch.float32, time_prefix=True,
     )
     torch.testing.assert_close(served.boundary(), expected)
     assert served.hit_mask.tolist() == [True, False, True, False]
     assert asked == [["k1", "k3"]]  # only the misses are asked of earlier boundaries
     assert blocks[0].rows == [1] and blocks[1].rows == [1, 1]  # k3 from the input; k1 through block 1 only
-    assert served.served == 3 and served.compute_seconds is not None and served.computed_shape == (2,)
+    assert served.served == 3 and served.computed_shape == (2,)
+    assert served.prefix_time is not None and served.prefix_time[1] == 1  # timed: the one row the prefix ran (k3)
     hit, _ = current.lookup(keys)
     assert hit.all()  # both computed rows were stored at the current boundary
 
@@ -78,7 +79,7 @@ def test_a_batch_that_all_hits_runs_nothing(tmp_path):
         blocks=blocks, prefix=prefix_of(blocks),
     )
     torch.testing.assert_close(served.boundary(), torch.ones(2, 3))
-    assert blocks[0].rows == [] and served.served == 2 and served.compute_seconds is None
+    assert blocks[0].rows == [] and served.served == 2 and served.prefix_time is None
 
 
 def test_merge_rows():
