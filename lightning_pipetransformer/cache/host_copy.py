@@ -10,8 +10,9 @@ instead:
    stream's later kernels may write the caller's tensor in place while the copy still reads it;
 2. lets the device's outgoing copy stream (:func:`~lightning_pipetransformer.devices.streams.copy_streams`)
    wait for the producer, and copies into pinned host memory with ``non_blocking=True`` there;
-3. tells the caching allocator that the copy stream reads the device copy (``record``), and records
-   an event on the copy stream after the copies.
+3. tells the caching allocator that the copy stream reads the device copy (``record``: its memory
+   is not handed to other work before the copy ran, though this module drops it at once), and
+   records an event on the copy stream after the copies.
 
 The :class:`HostCopy` it returns hands its host tensors out only once every event completed
 (:meth:`HostCopy.ready`, :meth:`HostCopy.wait`); before that :meth:`HostCopy.host` raises
@@ -47,15 +48,15 @@ class IncompleteCopyError(RuntimeError):
 class HostCopy:
     """Host tensors being filled from the device: read them only once :meth:`ready` or :meth:`wait` said so.
 
-    Holds the device copies too until done, so that nothing in this process frees them early
-    (the allocator knows the copy stream reads them as well: ``record``).
+    The device copies are not held here: ``record`` told the allocator that the copy stream reads
+    them, so dropping them frees their memory for new work only once the copy ran, and a batch's
+    misses do not stay on the device until the next step looks.
     """
 
-    def __init__(self, hidden: Tensor, extras: dict[str, Tensor], events: list[Any], sources: list[Tensor]) -> None:
+    def __init__(self, hidden: Tensor, extras: dict[str, Tensor], events: list[Any]) -> None:
         self._hidden = hidden
         self._extras = extras
         self._events = events
-        self._sources: list[Tensor] | None = sources
         self._done = not events
 
     @property
@@ -66,7 +67,7 @@ class HostCopy:
     def ready(self) -> bool:
         """Whether every copy has run (never blocks)."""
         if not self._done and all(streams.event_done(e) for e in self._events):
-            self._finish()
+            self._done = True
         return self._done
 
     def wait(self) -> None:
@@ -74,7 +75,7 @@ class HostCopy:
         if not self._done:
             for event in self._events:
                 streams.event_wait(event)
-            self._finish()
+            self._done = True
 
     def host(self) -> tuple[Tensor, dict[str, Tensor]]:
         """The host tensors ``(hidden, extras)``; :class:`IncompleteCopyError` while a copy may still run."""
@@ -85,10 +86,6 @@ class HostCopy:
             )
         return self._hidden, self._extras
 
-    def _finish(self) -> None:
-        self._done = True
-        self._sources = None  # the copies have read them: the device memory may go
-
 
 def start_host_copy(activations: Tensor, dtype: torch.dtype, extras: Mapping[str, Tensor]) -> HostCopy:
     """Start copying ``activations`` (cast to ``dtype`` on its device) and ``extras`` (their own dtype) to the host.
@@ -97,7 +94,6 @@ def start_host_copy(activations: Tensor, dtype: torch.dtype, extras: Mapping[str
     """
     wanted = {"": (activations, dtype), **{name: (t, t.dtype) for name, t in extras.items()}}
     host: dict[str, Tensor] = {}
-    sources: list[Tensor] = []
     used: list[Any] = []  # the copy streams, in first-use order (an event on each)
     for name, (tensor, to) in wanted.items():
         device = tensor.device
@@ -112,7 +108,6 @@ def start_host_copy(activations: Tensor, dtype: torch.dtype, extras: Mapping[str
         with streams.use_stream(stream):
             buffer.copy_(source, non_blocking=True)
         streams.record(source, stream)
-        sources.append(source)
         host[name] = buffer
         if stream not in used:
             used.append(stream)
@@ -121,4 +116,4 @@ def start_host_copy(activations: Tensor, dtype: torch.dtype, extras: Mapping[str
         with streams.use_stream(stream):
             events.append(streams.record_event(stream))
     hidden = host.pop("")
-    return HostCopy(hidden, host, events, sources)
+    return HostCopy(hidden, host, events)
