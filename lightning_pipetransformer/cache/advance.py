@@ -151,4 +151,5 @@ def advance_store(
             flush(signature)
     for signature in list(groups):
         flush(signature)
+    dst.finish_copies()  # the entries are written when this returns: the others read them after a barrier
     return advanced

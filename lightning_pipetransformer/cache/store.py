@@ -327,6 +327,11 @@ class ActivationStore:
             self._finish(self._pending.pop(0))
         self._settle()  # on the CPU the copy is done already: stored before store() returns
 
+    def finish_copies(self) -> None:
+        """Wait for the copies in flight and make their entries now (memory, disk): before a barrier
+        after which other processes expect this one's entries on disk (an advance's shards)."""
+        self._settle(wait=True)
+
     def _settle(self, keys: Sequence[str] | None = None, *, wait: bool = False) -> None:
         """Turn finished copies into entries, oldest first (the first of two stores of a key wins, as before).
 
