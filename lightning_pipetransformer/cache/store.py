@@ -24,6 +24,10 @@ are not checked on each hit: they never left the process, and hashing 3 MiB per 
 as much as the lookup itself (measured in ``docs/cache.md``). Non-finite activations (NaN, inf) are
 never stored (``stats().nonfinite``): one bad step would otherwise be replayed every epoch under index keys.
 
+What a batch missed leaves the device without the step waiting (:mod:`~lightning_pipetransformer.cache.host_copy`):
+cast on the device, copied ``non_blocking`` into pinned buffers on the device's copy stream, an event after
+it; the rows become entries only once the event completed (checked: reading earlier raises).
+
 Several stores (runs, processes) may share one directory: each holds a shared ``flock`` on it
 while open, and :meth:`ActivationStore.close` with ``delete=True`` deletes it only when no other
 store holds it, so one run's boundary advance never deletes a directory another run still reads or
@@ -59,6 +63,7 @@ from torch import Tensor
 from lightning_pipetransformer.cache.budget import CacheConfigError, check_batch_fits
 from lightning_pipetransformer.cache.disk_tier import DiskTier
 from lightning_pipetransformer.cache.entry_file import check_keys, dtype_name
+from lightning_pipetransformer.cache.host_copy import HostCopy, start_host_copy
 from lightning_pipetransformer.cache.kept import folder_name
 from lightning_pipetransformer.cache.keys import KEY_PATTERN
 from lightning_pipetransformer.cache.store_stats import CacheStats
@@ -102,6 +107,22 @@ class _Entry:
     dtype: torch.dtype  # the original one, restored on lookup
     extras: dict[str, Tensor]
     nbytes: int
+
+
+@dataclass
+class _Pending:
+    """One :meth:`ActivationStore.store` whose device-to-host copy may still run: no entry yet."""
+
+    keys: list[str]
+    key_set: frozenset[str]
+    original: torch.dtype
+    copy: HostCopy
+
+
+#: Stores whose copies may be in flight at once; a further one waits for the oldest. The next
+#: step's store finds the previous one's copy long done, so this only bounds the pinned memory
+#: of a device running far behind the host.
+MAX_COPIES_IN_FLIGHT = 4
 
 
 def _finite(row: Tensor) -> bool:
@@ -187,6 +208,8 @@ class ActivationStore:
         self._mem: dict[str, _Entry] = {}
         self._mem_bytes = 0
         self._reserved = 0  # see reserve()
+        #: Stores whose device-to-host copies may still run, oldest first (see _settle).
+        self._pending: list[_Pending] = []
         self._stats = CacheStats()
         # Once per reason and store, whoever listens: a batch of 10,000 NaN rows is one warning.
         said = WarnOnce() if warn is None else WarnOnce(lambda message, stacklevel: None)
@@ -225,6 +248,7 @@ class ActivationStore:
         ``sample_shape`` (or from the first hit's) is a miss: index keys with dynamic padding.
         """
         check_keys(keys)
+        self._settle(keys)  # a key whose copy is in flight waits for it (the previous step's: done long ago)
         want = tuple(sample_shape) if sample_shape is not None else None
         hit_mask = torch.zeros(len(keys), dtype=torch.bool)
         rows: list[Tensor] = []
@@ -273,6 +297,11 @@ class ActivationStore:
         per-sample tensors kept with the entry in their own dtype (e.g. the attention mask the
         next blocks need, to advance the entry later). ``check_fits``: refuse a batch larger than
         a positive budget (:func:`check_batch_fits`); off for groups that are not a training batch.
+
+        The rows leave the device asynchronously (:mod:`~lightning_pipetransformer.cache.host_copy`: cast on the
+        device, pinned buffers, a copy stream, an event): the entries exist once the copy is done, which the
+        next call that needs them waits for (a lookup of one of these keys, :meth:`read`, :meth:`close` ...).
+        On the CPU the copy is done at once and the entries exist when this returns.
         """
         check_keys(keys)
         extras = dict(extras or {})
@@ -287,18 +316,48 @@ class ActivationStore:
         if not keys:
             return
         original = activations.dtype
-        host = activations.detach().to("cpu", dtype=self.storage_dtype or original)
-        host_extras = {n: t.detach().to("cpu") for n, t in extras.items()}
+        storage = self.storage_dtype or original
         if check_fits:
-            check_batch_fits(self.memory_budget, host.nbytes + sum(t.nbytes for t in host_extras.values()))
+            nbytes = activations.numel() * storage.itemsize + sum(t.numel() * t.element_size() for t in extras.values())
+            check_batch_fits(self.memory_budget, nbytes)
+        self._settle()
+        copy = start_host_copy(activations, storage, extras)
+        self._pending.append(_Pending(list(keys), frozenset(keys), original, copy))
+        while len(self._pending) > MAX_COPIES_IN_FLIGHT:  # bounded pinned memory, whatever the device's lag
+            self._finish(self._pending.pop(0))
+        self._settle()  # on the CPU the copy is done already: stored before store() returns
+
+    def finish_copies(self) -> None:
+        """Wait for the copies in flight and make their entries now (memory, disk): before a barrier
+        after which other processes expect this one's entries on disk (an advance's shards)."""
+        self._settle(wait=True)
+
+    def _settle(self, keys: Sequence[str] | None = None, *, wait: bool = False) -> None:
+        """Turn finished copies into entries, oldest first (the first of two stores of a key wins, as before).
+
+        ``wait``: block until every copy in flight is done; ``keys``: until those of the copies that
+        hold one of ``keys`` (and the older ones) are. Otherwise never blocks: copies still running stay.
+        """
+        if keys is not None and self._pending:
+            last = max((i for i, p in enumerate(self._pending) if not p.key_set.isdisjoint(keys)), default=-1)
+            for pending in self._pending[: last + 1]:
+                pending.copy.wait()
+        while self._pending and (wait or self._pending[0].copy.ready()):
+            self._finish(self._pending.pop(0))
+
+    def _finish(self, pending: _Pending) -> None:
+        """Entries from one copy, once done: the checks, memory or disk. Reads the host buffers only after their events."""
+        pending.copy.wait()  # returns at once when ready() said so
+        host, host_extras = pending.copy.host()  # raises if a copy could still be running
+        original = pending.original
         self._disk.hold()  # closed earlier and used again: hold the directory while writing into it
-        for i, key in enumerate(keys):
+        for i, key in enumerate(pending.keys):
             if key in self._mem:
                 continue
             if not _finite(host[i]):  # in the storage dtype: a finite fp32 value may overflow fp16
                 self._skip_nonfinite(key)
                 continue
-            # Clone: a row view would keep the whole batch's storage alive.
+            # Clone: a row view would keep the whole batch's (pinned) buffer alive.
             hidden = host[i].clone()
             row_extras = {n: t[i].clone() for n, t in host_extras.items()}
             nbytes = hidden.nbytes + sum(t.nbytes for t in row_extras.values())
@@ -325,6 +384,7 @@ class ActivationStore:
     def read(self, key: str) -> StoredEntry | None:
         """The whole entry for ``key`` (activation in its original dtype, extras), or ``None``."""
         check_keys([key])
+        self._settle(wait=True)
         mem = self._mem.get(key)
         if mem is not None:
             # Copies: the caller may modify what it gets without touching the memory entry.
@@ -337,6 +397,7 @@ class ActivationStore:
 
     def keys(self) -> list[str]:
         """Every key this process can read: its memory and the directory (all processes' files)."""
+        self._settle(wait=True)
         found = dict.fromkeys(self._mem)
         for key in self._disk.keys():
             found.setdefault(key)
@@ -344,16 +405,19 @@ class ActivationStore:
 
     def discard(self, keys: Sequence[str]) -> None:
         """Drop ``keys`` from memory (their disk files stay): frees the budget while advancing."""
+        self._settle(keys)
         for key in keys:
             entry = self._mem.pop(key, None)
             if entry is not None:
                 self._mem_bytes -= entry.nbytes
 
     def in_memory(self, key: str) -> bool:
+        self._settle([key])
         return key in self._mem
 
     def holds(self, key: str) -> bool:
         """Whether ``key`` has an entry (memory, or one ``stat`` of its file)."""
+        self._settle([key])
         return key in self._mem or self.on_disk(key)
 
     def count_as_hits(self, memory: int, disk: int) -> None:
@@ -365,14 +429,21 @@ class ActivationStore:
 
     @property
     def bytes_in_memory(self) -> int:
-        """Bytes of the entries held in memory (no directory scan, unlike :meth:`stats`)."""
+        """Bytes of the entries held in memory (no directory scan, unlike :meth:`stats`); entries whose copy
+        is still in flight count once it is done (never waits)."""
+        self._settle()
         return self._mem_bytes
 
     def on_disk(self, key: str) -> bool:
+        self._settle([key])
         return self._disk.file_size(key) is not None
 
     def stats(self) -> CacheStats:
-        """A snapshot of the counters (:class:`CacheStats`), from memory: no folder walk, no ``stat``."""
+        """A snapshot of the counters (:class:`CacheStats`), from memory: no folder walk, no ``stat``.
+
+        Never waits for the device (the progress bar asks every step): an entry whose copy to the host is
+        still in flight is counted once it is done."""
+        self._settle()
         snap = CacheStats(**asdict(self._stats))
         snap.entries_in_memory, snap.bytes_in_memory = len(self._mem), self._mem_bytes
         snap.files_on_disk, snap.bytes_on_disk = self._disk.files, self._disk.bytes
@@ -389,8 +460,10 @@ class ActivationStore:
         before one of them deletes (the strategy's barrier). ``delete="if_empty"`` (the end of a
         fit): the memory entries stay readable (validate/test after fit) and the directory goes only
         if it holds no entry file. The store stays usable: a later write takes the lock again (and
-        makes the directory again).
+        makes the directory again). Copies still in flight are waited for and stored first, as they were
+        before ``store()`` returned when stores were synchronous.
         """
+        self._settle(wait=True)
         if delete != "if_empty":
             self._mem.clear()
             self._mem_bytes = 0

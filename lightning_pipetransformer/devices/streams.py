@@ -21,8 +21,9 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "Stream", "StreamBackend", "copy_between_devices", "copy_streams", "current_stream", "host_catches_up", "new_stream",
-    "record", "release_cached_memory", "stage_streams", "stand_in_streams", "until_done", "use_stream", "use_streams", "wait",
+    "Stream", "StreamBackend", "copy_between_devices", "copy_streams", "current_stream", "event_done", "event_wait",
+    "host_buffer", "host_catches_up", "new_stream", "record", "record_event", "release_cached_memory", "stage_streams",
+    "stand_in_streams", "until_done", "use_stream", "use_streams", "wait",
 ]  # fmt: skip
 
 #: A CUDA stream, or ``None`` for a CPU device (ops run in program order: nothing to order).
@@ -214,3 +215,38 @@ def copy_between_devices(x: Tensor, src_device: torch.device, device: torch.devi
     if copy is not None:
         copy(src_device, device)
     return x.to(device)
+
+
+def host_buffer(shape: Sequence[int], dtype: torch.dtype, source: torch.device) -> Tensor:
+    """Host memory for a copy from ``source``: pinned when it is a CUDA device, plain otherwise.
+
+    Pinned because a ``non_blocking`` copy into pageable memory is a blocking one (the driver stages
+    it through a pinned buffer of its own and the host waits). torch's pinned allocator keeps a
+    block from reuse until the copies recorded on it completed, so freeing the buffer once its
+    event is done is safe. Under stand-in streams the backend's ``host_buffer`` makes it (a test
+    marks it "pinned": on a CPU-only build nothing can be pinned).
+    """
+    make = getattr(_stand_in, "host_buffer", None) if _stand_in is not None else None
+    if make is not None:
+        return make(tuple(shape), dtype)
+    return torch.empty(tuple(shape), dtype=dtype, pin_memory=source.type == "cuda")
+
+
+def record_event(stream: Stream) -> Any:
+    """An event recorded on ``stream`` now: done once everything queued there so far has run; ``None`` off CUDA."""
+    if stream is None:
+        return None
+    event = _stand_in.new_event() if _stand_in is not None else torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def event_done(event: Any) -> bool:
+    """Whether the work before ``event`` has run (never blocks); ``None`` (CPU) is always done."""
+    return event is None or bool(event.query())
+
+
+def event_wait(event: Any) -> None:
+    """Block the host until the work before ``event`` has run; nothing to wait for on the CPU."""
+    if event is not None:
+        event.synchronize()

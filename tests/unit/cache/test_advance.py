@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import BertConfig, BertModel
 
-from lightning_pipetransformer.cache.advance import advance_store, shard_of
+from lightning_pipetransformer.cache.advance import MAX_HELD_BYTES, advance_store, shard_of
 from lightning_pipetransformer.cache.arguments import pack_block_inputs, select_rows
 from lightning_pipetransformer.cache.batch import CachedBatch
 from lightning_pipetransformer.cache.keys import content_keys
@@ -101,7 +101,8 @@ def test_cache_on_equals_cache_off_with_hits_and_misses(tmp_path):
     assert stats.hits == 12 and stats.memory_hits > 0 and stats.disk_hits > 0
 
 
-def test_boundary_advance_equals_activations_from_scratch(tmp_path):
+@pytest.mark.parametrize("max_held_bytes", [MAX_HELD_BYTES, 1], ids=["groups-fill", "held-bytes-cap"])
+def test_boundary_advance_equals_activations_from_scratch(tmp_path, max_held_bytes):
     model = _bert()
     stack = find_block_stack(model)
     apply_freeze(stack, 1, include_pre=True)
@@ -115,7 +116,7 @@ def test_boundary_advance_equals_activations_from_scratch(tmp_path):
     apply_freeze(stack, 3, include_pre=True)
     dst = _store(stack, 3, tmp_path, budget=0)
     assert src.stats().entries_in_memory == 8
-    assert advance_store(src, dst, run_blocks(stack.blocks[1:3]), batch_size=4) == 17
+    assert advance_store(src, dst, run_blocks(stack.blocks[1:3]), batch_size=4, max_held_bytes=max_held_bytes) == 17
     assert src.stats().entries_in_memory == 0  # released as they were advanced
     assert advance_store(src, dst, run_blocks(stack.blocks[1:3])) == 0  # idempotent
     for ids, mask in batches:
