@@ -22,7 +22,7 @@ from torch import Tensor
 
 __all__ = [
     "Stream", "StreamBackend", "copy_between_devices", "copy_streams", "current_stream", "event_done", "event_wait",
-    "host_buffer", "host_catches_up", "new_stream", "record", "record_event", "release_cached_memory", "stage_streams",
+    "host_buffer", "host_catches_up", "new_event", "new_stream", "record", "record_event", "release_cached_memory", "stage_streams",
     "stand_in_streams", "until_done", "use_stream", "use_streams", "wait",
 ]  # fmt: skip
 
@@ -232,11 +232,19 @@ def host_buffer(shape: Sequence[int], dtype: torch.dtype, source: torch.device) 
     return torch.empty(tuple(shape), dtype=dtype, pin_memory=source.type == "cuda")
 
 
+def new_event(timing: bool = False) -> Any:
+    """A device event, not yet recorded: the stand-in's under stand-in streams, else CUDA's (``timing``:
+    one that can measure elapsed time, which plain events skip to stay cheap)."""
+    if _stand_in is not None:
+        return _stand_in.new_event()
+    return torch.cuda.Event(enable_timing=timing)
+
+
 def record_event(stream: Stream) -> Any:
     """An event recorded on ``stream`` now: done once everything queued there so far has run; ``None`` off CUDA."""
     if stream is None:
         return None
-    event = _stand_in.new_event() if _stand_in is not None else torch.cuda.Event()
+    event = new_event()
     event.record(stream)
     return event
 

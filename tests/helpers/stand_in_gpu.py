@@ -34,7 +34,13 @@ class StandInEvent:
     def synchronize(self) -> None:
         assert self.at is not None, "synchronize() on an event never recorded"
         self.gpu.waits += 1
+        self.gpu.waited.append(self)
         self.gpu.host = max(self.gpu.host, self.at)
+
+    def query(self) -> bool:
+        """Reached already, by the host's clock (never waits)."""
+        assert self.at is not None, "query() on an event never recorded"
+        return self.gpu.host >= self.at
 
     def elapsed_time(self, end: StandInEvent) -> float:
         assert self.at is not None and end.at is not None
@@ -49,6 +55,7 @@ class StandInGpu:
         self.tail = 0.0  # when the stream has done everything queued on it
         self.recorded: list[StandInEvent] = []
         self.waits = 0  # host synchronisations on an event
+        self.waited: list[StandInEvent] = []  # the events they waited for, in order
 
     # -- the backend ---------------------------------------------------------------------------
     def new_stream(self, device: torch.device) -> StandInGpu:
@@ -65,6 +72,9 @@ class StandInGpu:
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         pass
+
+    def wait_event(self, event: StandInEvent) -> None:
+        """One stream: what it waits for was queued on it before."""
 
     # -- what the test's code does ---------------------------------------------------------------
     def kernel(self, seconds: float) -> None:
