@@ -12,12 +12,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -176,6 +178,16 @@ class ProcessLayout(ParallelStrategy):
             )
             self._replicas = Elastic(self.global_rank, self.world_size, self._process_group_backend, self._timeout)
             self._start_watch()
+            trainer = lightning_internals.attached_trainer(self.lightning_module)
+            if trainer is not None:
+                PostFailureFirst.install(trainer, self._post_failure)
+
+    @override
+    def teardown(self) -> None:
+        trainer = lightning_internals.attached_trainer(self.lightning_module)
+        if trainer is not None:
+            PostFailureFirst.remove(trainer)
+        super().teardown()
 
     # ------------------------------------------------------------------ failures: every rank ends within seconds, naming the cause
     #
@@ -191,11 +203,17 @@ class ProcessLayout(ParallelStrategy):
         # trainers, and an earlier call's posted failure must not end a later, healthy one. Every rank
         # makes the same calls in the same order, so the numbers agree.
         self._board = faults.FaultBoard.for_default_group(self.global_rank, self.world_size, next(_TRAINER_CALLS))
-        children = list(getattr(self._launcher, "procs", None) or [])
+        children = self._launched_children()
         if children:  # it would SIGKILL every process, rank 0 too, without a word: the watch names the child instead
             lightning_internals.stop_child_process_observer()
         self._watch = faults.PeerWatch(self._board, children, unwinding=self._unwinding)
         self._watch.start()
+
+    def _launched_children(self) -> dict[int, Any]:
+        """The processes this rank launched (``Popen``; Lightning's subprocess launcher on a node's
+        local rank 0), by global rank: local rank ``i`` of node ``n`` is rank ``n * num_processes + i``."""
+        procs = list(getattr(self._launcher, "procs", None) or [])
+        return {self.node_rank * self.num_processes + i: proc for i, proc in enumerate(procs, start=1)}
 
     def _unwinding(self) -> bool:
         """Whether Lightning handles an exception on this rank now (its hooks run; read from the watch's thread)."""
@@ -214,11 +232,13 @@ class ProcessLayout(ParallelStrategy):
         if finished and self._board is not None:
             self._board.finish()
             if self.global_rank == 0:
-                failed = self._board.wait_finished(timeout=10.0)
+                children = self._launched_children()
+                failed = self._board.wait_finished(timeout=10.0, exited=lambda: _ended_silently(children))
                 if failed:
+                    rank = min(failed)
                     raise faults.PeerFailedAtEndError(
-                        f"rank {min(failed)} failed after the fit's last step on every rank, so the fit fails on "
-                        f"rank {self.global_rank} too."
+                        f"rank {rank} failed after the fit's last step on every rank ({failed[rank]}), so the fit "
+                        f"fails on rank {self.global_rank} too."
                     )
 
     def _ended_together(self, exception: BaseException) -> bool:
@@ -226,24 +246,33 @@ class ProcessLayout(ParallelStrategy):
         then run the same exception hooks (their barriers meet). The strategy says which."""
         return isinstance(exception, faults.PeerFailedError)
 
-    def _note_failure(self, exception: BaseException) -> bool:
-        """Once per exception, on the first hook that sees it: stop the watch, and post this rank's error
-        when it is the first failure (not one every rank agreed on, not a peer's failure seen as a
-        broken collective). Returns whether every rank ended together."""
+    def _post_failure(self, exception: BaseException) -> bool:
+        """Once per exception, on the first hook that sees it (:class:`PostFailureFirst`, before any other
+        callback's ``on_exception``): post this rank's error when it is the first failure (not one every
+        rank agreed on, not a peer's failure seen as a broken collective), and stop the watch then (the
+        others' ends are this failure's consequence). Returns whether every rank ended together.
+
+        A peer's failure leaves the watch running through the callbacks' hooks (a checkpoint that waits
+        in a collective for a dead peer still ends); :meth:`_note_failure` stops it."""
         if self._handled is not None and self._handled[0] is exception:
             return self._handled[1]
         together = self._ended_together(exception)
         self._handled, self._posted = (exception, together), False
-        self._stop_watch(finished=False)
         if not together and self._board is not None:
-            others: dict[int, str] = {}
             try:
-                others = self._board.failures()
-                if not others and not _broken_collective(exception):
+                if not self._board.failures() and not _broken_collective(exception):
+                    self._stop_watch(finished=False)
                     self._board.post(faults.describe(exception))
                     self._posted = True
             except Exception:  # noqa: BLE001 - the store went with rank 0: nothing to post to
                 pass
+        return together
+
+    def _note_failure(self, exception: BaseException) -> bool:
+        """:meth:`_post_failure`, and stop the watch: this rank's own hooks end it from here (the strategy's
+        ``on_exception``, or a barrier the others will not join). Returns whether every rank ended together."""
+        together = self._post_failure(exception)
+        self._stop_watch(finished=False)
         return together
 
     def _exception_in_hand(self) -> BaseException | None:
@@ -269,7 +298,9 @@ class ProcessLayout(ParallelStrategy):
                 self._board.acknowledge()
         peers = self._replicas.peers
         # A process just killed is not gone yet when its peer's collective breaks: look for a while.
-        gone = faults.dead_peers(peers, wait=0.0 if posted or not _broken_collective(exception) else 2.0) if peers else []
+        # PeerFailedAtEndError names its rank itself (no collective failed).
+        look = peers and not isinstance(exception, faults.PeerFailedAtEndError)
+        gone = faults.dead_peers(peers, wait=0.0 if posted or not _broken_collective(exception) else 2.0) if look else []
         if gone:
             named = ", ".join(f"rank {r} (pid {peers[r][1]})" for r in gone)
             lines.append(
@@ -287,7 +318,7 @@ class ProcessLayout(ParallelStrategy):
             self._board.handled()
             if self._posted:
                 self._board.wait_seen(timeout=3.0)
-        children = list(getattr(self._launcher, "procs", None) or [])
+        children = list(self._launched_children().values())
         if children:
             # Stopped together (an agreed signal or failure), every child runs its own exception hooks
             # (Lightning's checkpoint): wait for them far longer than for a child that may never return,
@@ -362,6 +393,40 @@ class ProcessLayout(ParallelStrategy):
         votes = torch.tensor(int(decision))
         dist.all_reduce(votes, op=dist.ReduceOp.SUM, group=self._replicas.control_group)
         return bool(votes == self.world_size) if all else bool(votes)
+
+
+class PostFailureFirst(Callback):
+    """Posts this rank's failure before any other callback's ``on_exception`` runs.
+
+    Lightning's ``_interrupt`` runs the callbacks' ``on_exception`` (an ``OnExceptionCheckpoint``
+    writing a large checkpoint, a user's hook that waits in a collective) before the strategy's:
+    posted from the strategy's hook, a failure reached the others only after them, while they
+    waited in a collective for this rank. First in ``trainer.callbacks``, this one posts at once.
+    """
+
+    def __init__(self, post: Callable[[BaseException], object]) -> None:
+        self._post = post
+
+    @classmethod
+    def install(cls, trainer: Any, post: Callable[[BaseException], object]) -> None:
+        """Put one first among ``trainer``'s callbacks (an earlier call's copy is replaced)."""
+        cls.remove(trainer)
+        trainer.callbacks.insert(0, cls(post))
+
+    @classmethod
+    def remove(cls, trainer: Any) -> None:
+        trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, cls)]
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._post(exception)
+
+
+def _ended_silently(children: dict[int, Any]) -> dict[int, str]:
+    """The launched children whose process ended in failure, said as the cause of a rank that posted nothing."""
+    return {
+        rank: f"its process {how}, without reporting an error (the OOM killer, or a kill from outside)"
+        for rank, how in faults.exited_children(children).items()
+    }
 
 
 def _broken_collective(exception: BaseException) -> bool:

@@ -11,7 +11,8 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -172,13 +173,29 @@ class FaultBoard:
     trainer call, so a fit's failures do not leak into the next call's.
     """
 
+    #: Seconds one board call may take: a store that does not answer within it counts as gone (the watch looks twice).
+    TIMEOUT = 5.0
+
     def __init__(self, store: Any, rank: int, world_size: int) -> None:
         self._store, self.rank, self.world_size = store, rank, world_size
 
     @classmethod
     def for_default_group(cls, rank: int, world_size: int, call: int) -> FaultBoard:
-        store = dist.distributed_c10d._get_default_store()
-        return cls(dist.PrefixStore(f"pipetransformer/faults/{call}/", store), rank, world_size)
+        """The board of trainer call ``call``, on a connection of its own to the default group's store."""
+        return cls.on_own_connection(dist.distributed_c10d._get_default_store(), rank, world_size, call)
+
+    @classmethod
+    def on_own_connection(cls, store: Any, rank: int, world_size: int, call: int, timeout: float = TIMEOUT) -> FaultBoard:
+        """The board of trainer call ``call`` on ``store``, read and written over a connection of its own.
+
+        A c10d ``TCPStore`` client is one socket, and each call holds it until the server answers: a
+        thread blocked in ``wait``/``get`` on it (a new group's rendezvous, an NCCL communicator's
+        set-up waiting for a peer that failed) would hold every other caller, the watch included, for
+        the whole collective timeout. ``Store.clone()`` opens another connection to the same server,
+        with the same key prefixes (torchrun's restart attempt, ``default_pg``), and its own
+        ``timeout``, short, so that no board call outlasts the watch's grace.
+        """
+        return cls(dist.PrefixStore(f"pipetransformer/faults/{call}/", own_connection(store, timeout)), rank, world_size)
 
     def post(self, text: str) -> None:
         self._store.set(f"fault/{self.rank}", text)
@@ -220,20 +237,25 @@ class FaultBoard:
         with contextlib.suppress(Exception):
             self._store.add("finished", 1)
 
-    def wait_finished(self, timeout: float) -> dict[int, str]:
+    def wait_finished(self, timeout: float, exited: Callable[[], dict[int, str]] = dict) -> dict[int, str]:
         """Rank 0 hosts the store under Lightning's launcher: at a normal end it waits (bounded) for
         every rank to finish, or a slower rank's watch would take the store's end for rank 0's death.
 
         A rank that failed after its last collective (at the end of training) never finishes: the
-        wait ends as soon as a failure is posted, and returns the failures (by rank), for rank 0 to
-        fail too. Its exit status is the job's under Lightning's launcher.
+        wait ends as soon as a failure is posted, or as soon as ``exited()`` names a rank whose
+        process ended without posting (a child SIGKILLed by the OOM killer), and returns the failures
+        (by rank), for rank 0 to fail too. Its exit status is the job's under Lightning's launcher.
         """
         deadline = time.monotonic() + timeout
-        with contextlib.suppress(Exception):
+        try:
             while self._store.add("finished", 0) < self.world_size and time.monotonic() < deadline:
-                if self._store.add("posted", 0):
-                    return self.failures()
+                gone = exited()  # read before the board: a child that posted, then exited, is named by its post
+                posted = self.failures() if self._store.add("posted", 0) else {}
+                if gone or posted:
+                    return {**gone, **posted}
                 time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the store is gone: the children's exit codes still say who died
+            return exited()
         return {}
 
 
@@ -245,17 +267,20 @@ class PeerWatch(threading.Thread):
     whose peer is alive but elsewhere (handling its own exception) waits. Every ``poll`` seconds
     the watch reads the :class:`FaultBoard`, and on the launcher's rank the children's exit codes
     (it takes over from Lightning's child-process observer, which kills every process without a
-    word). A cause found, it waits ``grace`` seconds for the main thread to end by itself (gloo
+    word; ``children``: ``Popen`` by global rank, or a sequence for ranks 1, 2, ...). The board is
+    read over a connection of its own (:meth:`FaultBoard.on_own_connection`), so a main thread
+    blocked in a store rendezvous does not block the watch. A cause found, it waits ``grace`` seconds for the main thread to end by itself (gloo
     notices a closed connection; longer while the main thread is already handling an exception),
     then says why on stderr, ends the launched children and exits the process (status 1). Stopped once the rank handles its own exception or tears down.
     """
 
     def __init__(
-        self, board: FaultBoard, children: Sequence[Any] = (), grace: float = 5.0, poll: float = 0.5,
+        self, board: FaultBoard, children: Mapping[int, Any] | Sequence[Any] = (), grace: float = 5.0, poll: float = 0.5,
         exit_process: Any = os._exit, unwinding: Any = None, unwind_grace: float = 30.0,
     ) -> None:
         super().__init__(daemon=True, name="pipetransformer-peer-watch")
-        self.board, self.children, self.grace, self.poll = board, list(children), grace, poll
+        self.board, self.grace, self.poll = board, grace, poll
+        self.children = dict(children) if isinstance(children, Mapping) else dict(enumerate(children, start=1))
         #: ``unwinding()``: whether the main thread already handles an exception (it then gets ``unwind_grace`` s in all).
         self.unwinding, self.unwind_grace = unwinding or (lambda: False), unwind_grace
         self._stopped = threading.Event()
@@ -284,7 +309,7 @@ class PeerWatch(threading.Thread):
                 f"[pipetransformer] rank {self.board.rank}: {cause}. This rank waited for it in a collective that "
                 "would not return before the timeout: ending it now.", file=sys.stderr, flush=True,
             )
-            end_children(self.children, grace=0.0)
+            end_children(list(self.children.values()), grace=0.0)
             self._exit(1)
             return
 
@@ -298,11 +323,47 @@ class PeerWatch(threading.Thread):
                 self.board.acknowledge()
             rank, text = min(failures.items())
             return f"rank {rank} failed: {text}"
-        for rank, child in enumerate(self.children, start=1):
-            code = child.poll()
-            if code:
-                return f"rank {rank} (pid {child.pid}) exited with status {code}"
+        exited = exited_children(self.children)
+        if exited:
+            rank, how = min(exited.items())
+            return f"rank {rank} {how}"
         return None
+
+
+def own_connection(store: Any, timeout: float) -> Any:
+    """Another connection to ``store``'s server (same keys), whose calls give up after ``timeout`` seconds.
+
+    Where the store cannot be cloned (torch before 2.6; a ``HashStore`` clones as itself) it is ``store``
+    itself, shared with the other callers as before.
+    """
+    try:
+        clone = store.clone()
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return store
+    if clone is not store:
+        clone.set_timeout(timedelta(seconds=timeout))
+    return clone
+
+
+def exited_children(children: Mapping[int, Any]) -> dict[int, str]:
+    """The launched children (``Popen``, by global rank) whose process ended in failure, each with how:
+    ``(pid N) exited with status 3``, or ``(pid N) was killed by SIGKILL`` (the OOM killer does that)."""
+    found = {}
+    for rank, child in children.items():
+        code = child.poll()
+        if code:
+            found[rank] = f"(pid {child.pid}) {exit_status(code)}"
+    return found
+
+
+def exit_status(code: int) -> str:
+    """A ``Popen.returncode`` in words: a negative one is the signal that killed the process."""
+    if code >= 0:
+        return f"exited with status {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
 
 
 def end_children(children: Sequence[Any], grace: float, handled: Any = None, exit_grace: float = 10.0) -> list[int]:

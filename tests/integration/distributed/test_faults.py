@@ -108,9 +108,48 @@ def test_sigterm_to_every_rank_stops_all_in_seconds_with_a_checkpoint_that_resum
     ],
 )
 def test_a_fault_on_one_rank_ends_every_rank_in_seconds_naming_it(tmp_path, fault_rank, where, epoch, hold):
+    stdout, gone_after = run_fault(tmp_path, fault_rank, where, epoch, hold)
+    assert_named(tmp_path, stdout, fault_rank, where)
+    print(f"{where} on rank {fault_rank}: every rank's fit ended {gone_after:.1f}s after the fault")
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 2 * BOUND + 30)
+def test_a_rank_blocked_in_a_store_rendezvous_is_ended_in_seconds_naming_the_failed_rank(tmp_path):
+    # Rank 1's main thread makes a new group, whose store rendezvous waits for rank 0, which failed in a
+    # callback (an NCCL communicator's set-up waits the same way). Before, the watch read the board on the
+    # same store connection, held by that wait: rank 1 went on waiting, and rank 0 SIGKILLed it, unnamed.
+    stdout, gone_after = run_fault(tmp_path, 0, "callback", 1, True, "--peer-waits", "store")
+    assert "[pipetransformer] rank 1: rank 0 failed: InjectedFault" in stdout, stdout[-5000:]  # its watch ended it
+    assert_named(tmp_path, stdout, 0, "callback")
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 2 * BOUND + 30)
+def test_a_failure_reaches_the_others_before_the_failed_ranks_slow_exception_hooks(tmp_path):
+    # Rank 0's callbacks' on_exception take 20 s (a large checkpoint); rank 1 waits in a collective for it.
+    # Before, Lightning ran them before the strategy's on_exception, which posted the failure: rank 1
+    # waited through them (and, under NCCL, a checkpoint's collective waited for a rank never coming).
+    stdout, _ = run_fault(tmp_path, 0, "callback", 1, True, "--slow-on-exception", "20", others_within=12)
+    assert_named(tmp_path, stdout, 0, "callback")
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 2 * BOUND + 30)
+def test_a_child_killed_at_the_end_of_fit_without_posting_fails_the_job_naming_it(tmp_path):
+    # Rank 1 SIGKILLed in on_train_end (the OOM killer posts nothing). Before, rank 0 waited 10 s for it
+    # to finish, then ended the job with success.
+    stdout, _ = run_fault(tmp_path, 1, "kill-at-end", 2, False)
+    error = (tmp_path / "error0").read_text()
+    assert "PeerFailedAtEndError" in error and "rank 1 failed after the fit's last step" in error, error
+    assert f"(pid {pids(tmp_path, 2)[1]}) was killed by SIGKILL" in error, error
+
+
+def run_fault(tmp_path: Path, fault_rank: int, where: str, epoch: int, hold: bool, *extra: str,
+              others_within: float = BOUND) -> tuple[str, float]:
+    """Launch faults.py with a fault; check every other rank is gone within ``others_within`` s of it, the failed
+    rank's fit ends within BOUND, and (where rank 0 is not the one that failed) the job fails. Returns the
+    output and the seconds from the fault to the failed rank's fit's end."""
     # --hold: the failed rank's process stays (its sockets open) after its fit ended, as a dead NCCL
     # peer does for a collective (it never returns): nothing but the strategy can end the others.
-    args = ["--stop", "fault", "--fault-rank", str(fault_rank), "--fault-where", where, "--fault-epoch", str(epoch)]
+    args = ["--stop", "fault", "--fault-rank", str(fault_rank), "--fault-where", where, "--fault-epoch", str(epoch), *extra]
     args += ["--hold"] if hold else []
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), "--out", str(tmp_path), *args, "--timeout", str(COLLECTIVE_TIMEOUT)], env=clean_env(),
@@ -119,6 +158,7 @@ def test_a_fault_on_one_rank_ends_every_rank_in_seconds_naming_it(tmp_path, faul
     output: list[str] = []
     reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
     reader.start()
+    killed = where.startswith("kill")
     try:
         deadline = time.monotonic() + LAUNCH_TIMEOUT
         while not (tmp_path / "faulted").exists() and time.monotonic() < deadline and proc.poll() is None:
@@ -131,20 +171,25 @@ def test_a_fault_on_one_rank_ends_every_rank_in_seconds_naming_it(tmp_path, faul
         while any(is_alive(pids(tmp_path, 2)[r]) for r in others) and time.monotonic() - start < BOUND:
             time.sleep(0.2)
         assert not any(is_alive(pids(tmp_path, 2)[r]) for r in others), f"a rank outlived {BOUND}s: " + "".join(output)[-5000:]
-        while where != "kill" and not (tmp_path / f"error{fault_rank}").exists() and time.monotonic() - start < BOUND:
+        others_gone = time.time() - faulted
+        assert others_gone < others_within, f"the others outlived the fault by {others_gone:.1f}s: " + "".join(output)[-5000:]
+        while not killed and not (tmp_path / f"error{fault_rank}").exists() and time.monotonic() - start < BOUND:
             time.sleep(0.2)
         gone_after = time.time() - faulted
         assert gone_after < BOUND
         if fault_rank != 0:  # rank 0's exit status is the job's under Lightning's launcher: not a success
             assert proc.wait(timeout=BOUND) != 0, "".join(output)[-5000:]
-        assert where == "kill" or "InjectedFault" in (tmp_path / f"error{fault_rank}").read_text()
+        assert killed or "InjectedFault" in (tmp_path / f"error{fault_rank}").read_text()
     finally:
         kill_session(proc.pid)
         reader.join(timeout=10)
-    stdout = "".join(output)
-    # The others name it: in their error (the step's agreement, a broken collective) or, ended by
-    # their watch while they waited, on stderr.
-    for rank in others:
+    return "".join(output), gone_after
+
+
+def assert_named(tmp_path: Path, stdout: str, fault_rank: int, where: str) -> None:
+    """The others name the failed rank: in their error (the step's agreement, a broken collective) or, ended by
+    their watch while they waited, on stderr."""
+    for rank in (r for r in range(2) if r != fault_rank):
         error = (tmp_path / f"error{rank}").read_text() if (tmp_path / f"error{rank}").exists() else ""
         if where == "kill":  # named by its pid, or as the host of the store that stopped answering
             named = f"rank {fault_rank} (pid {pids(tmp_path, 2)[fault_rank]}) on this host is gone" in error
@@ -153,7 +198,6 @@ def test_a_fault_on_one_rank_ends_every_rank_in_seconds_naming_it(tmp_path, faul
         named = f"Rank {fault_rank} failed in" in error or f"rank {fault_rank} failed first: InjectedFault" in error
         named = named or f"[pipetransformer] rank {rank}: rank {fault_rank} failed: InjectedFault" in stdout
         assert named and "injected fault" in error + stdout, (error, stdout[-5000:])
-    print(f"{where} on rank {fault_rank}: every rank's fit ended {gone_after:.1f}s after the fault")
 
 
 @pytest.fixture(scope="module")

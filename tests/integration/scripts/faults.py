@@ -13,7 +13,12 @@ joins. ``--devices 4`` runs the same at ``pipe_len=4`` (K 4 -> 2: two replicas, 
   joining replica its weights: the others wait in collectives);
 - ``fault``: ``--fault-rank`` raises a ``RuntimeError`` at ``--fault-where`` (its step, its backward, the
   optimizer's step after the backward, inside the transition, validation, a callback, the end of
-  training; or ``kill``: a SIGKILL).
+  training; or ``kill``: a SIGKILL; ``kill-at-end``: a SIGKILL at the end of training, nothing posted).
+
+``--peer-waits store``: at the fault point the other ranks' main threads make a new process group,
+whose store rendezvous waits for the failed rank (as an NCCL communicator's set-up does).
+``--slow-on-exception S``: the failed rank's callbacks' ``on_exception`` take ``S`` seconds (a large
+checkpoint written on exception) before Lightning calls the strategy's.
 
 ``--hold`` models NCCL's rule "a collective with a dead peer never returns": the failed rank keeps its
 process (and its gloo sockets) open after its fit ended, so a peer waiting in a collective for it is
@@ -81,6 +86,9 @@ class Faults(Callback):
             signal_every_rank(self.out, trainer.world_size)
         if self.args.stop == "fault" and self.args.fault_where == "callback" and trainer.global_rank == self.args.fault_rank:
             raise fault(f"injected fault in a callback on rank {trainer.global_rank}")
+        if self.args.peer_waits == "store" and trainer.global_rank != self.args.fault_rank:
+            # Every rank's store rendezvous for it; the failed rank never comes: blocked in the store's get.
+            torch.distributed.new_group(backend="gloo")
         if self.args.stop == "fault" and self.args.fault_where == "kill" and trainer.global_rank == self.args.fault_rank:
             fault("SIGKILL")
             os.kill(os.getpid(), signal.SIGKILL)  # no exception, no clean-up: the process is gone
@@ -89,6 +97,13 @@ class Faults(Callback):
         # The end of the fit: the other ranks go on to their teardown (no collective waits for this one).
         if self.args.stop == "fault" and self.args.fault_where == "teardown" and trainer.global_rank == self.args.fault_rank:
             raise fault(f"injected fault at the end of training on rank {trainer.global_rank}")
+        if self.args.stop == "fault" and self.args.fault_where == "kill-at-end" and trainer.global_rank == self.args.fault_rank:
+            fault("SIGKILL at the end")
+            os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer does: nothing posted, no exception
+
+    def on_exception(self, trainer, pl_module, exception):
+        if self.args.slow_on_exception and trainer.global_rank == self.args.fault_rank:
+            time.sleep(self.args.slow_on_exception)  # a large checkpoint, before the strategy's own hook
 
 
 class StepStates(Callback):
@@ -207,7 +222,10 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--stop", default="none", choices=["none", "sigterm", "sigterm-transition", "sigterm-validation", "fault"])
     parser.add_argument("--fault-rank", type=int, default=1)
-    parser.add_argument("--fault-where", default="step", choices=["step", "backward", "optimizer", "transition", "validation", "callback", "teardown", "kill"])
+    parser.add_argument("--fault-where", default="step", choices=["step", "backward", "optimizer", "transition", "validation", "callback", "teardown", "kill",
+                                                           "kill-at-end"])
+    parser.add_argument("--peer-waits", default="collective", choices=["collective", "store"])
+    parser.add_argument("--slow-on-exception", type=float, default=0.0)
     parser.add_argument("--fault-epoch", type=int, default=1)
     parser.add_argument("--hold", action="store_true", help="the failed rank keeps its process open (NCCL's dead peer)")
     parser.add_argument("--cache", action="store_true", help="AutoCache on, the freezes {1: 1, 2: 2}")

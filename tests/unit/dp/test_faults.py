@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
@@ -173,3 +176,86 @@ def test_end_children_waits_only_briefly_once_every_rank_ran_its_exception_hooks
     assert faults.end_children([child], grace=30.0, handled=rank0.all_handled, exit_grace=0.2) == [child.pid]
     assert time.monotonic() - start < 5
     assert child.wait(timeout=10) == -signal.SIGKILL
+
+
+@pytest.fixture
+def tcp_store():
+    """A TCPStore server (as rank 0 hosts one under Lightning's launcher) and a factory of client connections."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    return lambda: dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
+
+
+@pytest.mark.timeout(60)
+def test_the_watch_reads_the_board_while_another_thread_holds_a_store_wait(tcp_store, capfd):
+    """A TCPStore client is one socket: a rendezvous blocked on it (a new group, an NCCL communicator's set-up
+    waiting for the failed rank) held the watch's reads for the whole timeout, and the rank was never ended."""
+    process_store = tcp_store()  # this rank's default store
+    rank0 = faults.FaultBoard.on_own_connection(process_store, 0, 2, call=1)
+    rank1 = faults.FaultBoard.on_own_connection(tcp_store(), 1, 2, call=1)
+    held = threading.Event()
+
+    def rendezvous() -> None:
+        held.set()
+        with contextlib.suppress(Exception):  # DistStoreError at the end of the wait
+            process_store.wait(["a key no rank sets"], timedelta(seconds=8))
+
+    waiter = threading.Thread(target=rendezvous, daemon=True)
+    waiter.start()
+    held.wait(timeout=5)
+    time.sleep(0.2)  # inside the wait
+    exits: list[int] = []
+    watch = faults.PeerWatch(rank0, grace=0.2, poll=0.05, exit_process=exits.append)
+    watch.start()
+    start = time.monotonic()
+    rank1.post("InjectedFault: boom")
+    watch.join(timeout=10)
+    assert exits == [1] and time.monotonic() - start < 5, exits
+    assert "rank 0: rank 1 failed: InjectedFault: boom" in capfd.readouterr().err
+    waiter.join(timeout=30)
+
+
+def test_a_board_on_its_own_connection_shares_the_keys_of_the_store_it_came_from(tcp_store):
+    """Clones keep the store's prefixes (torchrun's restart attempt, ``default_pg``): every rank reads one board."""
+    store = dist.PrefixStore("/worker/attempt_0/default_pg", tcp_store())
+    mine = faults.FaultBoard.on_own_connection(store, 1, 2, call=3)
+    shared = faults.FaultBoard(dist.PrefixStore("pipetransformer/faults/3/", dist.PrefixStore("/worker/attempt_0/default_pg", tcp_store())), 0, 2)
+    mine.post("InjectedFault: boom")
+    assert shared.failures() == {1: "InjectedFault: boom"}
+
+
+@pytest.mark.timeout(60)
+def test_rank_0_at_the_end_names_a_child_killed_without_posting():
+    """The OOM killer's SIGKILL posts nothing: rank 0 waited out its bound and ended the job with success."""
+    rank0, _ = boards()
+    rank0.finish()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child.kill()
+    child.wait(timeout=10)
+    start = time.monotonic()
+    found = rank0.wait_finished(timeout=30.0, exited=lambda: faults.exited_children({1: child}))
+    assert found == {1: f"(pid {child.pid}) was killed by SIGKILL"} and time.monotonic() - start < 5
+
+
+def test_exit_status_names_the_signal():
+    assert faults.exit_status(3) == "exited with status 3"
+    assert faults.exit_status(-signal.SIGKILL) == "was killed by SIGKILL"
+    assert faults.exit_status(-200) == "was killed by signal 200"
+
+
+def test_the_failure_hook_goes_first_among_callbacks_once():
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    from lightning_pipetransformer.processes import PostFailureFirst
+
+    class Trainer:
+        callbacks: list = [OnExceptionCheckpoint(dirpath=".")]
+
+    seen: list[BaseException] = []
+    PostFailureFirst.install(Trainer, seen.append)
+    PostFailureFirst.install(Trainer, seen.append)  # a second trainer call replaces the first's
+    assert [type(c) for c in Trainer.callbacks] == [PostFailureFirst, OnExceptionCheckpoint]
+    error = RuntimeError("boom")
+    Trainer.callbacks[0].on_exception(Trainer, None, error)
+    assert seen == [error]
+    PostFailureFirst.remove(Trainer)
+    assert [type(c) for c in Trainer.callbacks] == [OnExceptionCheckpoint]
