@@ -112,7 +112,7 @@ PARTS: tuple[Part, ...] = (
 )
 BY_NAME = {part.name: part for part in PARTS}
 #: The CUDA-only tests (skipped, visibly, without CUDA) and the device-placement tests. Of test_anneal.py only its
-#: CUDA test: the rest of that file runs on the CPU (about 30 s of this part's 45) and proves nothing a GPU adds.
+#: CUDA test: its other 24 tests are CPU work that CI runs (a few CPU seconds) and prove nothing a GPU adds.
 CUDA_TESTS = ("tests/unit/pipe/test_pipeline_cuda.py", "tests/unit/pipe/test_costs.py", "tests/unit/test_virtual_devices.py",
               "tests/unit/freeze/test_non_finite_steps.py",
               "tests/unit/freeze/test_anneal.py::test_blocks_on_several_devices_anneal_each_on_its_own_device")
