@@ -3,7 +3,10 @@
 Prints ``nvidia-smi`` and the versions first (torch and ``torch.version.cuda``, lightning,
 transformers, peft, python, the GPU's name and capability), then runs each part in a process of
 its own under its own timeout, most important first: a part that hangs is killed and reported
-as timed out, and the others still run. Nothing is installed and nothing is fetched: a part whose
+as timed out, and the others still run. The whole run ends within ``BUDGET`` (300 s on the GPU,
+nvidia-smi and the probe included), so that a second attempt fits in one 15-minute lease: the
+table ends with each part's seconds against its timeout and, for each part that did not pass, the
+exact command that runs it again alone (``--only PART``; its table goes to ``gpu_check-PART.md``). Nothing is installed and nothing is fetched: a part whose
 modules this Python cannot import is skipped, and its row says which. A part that did not run is
 never shown as passed. The table (markdown, dated) goes to ``$OUT/gpu_check.md`` when ``OUT`` is
 set (where the device tool brings files back), else to ``outputs/gpu_check.md``, and to stdout,
@@ -30,7 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +48,15 @@ INFO, RAN = "info", "ran"
 FAILURES = (FAIL, TIMEOUT, ERROR)
 #: what the probe imports and reports; a part names the ones it needs
 MODULES = ("torch", "lightning", "transformers", "peft", "torchmetrics", "safetensors", "pytest", "pytest_timeout", "hypothesis")
-NVIDIA_SMI_TIMEOUT, PROBE_TIMEOUT = 10.0, 40.0
+NVIDIA_SMI_TIMEOUT, PROBE_TIMEOUT = 10.0, 30.0
 #: How long a killed part may take to exit (a process inside the driver dies late) before the check goes on without it.
-KILL_GRACE = 20.0
-#: Seconds after which no part is started (scaled like the timeouts): one H200 lease is 15 minutes, its start included.
-BUDGET = 450.0
+KILL_GRACE = 10.0
+#: The whole run, nvidia-smi and the probe included, ends within this many seconds of its start (scaled like the
+#: timeouts): a part starts only with at least MIN_PART seconds left, and its timeout is cut so that it ends, a
+#: killed part's KILL_GRACE included, by then. Five minutes: one lease is 15 minutes of device time, the machine's
+#: start included, so a second attempt (a rerun of what failed, ``--only PART``) fits in it too.
+BUDGET = 300.0
+MIN_PART = 10.0
 #: The versions this check (and the tests it runs) were written and dry-run against. The lent machine
 #: has others (torch 2.11 + CUDA 13, transformers 5.17, Python 3.12): a part that fails there while
 #: a version differs says so in its row, and an error that reads like an API change is named as one.
@@ -89,24 +96,26 @@ class Part:
 #: Most important first: a session that runs out of time still gets these.
 PARTS: tuple[Part, ...] = (
     Part("cuda-tests", "1 CUDA tests", "the executor's CUDA tests: per-stage streams, events, record_stream, BERT and Llama on two streams",
-         60, "gpu_check:part_cuda_tests", needs=("torch", "pytest", "transformers"), cuda=True),
+         45, "gpu_check:part_cuda_tests", needs=("torch", "pytest", "transformers"), cuda=True),
     Part("trainers", "2 Trainers fp32", "BERT and Llama on the device vs strategy=auto: pipe_len=2 chunks 1/2, cache, both; K=2 engagement",
-         80, "gpu_check_trainers:part_trainers"),
+         55, "gpu_check_trainers:part_trainers"),
     Part("timing", "3 K=2 vs K=1 time", "forward+backward at K=2 on one GPU's two streams against K=1, several M (CUDA events)",
-         50, "gpu_check_timing:part_timing", needs=("torch", "transformers"), cuda=True),
+         35, "gpu_check_timing:part_timing", needs=("torch", "transformers"), cuda=True),
     Part("precisions", "4 AMP", "pipe_len=2 chunks=2 cache=True in bf16-mixed and 16-mixed vs strategy=auto",
-         60, "gpu_check_trainers:part_precisions"),
+         40, "gpu_check_trainers:part_precisions"),
     Part("lora", "5 LoRA + checkpointing + cache", "PEFT LoRA + reentrant gradient checkpointing, pipe_len=2 chunks=2 cache=True vs plain",
-         50, "gpu_check_trainers:part_lora", needs=("torch", "lightning", "transformers", "peft")),
+         30, "gpu_check_trainers:part_lora", needs=("torch", "lightning", "transformers", "peft")),
     Part("compile", "6 model.compile()", "the whole model compiled (aot_eager; GPU_CHECK_COMPILE_BACKEND=inductor), pipe_len=2 chunks=2 vs eager",
-         90, "gpu_check_trainers:part_compile"),
+         45, "gpu_check_trainers:part_compile"),
     Part("ddp", "7 two GPUs", "devices=2 pipe_len=2 16-mixed, K 2 -> 1 (scripts/gpu_check_ddp.py)",
          150, "gpu_check:part_ddp", cuda=True, gpus=2),
 )
 BY_NAME = {part.name: part for part in PARTS}
-#: The CUDA-only tests (skipped, visibly, without CUDA) and the device-placement tests.
+#: The CUDA-only tests (skipped, visibly, without CUDA) and the device-placement tests. Of test_anneal.py only its
+#: CUDA test: its other 24 tests are CPU work that CI runs (a few CPU seconds) and prove nothing a GPU adds.
 CUDA_TESTS = ("tests/unit/pipe/test_pipeline_cuda.py", "tests/unit/pipe/test_costs.py", "tests/unit/test_virtual_devices.py",
-              "tests/unit/freeze/test_non_finite_steps.py", "tests/unit/freeze/test_anneal.py")
+              "tests/unit/freeze/test_non_finite_steps.py",
+              "tests/unit/freeze/test_anneal.py::test_blocks_on_several_devices_anneal_each_on_its_own_device")
 
 
 # ---------------------------------------------------------------------------------- the parts that live here
@@ -237,6 +246,17 @@ def probe_here() -> int:
 # ---------------------------------------------------------------------------------- the driver
 
 
+@dataclass(frozen=True)
+class PartResult:
+    """One part's outcome for the parts' table: its worst row, its seconds against its timeout, and how to rerun it."""
+
+    name: str
+    status: str
+    seconds: float
+    timeout: float
+    rerun: str = ""
+
+
 @dataclass
 class Run:
     """What one ``gpu_check`` run found, and where it writes."""
@@ -251,6 +271,9 @@ class Run:
     smi: str
     rows: list[Row]
     done: bool = False
+    parts: list[PartResult] = field(default_factory=list)
+    #: the arguments this run was given (for the header's command line)
+    argv: tuple[str, ...] = ()
 
 
 def killed_tail(text: str, lines: int = 1) -> str:
@@ -279,26 +302,31 @@ def run_child(cmd: Sequence[str], timeout: float, log: Path, env: dict[str, str]
     return code, log.read_text(errors="replace"), time.perf_counter() - start
 
 
-def nvidia_smi() -> str:
-    """``nvidia-smi``'s own output, or why there is none."""
+def nvidia_smi() -> tuple[str, Row]:
+    """``nvidia-smi``'s own output, or why there is none; and its row (timed out: a row that says so)."""
+    start = time.perf_counter()
+    status = INFO
     try:
         proc = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT)
-        return (proc.stdout + proc.stderr).rstrip() or f"nvidia-smi: no output (exit code {proc.returncode})"
+        text = (proc.stdout + proc.stderr).rstrip() or f"nvidia-smi: no output (exit code {proc.returncode})"
     except FileNotFoundError:
-        return "nvidia-smi: not found on this machine"
+        text = "nvidia-smi: not found on this machine"
     except subprocess.TimeoutExpired:
-        return f"nvidia-smi: TIMED OUT after {NVIDIA_SMI_TIMEOUT:.0f} s"
+        text, status = f"nvidia-smi: TIMED OUT after {NVIDIA_SMI_TIMEOUT:.0f} s", TIMEOUT
+    driver = re.search(r"Driver Version:\s*(\S+)", text)
+    detail = f"driver {driver.group(1)}" if driver else killed_tail(text)
+    return text, Row("0 environment", "nvidia-smi", status, detail, time.perf_counter() - start)
 
 
-def probe(work: Path) -> tuple[dict[str, Any], Row]:
+def probe(work: Path, timeout: float = PROBE_TIMEOUT) -> tuple[dict[str, Any], Row]:
     """The probe in a process of its own (importing torch can hang on a broken driver too)."""
-    code, text, seconds = run_child([sys.executable, str(Path(__file__)), "--probe"], PROBE_TIMEOUT, work / "probe.log")
+    code, text, seconds = run_child([sys.executable, str(Path(__file__)), "--probe"], timeout, work / "probe.log")
     for line in text.splitlines():
         if line.startswith("GPU_CHECK_PROBE "):
             env = json.loads(line.removeprefix("GPU_CHECK_PROBE "))
             missing = ", ".join(f"{k} ({v})" for k, v in env["errors"].items())
             return env, Row("0 environment", "imports and CUDA", INFO, "not importable: " + missing if missing else "all importable", seconds)
-    status, why = (TIMEOUT, f"killed after {PROBE_TIMEOUT:.0f} s") if code is None else (ERROR, f"exit code {code}")
+    status, why = (TIMEOUT, f"killed after {timeout:.0f} s") if code is None else (ERROR, f"exit code {code}")
     return {}, Row("0 environment", "imports and CUDA", status, f"{why}: {killed_tail(text)}; every part runs unchecked", seconds)
 
 
@@ -339,7 +367,9 @@ def skip_reason(part: Part, accelerator: str, env: dict[str, Any]) -> str | None
 def run_part(part: Part, run: Run, timeout: float, work: Path) -> tuple[list[Row], float]:
     """One part in its own process group; its rows, plus one for a kill, a crash or silence, and its seconds."""
     rows_path = work / f"{part.name}.jsonl"
-    env = dict(os.environ, GPU_CHECK_PART_TIMEOUT=f"{timeout:.0f}", PYTHONUNBUFFERED="1")
+    # The part may plan its own work by these (the timing part does): its timeout, and when (time.time()) it is killed.
+    env = dict(os.environ, GPU_CHECK_PART_TIMEOUT=f"{timeout:.0f}", GPU_CHECK_PART_DEADLINE=f"{time.time() + timeout:.1f}",
+               PYTHONUNBUFFERED="1")
     if run.accelerator == "cpu":
         # One thread: on a small shared machine OpenMP's spin-waiting made these tiny fits 30x slower.
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -359,15 +389,63 @@ def run_part(part: Part, run: Run, timeout: float, work: Path) -> tuple[list[Row
     return rows, seconds
 
 
+def command(run: Run) -> str:
+    """The command line this run was started with (as ``bash scripts/gpu_check.sh``)."""
+    args = list(run.argv) if run.argv else ["--accelerator", run.accelerator]
+    return " ".join(["bash", "scripts/gpu_check.sh", *args])
+
+
+def rerun_command(run: Run, names: Sequence[str], timeouts: dict[str, float]) -> str:
+    """The exact command that runs ``names`` again (with ``timeouts``: a longer one for a part that was killed)."""
+    args = ["bash", "scripts/gpu_check.sh", "--only", ",".join(names)]
+    if run.accelerator != "gpu":
+        args += ["--accelerator", run.accelerator]
+    for name in names:
+        if name in timeouts:
+            args += ["--timeout", f"{name}={timeouts[name]:.0f}"]
+    return " ".join(args)
+
+
+def part_result(run: Run, part: Part, rows: list[Row], seconds: float, timeout: float, planned_timeout: float,
+                budget_skip: bool) -> PartResult:
+    """A part's worst row and, where it did not pass (failed, killed, crashed, or not started for the budget), its rerun:
+    a part killed at its full timeout is rerun with twice that (no more than one run's budget leaves it)."""
+    statuses = [r.status for r in rows]
+    status = next((s for s in (TIMEOUT, ERROR, FAIL) if s in statuses), None)
+    status = status or (PASS if PASS in statuses else SKIP if SKIP in statuses else INFO)
+    if status not in FAILURES and not budget_skip:
+        return PartResult(part.name, status, seconds, timeout)
+    longer = {}
+    if status == TIMEOUT and timeout >= planned_timeout:
+        most = run.budget - NVIDIA_SMI_TIMEOUT - PROBE_TIMEOUT - KILL_GRACE
+        longer[part.name] = min(2 * planned_timeout, most)
+    return PartResult(part.name, status, seconds, timeout, rerun_command(run, [part.name], longer))
+
+
+def reruns(run: Run) -> list[str]:
+    """One rerun command per part that did not pass, and one for all of them together when there are several."""
+    failed = [p for p in run.parts if p.rerun]
+    lines = [p.rerun for p in failed]
+    if len(failed) > 1:
+        timeouts = {}
+        for p in failed:
+            found = re.search(rf"--timeout {re.escape(p.name)}=(\d+)", p.rerun)
+            if found:
+                timeouts[p.name] = float(found.group(1))
+        lines.append(rerun_command(run, [p.name for p in failed], timeouts))
+    return lines
+
+
 def render(run: Run) -> str:
-    """The markdown report: a dated header with the versions, the table, then nvidia-smi's output."""
+    """The markdown report: a dated header with the versions, the table, the parts (with reruns), then nvidia-smi's output."""
     counts = {s: sum(r.status == s for r in run.rows) for s in (PASS, FAIL, SKIP, TIMEOUT, ERROR)}
     elapsed = time.perf_counter() - run.start
     state = "complete" if run.done else "INCOMPLETE (written after each part; this run had not finished)"
+    rerun = reruns(run)
     lines = [
         f"# GPU check, {run.started:%Y-%m-%d %H:%M} UTC",
         "",
-        f"- `bash scripts/gpu_check.sh --accelerator {run.accelerator}` on {platform.node()}: {elapsed:.0f} s of a {run.budget:.0f} s budget, {state}",
+        f"- `{command(run)}` on {platform.node()}: {elapsed:.0f} s of a {run.budget:.0f} s budget, {state}",
         *(f"- {line}" for line in describe_env(run.env, run.smi)),
         f"- result: {counts[PASS]} pass, {counts[FAIL]} FAIL, {counts[SKIP]} skipped, {counts[TIMEOUT]} timed out, "
         f"{counts[ERROR]} error ({INFO!r} rows are measurements, {RAN!r} rows reference fits: neither is a check)",
@@ -376,6 +454,15 @@ def render(run: Run) -> str:
         "| --- | --- | --- | ---: | --- |",
         *(f"| {r.part} | {cell(r.case)} | {bold(r.status)} | {r.seconds:.1f} | {cell(r.detail)} |" for r in run.rows),
         "",
+        "Parts (seconds: the part's process, imports and CUDA start included, against its timeout):",
+        "",
+        "| part name | result | seconds | timeout | rerun |",
+        "| --- | --- | ---: | ---: | --- |",
+        *(f"| `{p.name}` | {bold(p.status)} | {p.seconds:.1f} | {p.timeout:.0f} | {f'`{p.rerun}`' if p.rerun else '-'} |"
+          for p in run.parts),
+        "",
+        *(["Rerun what did not pass (a rerun of some parts writes its own table, `gpu_check-PART.md`, beside this one):",
+           "", "```", *rerun, "```", ""] if rerun else []),
         "nvidia-smi:",
         "",
         "```",
@@ -401,17 +488,32 @@ def write(run: Run) -> None:
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--accelerator", default="gpu", choices=["gpu", "cpu"], help="cpu: a dry run of the check itself, CUDA parts skipped")
-    default_out = Path(os.environ["OUT"]) / "gpu_check.md" if os.environ.get("OUT") else ROOT / "outputs" / "gpu_check.md"
-    parser.add_argument("--out", type=Path, default=default_out, help=f"the markdown table (default here: {default_out})")
-    parser.add_argument("--only", help="comma-separated part names, in the order given below")
+    parser.add_argument("--out", type=Path, help=f"the markdown table (default: {out_dir()}/gpu_check.md; "
+                        "with --only naming some of the parts, gpu_check-PART[-PART...].md)")
+    parser.add_argument("--only", help="comma-separated part names, run in the order given (a rerun: the table printed at the end "
+                        "names the command for each part that did not pass)")
     parser.add_argument("--timeout", action="append", default=[], metavar="PART=SECONDS", help="override one part's timeout")
-    parser.add_argument("--timeout-scale", type=float, help="multiply every part's timeout (default 1 on gpu, 4 on cpu: a slower machine)")
-    parser.add_argument("--budget", type=float, help=f"no part runs past this many seconds from the start (default {BUDGET:.0f}, scaled)")
+    parser.add_argument("--timeout-scale", type=float, help="multiply every part's timeout, the probe's and the budget "
+                        "(default 1 on gpu, 4 on cpu: a slower machine)")
+    parser.add_argument("--budget", type=float, help=f"the whole run ends within this many seconds of its start (default {BUDGET:.0f}, scaled)")
     parser.add_argument("--list", action="store_true", help="print the parts and their timeouts, run nothing")
     parser.add_argument("--part", help=argparse.SUPPRESS)
     parser.add_argument("--rows", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
+
+
+def out_dir() -> Path:
+    """Where the table goes: ``$OUT`` (the device tool brings it back) when set, else ``outputs/``."""
+    return Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "outputs"
+
+
+def out_path(args: argparse.Namespace, plan: Sequence[tuple[Part, float]]) -> Path:
+    """``--out``, else gpu_check.md for the whole check and gpu_check-PART.md for a rerun of some parts (not overwriting it)."""
+    if args.out:
+        return args.out
+    names = [part.name for part, _ in plan]
+    return out_dir() / ("gpu_check.md" if set(names) == set(BY_NAME) else f"gpu_check-{'-'.join(names)}.md")
 
 
 def timeout_scale(args: argparse.Namespace) -> float:
@@ -440,28 +542,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.list:
         for part, timeout in plan:
             print(f"{part.name:<11} {timeout:5.0f} s  {part.title}: {part.what}")
-        one_gpu = sum(t for part, t in plan if part.gpus <= 1) + NVIDIA_SMI_TIMEOUT + PROBE_TIMEOUT
-        print(f"{'one GPU':<11} {one_gpu:5.0f} s  every part that runs on one GPU, with nvidia-smi ({NVIDIA_SMI_TIMEOUT:.0f} s) "
-              f"and the probe ({PROBE_TIMEOUT:.0f} s); no part starts past --budget {BUDGET * timeout_scale(args):.0f} s")
+        probe_timeout = PROBE_TIMEOUT * timeout_scale(args)
+        one_gpu = sum(t for part, t in plan if part.gpus <= 1) + NVIDIA_SMI_TIMEOUT + probe_timeout
+        budget = args.budget or BUDGET * timeout_scale(args)
+        print(f"{'one GPU':<11} {one_gpu:5.0f} s  every part listed that runs on one GPU, with nvidia-smi ({NVIDIA_SMI_TIMEOUT:.0f} s) "
+              f"and the probe ({probe_timeout:.0f} s); the whole run ends within --budget {budget:.0f} s (a part's timeout is "
+              f"cut to what is left, less {KILL_GRACE:.0f} s for a killed process to exit)")
         return 0
-    return check(args, plan)
+    return check(args, plan, tuple(argv) if argv is not None else tuple(sys.argv[1:]))
 
 
-def check(args: argparse.Namespace, plan: list[tuple[Part, float]]) -> int:
+def check(args: argparse.Namespace, plan: list[tuple[Part, float]], argv: tuple[str, ...] = ()) -> int:
     """Environment first, then each part in order within the overall budget; the table after each part and at the end."""
     budget = args.budget or BUDGET * timeout_scale(args)
-    out = args.out.resolve()
+    out = out_path(args, plan).resolve()
     run = Run(args.accelerator, out, out.with_suffix(".log"), budget, datetime.datetime.now(datetime.timezone.utc),
-              time.perf_counter(), {}, "", [])
+              time.perf_counter(), {}, "", [], argv=argv)
     out.parent.mkdir(parents=True, exist_ok=True)
     run.log.write_text("")
     print(f"gpu_check: {run.started:%Y-%m-%d %H:%M} UTC, accelerator {run.accelerator}, budget {budget:.0f} s, table -> {out}", flush=True)
     print("gpu_check: parts (timeout): " + ", ".join(f"{part.name} ({timeout:.0f} s)" for part, timeout in plan), flush=True)
-    run.smi = nvidia_smi()
+    run.smi, smi_row = nvidia_smi()
+    run.rows.append(smi_row)
     print("== nvidia-smi\n" + run.smi, flush=True)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         work = Path(tmp)
-        run.env, env_row = probe(work)
+        probe_timeout = PROBE_TIMEOUT * timeout_scale(args)  # imports on a slow, shared CPU take longer too
+        run.env, env_row = probe(work, min(probe_timeout, max(1.0, budget - (time.perf_counter() - run.start) - KILL_GRACE)))
         run.rows.append(env_row)
         print("== versions\n" + "\n".join(describe_env(run.env, run.smi)) + f"\n== {env_row.status}: {env_row.detail}", flush=True)
         for part, timeout in plan:
@@ -479,8 +586,9 @@ def check(args: argparse.Namespace, plan: list[tuple[Part, float]]) -> int:
 def summary(run: Run) -> list[str]:
     """The last lines of stdout (the device tool returns the tail): the counts, what did not pass, the K=2 / K=1 ratios."""
     counts = ", ".join(f"{sum(r.status == s for r in run.rows)} {s}" for s in (PASS, FAIL, SKIP, TIMEOUT, ERROR))
-    lines = [f"gpu_check: {counts} in {time.perf_counter() - run.start:.0f} s"]
-    lines += [f"  {r.status}: {r.part} / {r.case}" for r in run.rows if r.status in FAILURES]
+    lines = [f"gpu_check: {counts} in {time.perf_counter() - run.start:.0f} s (budget {run.budget:.0f} s)"]
+    lines += [f"  {r.status}: {r.part} / {r.case} ({r.seconds:.1f} s)" for r in run.rows if r.status in FAILURES]
+    lines += [f"  rerun: {line}" for line in reruns(run)]
     ratios = [f"{r.case.split(': ')[0]} {m.group(1)}" for r in run.rows if (m := re.search(r"\): ratio (\d+\.\d+)", r.detail))]
     if ratios:
         lines.append("  K=2 / K=1 forward+backward on ONE GPU (shared SMs: overhead vs overlap, not a multi-GPU speed-up): " + ", ".join(ratios))
@@ -488,20 +596,25 @@ def summary(run: Run) -> list[str]:
 
 
 def part_rows(part: Part, timeout: float, run: Run, work: Path) -> list[Row]:
-    """A part's rows: skipped with its reason, skipped for the budget, or run (with the time left as the ceiling)."""
+    """A part's rows: skipped with its reason, skipped for the budget, or run, its timeout cut so that it ends (a killed
+    part's grace included) within the budget. Its outcome, with the rerun command where it did not pass, goes to ``run.parts``."""
     reason = skip_reason(part, run.accelerator, run.env)
-    left = run.budget - (time.perf_counter() - run.start)
-    if reason is None and left < 10:
-        reason = f"not started: {left:.0f} s of the {run.budget:.0f} s budget left"
+    left = run.budget - (time.perf_counter() - run.start) - KILL_GRACE
+    budget_skip = reason is None and left < MIN_PART
+    if budget_skip:
+        reason = f"not started: {left + KILL_GRACE:.0f} s of the {run.budget:.0f} s budget left"
     if reason is not None:
         print(f"-- {part.name}: skipped: {reason}", flush=True)
-        return [Row(part.title, part.what, SKIP, reason, 0.0)]
-    timeout = min(timeout, left)
+        rows = [Row(part.title, part.what, SKIP, reason, 0.0)]
+        run.parts.append(part_result(run, part, rows, 0.0, timeout, timeout, budget_skip))
+        return rows
+    planned_timeout, timeout = timeout, min(timeout, left)
     print(f"-- {part.name}: running (timeout {timeout:.0f} s): {part.what}", flush=True)
     rows, seconds = run_part(part, run, timeout, work)
     rows = [with_version_note(row, run.env) for row in rows]
     counts = ", ".join(f"{sum(r.status == s for r in rows)} {s}" for s in (PASS, FAIL, SKIP, TIMEOUT, ERROR) if any(r.status == s for r in rows))
-    print(f"-- {part.name}: {counts or 'nothing checked'} in {seconds:.0f} s", flush=True)
+    print(f"-- {part.name}: {counts or 'nothing checked'} in {seconds:.0f} s of {timeout:.0f} s", flush=True)
+    run.parts.append(part_result(run, part, rows, seconds, timeout, planned_timeout, False))
     return rows
 
 

@@ -42,8 +42,8 @@ class Shape:
     batch: int = 16
     seq: int = 256
     chunks: tuple[int, ...] = (1, 2, 4, 8)
-    warmup: int = 3
-    rounds: int = 20
+    warmup: int = 2
+    rounds: int = 15
     min_rounds: int = 3
 
     def describe(self) -> str:
@@ -229,17 +229,32 @@ def time_dtype(shape: Shape, device: torch.device, dtype: torch.dtype, deadline:
     return [check, *ratio_rows(times, label)]
 
 
+#: Seconds kept back from the part's deadline: the last rounds past a dtype's stop (``min_rounds``) and the exit.
+RESERVE = 4.0
+
+
+def part_deadline() -> float:
+    """When (``time.time()``) the driver kills this part: ``GPU_CHECK_PART_DEADLINE``, else ``GPU_CHECK_PART_TIMEOUT`` from now."""
+    if os.environ.get("GPU_CHECK_PART_DEADLINE"):
+        return float(os.environ["GPU_CHECK_PART_DEADLINE"])
+    return time.time() + float(os.environ.get("GPU_CHECK_PART_TIMEOUT", "60"))
+
+
 def part_timing(accelerator: str, emit: Callable[[Row], None], shape: Shape | None = None) -> None:
-    """fp32 (TF32 as torch's default leaves it) then bf16 weights; each dtype stops timing at a quarter of the part's timeout."""
+    """fp32 (TF32 as torch's default leaves it) then bf16 weights. The time left before the part's deadline (its
+    imports and CUDA start already spent), less ``RESERVE``, is shared: each dtype builds, checks and times its variants
+    until its share ends (at least ``min_rounds`` timed rounds), so the part ends before it is killed."""
     shape = shape or Shape()
     device = torch.device("cuda:0" if accelerator == "gpu" else "cpu")
-    timeout = float(os.environ.get("GPU_CHECK_PART_TIMEOUT", "60"))
+    deadline = part_deadline()
     emit(Row(PART, shape.describe(), INFO,
              "ONE GPU: both stages share its SMs, so K=2 / K=1 is the executor's overhead against any overlap of the "
              f"two streams, not a speed-up from more devices; TF32 matmul {torch.backends.cuda.matmul.allow_tf32}", 0.0))
-    for dtype in (torch.float32, torch.bfloat16):
+    dtypes = (torch.float32, torch.bfloat16)
+    for index, dtype in enumerate(dtypes):
+        share = max(0.0, deadline - time.time() - RESERVE) / (len(dtypes) - index)
         try:
-            for row in time_dtype(shape, device, dtype, time.perf_counter() + 0.25 * timeout):
+            for row in time_dtype(shape, device, dtype, time.perf_counter() + share):
                 emit(row)
         except Exception as err:  # noqa: BLE001 - the other dtype still runs
             emit(Row(PART, f"{str(dtype).removeprefix('torch.')}", FAIL, f"{type(err).__name__}: {str(err)[:300]}", 0.0))

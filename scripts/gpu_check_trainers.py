@@ -253,6 +253,12 @@ def same_weights(module: nn.Module, reference: nn.Module, precision: str) -> tup
     return ok, worst
 
 
+def tolerance_text(precision: str) -> str:
+    """The limit the weights' difference is checked against, for the row beside the number."""
+    rtol, atol = TOLERANCE[precision]
+    return f"limit rtol {rtol:g}, atol {atol:g}"
+
+
 def cache_dir() -> str:
     """A fresh folder per fit: no entry of an earlier fit (or run) can serve this one."""
     return tempfile.mkdtemp(prefix="gpu_check_cache_")
@@ -296,7 +302,7 @@ def run_case(part: str, arch: str, case: Case, precision: str, accelerator: str,
     except Exception as err:  # noqa: BLE001 - a failure is a row of the table
         return failed(part, label, err, time.perf_counter() - start)
     same, worst = same_weights(module, reference, precision)
-    ok, details = same, [f"max |w - w_auto| {worst:.2e}"]
+    ok, details = same, [f"max |w - w_auto| {worst:.2e} ({tolerance_text(precision)})"]
     if case.pipe:  # epoch 0: K=2, nothing frozen; epoch 1: still K=2, 2 frozen blocks in stage 0 (without the cache)
         for index in (0,) if case.cache else (0, 1):
             engaged, text = pipeline_engaged(engagement.epochs[index], case.chunks, probe=1 if index == 0 else 0)
@@ -386,7 +392,8 @@ def recipe_row(
         return failed(part, label, err, time.perf_counter() - start)
     same, worst = same_weights(module, reference, "32-true")
     engaged, text = check(engagement, chosen)
-    return Row(part, label, PASS if same and engaged else FAIL, f"max |w - w_auto| {worst:.2e}; {text}", seconds)
+    return Row(part, label, PASS if same and engaged else FAIL, f"max |w - w_auto| {worst:.2e} ({tolerance_text('32-true')}); {text}",
+               seconds)
 
 
 def recipe_steps() -> int:
@@ -419,9 +426,9 @@ def part_compile(accelerator: str, emit: Emit) -> None:
     The backend is ``aot_eager`` unless ``GPU_CHECK_COMPILE_BACKEND`` names another: what this part
     checks (Dynamo tracing through the block interception, AOT autograd's backward through the
     pipeline's stages, the pipeline engaged under compile) happens before code generation, and
-    inductor's cold Triton compile of every graph between the blocks' breaks could take minutes of
-    the part's 90 s. ``GPU_CHECK_COMPILE_BACKEND=inductor`` (with a larger ``--timeout compile=``)
-    runs the real kernels.
+    inductor's cold Triton compile of every graph between the blocks' breaks could take minutes,
+    more than the part's 45 s. ``GPU_CHECK_COMPILE_BACKEND=inductor`` (with ``--only compile`` and a
+    larger ``--timeout compile=``) runs the real kernels.
     """
     from tests.helpers.families import FamilyModule
 

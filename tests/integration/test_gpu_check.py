@@ -48,14 +48,22 @@ def dry_run(tmp_path_factory):
     return SimpleNamespace(proc=proc, out=out, table=table, rows=rows_of(table), stdout=proc.stdout)
 
 
-def rows_of(table: str) -> list[dict[str, str]]:
-    """The table's rows as dicts (part, case, result, seconds, detail), escaped pipes restored."""
+def rows_of(table: str, header: str = "| part | case | result | seconds | detail |") -> list[dict[str, str]]:
+    """The rows of the table under ``header`` as dicts keyed by its columns, escaped pipes restored."""
+    lines = table.splitlines()
+    if header not in lines:
+        return []
+    keys = [c.strip() for c in header.strip("|").split("|")]
     rows = []
-    for line in table.splitlines():
-        if line.startswith("| ") and not line.startswith(("| part ", "| ---")):
-            cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line)[1:-1]]
-            rows.append(dict(zip(("part", "case", "result", "seconds", "detail"), cells)))
+    for line in lines[lines.index(header) + 2:]:
+        if not line.startswith("| "):
+            break
+        cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        rows.append(dict(zip(keys, cells)))
     return rows
+
+
+PARTS_HEADER = "| part name | result | seconds | timeout | rerun |"
 
 
 def of_part(rows: list[dict[str, str]], prefix: str) -> list[dict[str, str]]:
@@ -119,6 +127,52 @@ def test_a_failed_and_a_crashed_part_are_shown_as_such(dry_run):
     assert dry_run.proc.returncode == 1
 
 
+def test_every_row_says_its_result_with_its_number(dry_run):
+    """pass / FAIL / skipped / TIMED OUT / ERROR (or info, ran: not checks) and its seconds; a compared fit also the
+    difference it found and the limit it was held to."""
+    assert dry_run.rows
+    for row in dry_run.rows:
+        assert row["result"].strip("*") in ("pass", "FAIL", "skipped", "TIMED OUT", "ERROR", "info", "ran"), row
+        assert re.fullmatch(r"\d+\.\d", row["seconds"]), row
+    compared = [r for r in dry_run.rows if r["result"] == "pass"]  # the trainers part's (the others are made to misbehave here)
+    assert len(compared) == 8, compared
+    for row in compared:
+        assert re.search(r"max \|w - w_auto\| \d\.\d\de[-+]\d\d \(limit rtol [\d.e-]+, atol [\d.e-]+\)", row["detail"]), row
+
+
+def test_the_parts_table_gives_each_parts_seconds_and_the_exact_rerun_of_what_did_not_pass(dry_run):
+    parts = {r["part name"].strip("`"): r for r in rows_of(dry_run.table, PARTS_HEADER)}
+    assert list(parts) == list(gpu_check.BY_NAME), parts
+    assert [parts[n]["result"] for n in ("cuda-tests", "trainers", "precisions", "lora", "compile")] == [
+        "skipped", "pass", "**TIMED OUT**", "**ERROR**", "**FAIL**"]
+    assert float(parts["trainers"]["seconds"]) > 0 and parts["trainers"]["timeout"] == f"{55 * 4}"  # the CPU run's timeouts are 4x
+    assert parts["trainers"]["rerun"] == "-"
+    # Killed at its full timeout: rerun with twice as long; failed or crashed: rerun as it was.
+    assert parts["precisions"]["rerun"] == f"`bash scripts/gpu_check.sh --only precisions --accelerator cpu --timeout precisions={2 * HANG_TIMEOUT}`"
+    assert parts["lora"]["rerun"] == "`bash scripts/gpu_check.sh --only lora --accelerator cpu`"
+    assert parts["compile"]["rerun"] == "`bash scripts/gpu_check.sh --only compile --accelerator cpu`"
+    together = f"bash scripts/gpu_check.sh --only precisions,lora,compile --accelerator cpu --timeout precisions={2 * HANG_TIMEOUT}"
+    assert together in dry_run.table
+    # ... and in the last lines of stdout, which is what the device tool returns.
+    assert f"  rerun: {together}" in dry_run.stdout.splitlines()[-6:], dry_run.stdout[-1000:]
+
+
+def test_the_printed_rerun_runs_that_part_alone_into_a_table_of_its_own(dry_run):
+    """The rerun line, run as printed: only that part runs, its table goes beside the full run's, which stays."""
+    first = (dry_run.out / "gpu_check.md").read_text()
+    line = next(r["rerun"].strip("`") for r in rows_of(dry_run.table, PARTS_HEADER) if r["part name"] == "`lora`")
+    argv = line.split()
+    assert argv[:2] == ["bash", "scripts/gpu_check.sh"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=clean_env(OUT=str(dry_run.out), PYTHON=sys.executable, GPU_CHECK_FAULT="lora=fail"))
+    rerun = (dry_run.out / "gpu_check-lora.md").read_text()
+    assert (dry_run.out / "gpu_check.md").read_text() == first
+    assert "`bash scripts/gpu_check.sh --only lora --accelerator cpu`" in rerun.splitlines()[2]
+    assert {r["part"] for r in rows_of(rerun)} == {"0 environment", gpu_check.BY_NAME["lora"].title}
+    assert [r["part name"] for r in rows_of(rerun, PARTS_HEADER)] == ["`lora`"]
+    assert proc.returncode == 1  # the injected failure, shown as one
+
+
 def test_the_cuda_test_part_shows_a_file_whose_tests_all_skipped_as_skipped(tmp_path):
     """The part itself, run here: the CUDA file's tests all skip on CPU, and its row must say so."""
     rows_path = tmp_path / "rows.jsonl"
@@ -128,7 +182,7 @@ def test_the_cuda_test_part_shows_a_file_whose_tests_all_skipped_as_skipped(tmp_
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["case"]: r for r in map(json.loads, rows_path.read_text().splitlines())}
-    assert list(rows) == list(gpu_check.CUDA_TESTS)
+    assert list(rows) == [test.split("::")[0] for test in gpu_check.CUDA_TESTS]  # one row per file
     cuda = rows["tests/unit/pipe/test_pipeline_cuda.py"]
     assert cuda["status"] == "skipped" and cuda["detail"].startswith("0 passed, 0 failed") and "needs a CUDA device" in cuda["detail"]
     assert rows["tests/unit/test_virtual_devices.py"]["status"] == "pass"
@@ -154,11 +208,26 @@ def test_no_part_starts_once_the_budget_is_spent(tmp_path):
     run = gpu_check.Run("cpu", tmp_path / "t.md", tmp_path / "t.log", 450.0, None, time.perf_counter() - 445, {}, "", [])
     rows = gpu_check.part_rows(gpu_check.BY_NAME["trainers"], 80.0, run, tmp_path)
     assert [r.status for r in rows] == ["skipped"] and "budget" in rows[0].detail
+    # A part the budget left out is one to rerun, by name.
+    assert run.parts[-1].rerun == "bash scripts/gpu_check.sh --only trainers --accelerator cpu"
 
 
-def test_the_budget_fits_one_lease_and_the_script_installs_nothing():
+def test_a_part_is_cut_to_end_within_the_budget_a_killed_ones_grace_included(tmp_path, monkeypatch):
+    """250 s into a 300 s run, a part with a 55 s timeout gets 300 - 250 - KILL_GRACE: even killed and slow to die it ends by 300."""
+    monkeypatch.setenv("GPU_CHECK_FAULT", "trainers=fail")  # the part's process reports one row and exits at once
+    run = gpu_check.Run("gpu", tmp_path / "t.md", tmp_path / "t.log", 300.0, None, time.perf_counter() - 250, {}, "", [])
+    gpu_check.part_rows(gpu_check.BY_NAME["trainers"], 55.0, run, tmp_path)
+    assert abs(run.parts[-1].timeout - (50 - gpu_check.KILL_GRACE)) < 1, run.parts[-1]
+
+
+def test_the_whole_check_ends_within_five_minutes_on_one_gpu_and_the_script_installs_nothing():
+    """Issue 40 item 10: nvidia-smi, the probe and every one-GPU part's timeout, and a killed part's grace, within 300 s,
+    so that a second attempt (a rerun of what failed) fits in a 15-minute lease with the machine's start."""
     one_gpu = sum(p.timeout for p in gpu_check.PARTS if p.gpus <= 1) + gpu_check.NVIDIA_SMI_TIMEOUT + gpu_check.PROBE_TIMEOUT
-    assert one_gpu <= gpu_check.BUDGET <= 7.5 * 60
+    assert one_gpu + gpu_check.KILL_GRACE <= gpu_check.BUDGET <= 5 * 60
+    listed = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--list"], capture_output=True, text=True,
+                            timeout=60, cwd=ROOT, env=clean_env()).stdout
+    assert re.search(rf"^one GPU +{one_gpu:.0f} s .*--budget 300 s", listed, re.M), listed
     script = (ROOT / "scripts" / "gpu_check.sh").read_text()
     assert not re.search(r"\bpip\b|\bvenv\b|curl|wget", script), "the check must not install or fetch anything"
 
@@ -217,7 +286,8 @@ def test_the_cache_must_serve_its_frozen_blocks():
 
 
 def test_the_timing_part_runs_its_code_and_reports_ratios_as_measurements(monkeypatch, one_thread):
-    monkeypatch.setenv("GPU_CHECK_PART_TIMEOUT", "20")
+    deadline = time.time() + 20
+    monkeypatch.setenv("GPU_CHECK_PART_DEADLINE", f"{deadline:.1f}")
     rows: list[gpu_check.Row] = []
     shape = timing.Shape(layers=4, hidden=32, heads=2, batch=8, seq=8, chunks=(1, 2), warmup=1, rounds=3, min_rounds=2)
     timing.part_timing("cpu", rows.append, shape)
@@ -230,6 +300,7 @@ def test_the_timing_part_runs_its_code_and_reports_ratios_as_measurements(monkey
     run = gpu_check.Run("cpu", None, None, 450.0, None, time.perf_counter(), {}, "", rows)
     last = gpu_check.summary(run)[-1]
     assert "ONE GPU" in last and all(f"{dtype} M={m} " in last for dtype in ("float32", "bfloat16") for m in (1, 2)), last
+    assert time.time() < deadline  # it shares out the time left and ends before the driver would kill it
 
 
 def test_the_timing_part_catches_a_k2_that_computes_something_else(one_thread):
@@ -253,7 +324,7 @@ def test_the_docs_table_lists_the_script_parts_files_and_timeouts():
     assert set(rows) == set(gpu_check.BY_NAME), sorted(rows)
     for part in gpu_check.PARTS:
         assert f"| {part.timeout:.0f} s |" in rows[part.name], part.name
-    named = set(re.findall(r"`(tests/[^`]+\.py)`", rows["cuda-tests"]))
+    named = set(re.findall(r"`(tests/[^`]+\.py(?:::\w+)?)`", rows["cuda-tests"]))
     assert named == set(gpu_check.CUDA_TESTS), named ^ set(gpu_check.CUDA_TESTS)
     assert "aot_eager" in rows["compile"]
 
