@@ -230,6 +230,8 @@ class PipeTransformerStrategy(ProcessLayout):
             self.engine, self._replicas, _loop_side(self, trainer), stack=stack, cache=self.autocache, ranks=self.ranks,
             signals=self._signals, self_check=self.config.self_check, announce=rank_zero_info,
         )  # fmt: skip
+        if isinstance(self._replicas, Elastic):  # the coordinator's step agreement carries a SIGTERM: no per-step broadcast of Lightning's
+            lightning_internals.replace_sigterm_broadcast(trainer)
         plan = self._coordinator.first_plan(autofreeze)
         if isinstance(self._replicas, Elastic):
             idle_hooks.prepare_idle_ranks(trainer, module, lambda: self.is_active, self._replicas.control_group)
