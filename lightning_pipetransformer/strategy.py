@@ -293,7 +293,7 @@ class PipeTransformerStrategy(ProcessLayout):
         assert module is not None
         self.model = self._gradients.unwrap(self.model, module)
         self.model = self._gradients.wrap(
-            module, group=self._replicas.active_group, world_size=self.world_size, active=self.is_active,
+            module, group=self._replicas.active_group, host_group=self._replicas.active_host_group, world_size=self.world_size, active=self.is_active,
             pipe_len=plan.pipe_len if plan is not None else 1, num_replicas=plan.num_replicas if plan is not None else self.world_size,
             root_device=self.root_device, stage_devices=self.stage_devices, init_sync=init_sync,
         )  # fmt: skip
