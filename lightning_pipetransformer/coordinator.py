@@ -148,20 +148,31 @@ class Coordinator:
 
     def apply(self, plan: Plan) -> None:
         """Make ``plan`` (this process's view of it) the one in force, and say so."""
-        plan = self.replicas.localize(plan)
-        active = self.replicas.is_active(plan)
-        devices = stage_devices(plan, self.ranks, self.replicas)
-        plan = self.engine.apply(plan, active=active, devices=devices, defer_boundary=self.ranks.distributed)
-        if active:
-            # Blocks may have moved between devices (K 4 -> 2): their optimizer state follows, and the
-            # devices left keep no cached blocks for the replica that takes them over.
-            dev.optimizer_state_to_param_devices(self.loop.optimizers())
-            dev.release_cached_memory(self.ranks.root_device)
+        local = self.replicas.localize(plan)
+        active = self.replicas.is_active(local)
+        devices = stage_devices(local, self.ranks, self.replicas)
+        plan = self._placing(lambda: self.engine.apply(local, active=active, devices=devices, defer_boundary=self.ranks.distributed))
         self.announce(report.plan_text(plan))
         self._arm_self_check()
         # Like Lightning's own metrics: to the loggers while fitting only, never at validate/test/predict.
         if self.ranks.global_rank == 0 and self.loop.fitting:
             self.loop.log_metrics(report.plan_metrics(plan))
+
+    def _placing(self, apply: Callable[[], Plan]) -> Plan:
+        """``apply()`` (a plan made the one in force); the optimizer state follows blocks that moved between devices
+        (K 4 -> 2); then, only where blocks left a device of this process, the allocator's cache is emptied
+        (:func:`~lightning_pipetransformer.devices.streams.release_cached_memory`): the devices left keep no cached
+        blocks for the replica that takes them over, and a plan change that moves no block (the boundary alone, a
+        plan applied again) keeps the cache warm. Decided from where the blocks' tensors are before and after, not
+        from the plans: a runner places blocks its own way (the cache's frozen prefix)."""
+        before = dev.module_devices(self.stack.blocks)
+        plan = apply()
+        if self.is_active:
+            dev.optimizer_state_to_param_devices(self.loop.optimizers())
+        left = dev.devices_left(before, dev.module_devices(self.stack.blocks))
+        if left:
+            dev.release_cached_memory(left)
+        return plan
 
     def _arm_self_check(self) -> None:
         """While fitting: the next training pass through the new runner is compared with the plain loop (stack/self_check.py)."""
@@ -333,7 +344,7 @@ class Coordinator:
             self.send_state(autofreeze, tuple(r for r in replicas if r != 0), PhaseClock())
         if cache is not None and now is plan:  # nothing rebuilt: reopen the same boundary, on every rank together
             devices = stage_devices(plan, self.ranks, self.replicas)
-            self.engine.apply(plan, active=self.is_active, devices=devices, defer_boundary=True)
+            self._placing(lambda: self.engine.apply(plan, active=self.is_active, devices=devices, defer_boundary=True))
             self._synced_boundary = None
             with faults.signals_held():
                 self.sync_cache_boundary()

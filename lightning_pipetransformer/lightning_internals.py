@@ -31,6 +31,7 @@ __all__ = [
     "init_dist_connection",
     "loader_with_batch_size",
     "mark_sigterm_received",
+    "replace_sigterm_broadcast",
     "replace_sigterm_notifier",
     "rebuild_train_loader",
     "set_callback_metrics",
@@ -144,6 +145,29 @@ def mark_sigterm_received(trainer: pl.Trainer) -> None:
     """Set what ``trainer.received_sigterm`` reads, so Lightning's loops stop at their own checks
     (``SIGTERMException`` after the current batch). Exercised by test_faults.py."""
     trainer._signal_connector.received_sigterm = True
+
+
+def replace_sigterm_broadcast(trainer: pl.Trainer) -> None:
+    """Lightning's check of ``received_sigterm`` before each training batch, without its collective.
+
+    Lightning 2.6's ``_TrainingEpochLoop._broadcast_sigterm_tensor`` runs before every training batch
+    with several processes: a broadcast of rank 0's flag over the world group, on the root device,
+    then ``.item()``. Under NCCL that is a collective and a host synchronisation per step. The strategy
+    needs neither: its step agreement (``dp/faults.agree_at_step``, over the gloo control group, at
+    every step and after each transition) sets ``received_sigterm`` on every rank at the same point
+    (:func:`mark_sigterm_received`), so the flag is already the same everywhere. This one reads it
+    locally and raises ``SIGTERMException`` as Lightning's does (its barrier, there so that every
+    rank has the flag, is not needed): every rank stops before the same batch. Replaced on this
+    trainer's epoch loop instance. Exercised by tests/integration/distributed/test_step_syncs.py
+    (no such broadcast per step) and test_faults.py (a SIGTERM inside the transition).
+    """
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    def stop_if_agreed() -> None:
+        if trainer.received_sigterm:
+            raise SIGTERMException()
+
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = stop_if_agreed  # type: ignore[method-assign]
 
 
 def stop_child_process_observer() -> bool:

@@ -230,6 +230,8 @@ class PipeTransformerStrategy(ProcessLayout):
             self.engine, self._replicas, _loop_side(self, trainer), stack=stack, cache=self.autocache, ranks=self.ranks,
             signals=self._signals, self_check=self.config.self_check, announce=rank_zero_info,
         )  # fmt: skip
+        if isinstance(self._replicas, Elastic):  # the coordinator's step agreement carries a SIGTERM: no per-step broadcast of Lightning's
+            lightning_internals.replace_sigterm_broadcast(trainer)
         plan = self._coordinator.first_plan(autofreeze)
         if isinstance(self._replicas, Elastic):
             idle_hooks.prepare_idle_ranks(trainer, module, lambda: self.is_active, self._replicas.control_group)
@@ -291,7 +293,7 @@ class PipeTransformerStrategy(ProcessLayout):
         assert module is not None
         self.model = self._gradients.unwrap(self.model, module)
         self.model = self._gradients.wrap(
-            module, group=self._replicas.active_group, world_size=self.world_size, active=self.is_active,
+            module, group=self._replicas.active_group, host_group=self._replicas.active_host_group, world_size=self.world_size, active=self.is_active,
             pipe_len=plan.pipe_len if plan is not None else 1, num_replicas=plan.num_replicas if plan is not None else self.world_size,
             root_device=self.root_device, stage_devices=self.stage_devices, init_sync=init_sync,
         )  # fmt: skip

@@ -8,6 +8,7 @@ test mode (:class:`~.virtual.VirtualDevices`) they tag what moved where and rais
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -17,7 +18,8 @@ from lightning_pipetransformer.devices.virtual import active_virtual_devices, vi
 
 __all__ = [
     "Device", "after_unwrap", "as_device", "before_wrap", "bind_process_device", "check_collective", "check_optimizer",
-    "device_of", "move_state", "optimizer_state_to_param_devices", "place_module", "place_outside", "tag_as",
+    "device_of", "devices_left", "module_devices", "move_state", "optimizer_state_to_param_devices", "place_module",
+    "place_outside", "tag_as",
 ]  # fmt: skip
 
 Device = torch.device | str | int
@@ -39,6 +41,23 @@ def device_of(tensor: Tensor) -> torch.device:
     """Where ``tensor`` is: its device, or in the test mode the virtual device it was placed on."""
     virtual = active_virtual_devices()
     return virtual.device_of(tensor) if virtual is not None else tensor.device
+
+
+def module_devices(modules: Sequence[torch.nn.Module]) -> list[frozenset[torch.device]]:
+    """Where each module's parameters and buffers are now (in the test mode, their virtual devices).
+
+    Read before and after a plan is applied, it says which devices blocks left
+    (:func:`devices_left`): the placement itself, not what the plans say, which differ where a
+    runner places blocks its own way (the cache's frozen prefix on the first stage's device).
+    """
+    return [frozenset(device_of(t) for t in [*m.parameters(), *m.buffers()]) for m in modules]
+
+
+def devices_left(before: Sequence[frozenset[torch.device]], after: Sequence[frozenset[torch.device]]) -> tuple[torch.device, ...]:
+    """The devices some module had a tensor on ``before`` and has none on ``after`` (by name): the
+    devices whose memory a move freed, where the allocator's cache is worth emptying."""
+    left = {d for was, now in zip(before, after, strict=True) for d in was - now}
+    return tuple(sorted(left, key=str))
 
 
 def tag_as(tensor: Tensor, device: torch.device) -> None:

@@ -155,12 +155,15 @@ def host_catches_up(device: torch.device) -> None:
     event.synchronize()
 
 
-def release_cached_memory(device: torch.device) -> None:
-    """After blocks moved between GPUs: cuBLAS's per-stream workspaces and the caching allocator's
-    free blocks go back to the driver, on every GPU of this process, so that a GPU this process
-    left holds nothing of it when another rank's replica is placed there. The workspaces of the
-    GPUs still used are made again on their next matmul (a few MB each). Nothing to do on the CPU."""
-    if device.type != "cuda":
+def release_cached_memory(left: Sequence[torch.device]) -> None:
+    """Blocks left the devices ``left``: cuBLAS's per-stream workspaces and the caching allocator's
+    free blocks go back to the driver, so that a GPU this process left holds nothing of it when
+    another rank's replica is placed there. Why only then: emptying the cache costs every later
+    allocation a ``cudaMalloc`` until the cache refills, for nothing when no block moved. Torch
+    empties every GPU of the process at once (it has no call for one); the workspaces of the GPUs
+    still used are made again on their next matmul (a few MB each). Nothing to do unless one of
+    ``left`` is a GPU."""
+    if not any(device.type == "cuda" for device in left):
         return
     clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear_workspaces is not None:

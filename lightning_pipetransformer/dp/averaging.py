@@ -35,28 +35,31 @@ def _torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def used_anywhere(params: Sequence[torch.Tensor], group: Any, via: torch.device) -> list[bool]:
-    """For each parameter: whether any replica of ``group`` gave it a gradient this step.
+def used_anywhere(params: Sequence[torch.Tensor], host_group: Any) -> list[bool]:
+    """For each parameter: whether any replica of ``host_group`` gave it a gradient this step.
 
-    One all-reduce (MAX) of a byte per parameter, then one read on the host: what DDP's
-    ``find_unused_parameters`` also pays. The flags go up without a synchronising copy (pinned
-    memory on CUDA); reading the result back is the step's one host synchronisation.
+    Which gradients are ``None`` is known on each host; so the flags, a byte per parameter, are
+    all-reduced (MAX) on the host, over the active group's gloo twin
+    (:func:`~lightning_pipetransformer.dp.groups.host_twin`), and read there. Why not on the device:
+    under NCCL the result read back would make the host wait for the whole backward queued before
+    the all-reduce, at every step (as DDP's ``find_unused_parameters`` does); over gloo the host
+    waits only for the other hosts to reach this point, and the GPU keeps running. Exact at every
+    step: a parameter used on some steps only (a routed expert) is seen on each of them.
     """
-    flags = torch.tensor([param.grad is not None for param in params], dtype=torch.uint8)
-    if via.type == "cuda":
-        flags = flags.pin_memory().to(via, non_blocking=True)
-    dev.tag_as(flags, via)
-    dev.check_collective(flags, "gradient averaging (which parameters were used)")
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    flags = torch.tensor([param.grad is not None for param in params], dtype=torch.uint8)  # host data, never on a GPU
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=host_group)
     return [bool(flag) for flag in flags.tolist()]
 
 
-def average_gradients(params: Sequence[torch.Tensor], group: Any, via: torch.device, chunk_bytes: int = CHUNK_BYTES) -> None:
+def average_gradients(
+    params: Sequence[torch.Tensor], group: Any, via: torch.device, host_group: Any, chunk_bytes: int = CHUNK_BYTES
+) -> None:
     """The replicas' mean gradient of ``params``, in place, through buffers on ``via``, as DDP averages.
 
     For a replica whose pipeline stages span several devices, where DDP cannot be used (its
     buckets live on every device, the process's groups only on ``via``). Every active rank calls
-    this after its last backward of the step, with the same parameters in the same order.
+    this after its last backward of the step, with the same parameters in the same order
+    (``host_group``: the same ranks over gloo, for the flags of :func:`used_anywhere`).
     DDP's semantics: a parameter no replica used keeps ``grad = None`` (so AdamW's weight decay
     and momentum leave it alone, as with one process); one that some replica used and this one
     did not counts as zero here (and gets a gradient). Each piece (a slice of a large gradient on
@@ -65,7 +68,7 @@ def average_gradients(params: Sequence[torch.Tensor], group: Any, via: torch.dev
     """
     if not params:
         return  # everything frozen: the same on every replica, so no rank enters the collectives
-    used = used_anywhere(params, group, via)
+    used = used_anywhere(params, host_group)
     grads = []
     for param, anywhere in zip(params, used):
         if not anywhere:

@@ -51,12 +51,14 @@ class GradientSync:
         self.by_hand = False
         #: The group averaged over by hand (None when nothing is averaged by hand).
         self.group: Any = None
+        #: Its gloo twin (the group itself under gloo): which parameters a replica used, agreed on the host.
+        self.host_group: Any = None
 
     def unwrap(self, model: nn.Module, module: nn.Module) -> nn.Module:
         """The plain module, DDP's wrapper dropped: its reducer holds the old group and frozen set."""
         if isinstance(model, DistributedDataParallel):
             dev.after_unwrap()
-        self.by_hand, self.group = False, None
+        self.by_hand, self.group, self.host_group = False, None, None
         return module
 
     def wrap(
@@ -64,6 +66,7 @@ class GradientSync:
         module: nn.Module,
         *,
         group: Any,
+        host_group: Any,
         world_size: int,
         active: bool,
         pipe_len: int,
@@ -75,14 +78,16 @@ class GradientSync:
         """The model to train for this plan: ``module`` itself, or DDP over ``group``.
 
         ``init_sync``: the first wrapper of a fit copies rank 0's weights to the replicas; at a
-        transition the joining ranks received them already, so the copy is skipped.
+        transition the joining ranks received them already, so the copy is skipped. ``host_group``:
+        ``group``'s gloo twin (:func:`~lightning_pipetransformer.dp.groups.host_twin`), for an average by hand.
         """
-        self.by_hand, self.group = False, None
+        self.by_hand, self.group, self.host_group = False, None, None
         if world_size == 1 or not active:
             return module
         if pipe_len > 1:
             self.by_hand = num_replicas > 1
             self.group = group if self.by_hand else None
+            self.host_group = host_group if self.by_hand else None
             return module
         dev.before_wrap([p for p in module.parameters() if p.requires_grad], root_device)
         return DistributedDataParallel(
@@ -96,7 +101,7 @@ class GradientSync:
     def average(self, params: Iterable[torch.Tensor], device: torch.device) -> None:
         """After the last backward of a step: the replicas' mean gradient, when averaged by hand."""
         if self.by_hand:
-            averaging.average_gradients([p for p in params if p.requires_grad], self.group, device)
+            averaging.average_gradients([p for p in params if p.requires_grad], self.group, device, self.host_group)
 
     def gradient_group(self, model: nn.Module) -> Any:
         """The group this replica's gradients are averaged over, or None when nothing is."""

@@ -5,7 +5,9 @@ Which collective runs on which group (a collective that some ranks skip hangs th
 * control (plan broadcast, ``barrier``, ``reduce_boolean_decision``, ``new_group``): all ranks,
   the static WORLD group (gloo on CPU, else a gloo group made once);
 * data (gradients, ``self.log(sync_dist=True)``, torchmetrics, state for new replicas):
-  the active group, rebuilt at every change of the active set; shadow ranks skip it.
+  the active group, rebuilt at every change of the active set; shadow ranks skip it;
+* the active ranks' host flags (which gradients a replica of several stages left ``None``):
+  the active group's gloo twin (:func:`host_twin`; the active group itself under gloo).
 """
 
 from __future__ import annotations
@@ -38,6 +40,20 @@ def active_group(ranks: Sequence[int], backend: str, timeout: timedelta) -> Any:
     Non-members get ``GroupMember.NON_GROUP_MEMBER`` back and must not use it.
     """
     return dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout)
+
+
+def host_twin(group: Any, ranks: Sequence[int], backend: str, timeout: timedelta) -> Any:
+    """A gloo group over the same ranks as ``group`` (``group`` itself when it is gloo), for data the hosts hold.
+
+    Why: which gradients a replica left ``None`` is known on its host; all-reduced on the device (NCCL)
+    and read back, it would make the host wait for the whole backward queued before it, at every step
+    (:func:`~lightning_pipetransformer.dp.averaging.used_anywhere`). Every rank calls this, in the same
+    order (``new_group`` is collective). Under :class:`~lightning_pipetransformer.devices.VirtualDevices`
+    a gloo ``group`` stands for NCCL's, so the twin is a group of its own there too (a test tells them apart).
+    """
+    if backend == "gloo" and not dev.virtual_mode():
+        return group
+    return dist.new_group(ranks=list(ranks), backend="gloo", timeout=timeout)
 
 
 def broadcast_object(obj: Any, src: int, group: Any) -> Any:

@@ -40,6 +40,7 @@ class OneProcess:
 
     control_group: Any = None
     active_group: Any = None
+    active_host_group: Any = None
     peers: list[tuple[str, int]] = []
     decides_here = True
 
@@ -69,6 +70,8 @@ class Elastic:
         self.control_group: Any = None
         #: The ranks that drive a replica under the current plan, rebuilt when they change.
         self.active_group: Any = None
+        #: The active group's gloo twin (itself under gloo): flags the hosts hold, without a device round trip.
+        self.active_host_group: Any = None
         #: (host, pid) per rank, to name a rank that died.
         self.peers: list[tuple[str, int]] = []
 
@@ -119,6 +122,10 @@ class Elastic:
     def regroup(self, active_ranks: tuple[int, ...]) -> Any:
         """A new group over ``active_ranks`` (every rank calls this, in the same order); returns the previous one."""
         previous, self.active_group = self.active_group, groups.active_group(active_ranks, self.backend, self.timeout)
+        old_twin = self.active_host_group
+        self.active_host_group = groups.host_twin(self.active_group, active_ranks, self.backend, self.timeout)
+        if old_twin is not previous:  # nothing uses it now: the average by hand was dropped before a regroup
+            groups.destroy_group(old_twin)
         return previous
 
     def release(self, group: Any, was_member: bool) -> None:
@@ -150,9 +157,11 @@ class Elastic:
         for the rest of the process. WORLD (the control group under gloo) is Lightning's and stays;
         a shadow rank holds no communicator of the active group.
         """
-        active, control = self.active_group, self.control_group
-        self.active_group = self.control_group = None
+        active, control, twin = self.active_group, self.control_group, self.active_host_group
+        self.active_group = self.control_group = self.active_host_group = None
         self.peers = []
+        if twin is not active:
+            groups.destroy_group(twin)
         groups.destroy_group(active)
         groups.destroy_group(control)
 

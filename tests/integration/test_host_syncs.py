@@ -13,6 +13,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import pytest
 import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
@@ -231,3 +232,72 @@ def test_indices_read_from_a_device_copy_the_loader_did_not_give_are_read_there(
     with OnDevice(seen, device_batch["index"]):
         keys = cache.indices.read(device_batch, "train0", "train0", None, cache.verdicts.refuse)
     assert keys == [f"train0i{i}" for i in range(10, 16)] and seen == ["tolist"], (keys, seen)
+
+
+class DeviceReads(TorchFunctionMode):
+    """The host waits a GPU would make in the averaging by hand: reads (``.tolist()``, ``.item()``, ...) of tensors
+    that :class:`~lightning_pipetransformer.devices.VirtualDevices` places on a device; host data is not counted."""
+
+    def __init__(self, seen: list[str], virtual: Any) -> None:
+        super().__init__()
+        self.seen, self.virtual = seen, virtual
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in SYNCING and args and isinstance(args[0], torch.Tensor) and self.virtual.tagged(args[0]):
+            self.seen.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def _averaged_by_hand(rank: int, world: int) -> None:
+    """Two replicas of two stages (virtual devices), averaged by hand for three AdamW steps; per step, the host reads
+    of device tensors and the group, device and dtype of every all-reduce."""
+    import torch.distributed as dist
+
+    from lightning_pipetransformer import devices as dev
+    from lightning_pipetransformer.devices import VirtualDevices
+    from lightning_pipetransformer.dp.ddp import GradientSync
+    from tests.unit.dp.test_gradient_average import CPU0, CPU1, STEPS, _halves, _Model, _optimizer
+
+    data, host = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")  # NCCL's active group, its gloo twin
+    model = _Model()
+    optimizer = _optimizer(model)
+    reduced: list[tuple[str, torch.device, torch.dtype]] = []
+    all_reduce = dist.all_reduce
+
+    def recording(tensor, *args, group=None, **kwargs):
+        reduced.append(("host" if group is host else "data" if group is data else "other", dev.device_of(tensor), tensor.dtype))
+        return all_reduce(tensor, *args, group=group, **kwargs)
+
+    dist.all_reduce = recording  # this spawned process only
+    with VirtualDevices() as virtual:
+        dev.bind_process_device(CPU0)
+        for module, device in ((model.embed, CPU0), (model.block, CPU0), (model.late, CPU1), (model.branch, CPU1), (model.pooler, CPU1), (model.head, CPU1)):
+            dev.place_module(module, device)
+        sync = GradientSync()
+        sync.wrap(
+            model, group=data, host_group=host, world_size=world, active=True, pipe_len=2, num_replicas=world,
+            root_device=CPU0, stage_devices=(CPU0, CPU1), init_sync=False,
+        )  # fmt: skip
+        for step in range(STEPS):
+            optimizer.zero_grad(set_to_none=True)
+            model(_halves(step)[rank], rank == 0).backward()
+            seen: list[str] = []
+            reduced.clear()
+            with DeviceReads(seen, virtual):
+                sync.average(model.parameters(), CPU0)
+            assert seen == [], seen  # before: the flags' all-reduce read back from the device (.tolist()), every step
+            # Which parameters some replica used: host flags over the gloo twin; the gradients over the data group, on CPU0.
+            assert reduced[0] == ("host", torch.device("cpu"), torch.uint8), reduced
+            assert len(reduced) > 1 and all(group == "data" and device == CPU0 for group, device, _ in reduced[1:]), reduced
+            assert model.pooler.weight.grad is None and model.branch.weight.grad is not None  # DDP's rules still
+            optimizer.step()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_averaging_by_hand_agrees_on_the_used_parameters_on_the_host_without_reading_the_device():
+    """Issue 40, item 9: a replica of several stages averaged by hand (K > 1, several replicas) makes no host wait for
+    the device per step; ``tests/unit/dp/test_gradient_average.py`` checks it still equals one process."""
+    from tests.helpers.spawn import spawn_gloo
+
+    spawn_gloo(_averaged_by_hand, 2)

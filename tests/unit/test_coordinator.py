@@ -6,6 +6,7 @@ No Trainer: the engine of tests/unit/test_engine.py, fake caches and a :class:`L
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import torch
@@ -110,3 +111,40 @@ def test_without_a_control_group_a_step_just_runs_and_no_signal_is_agreed():
     assert coordinator.step_together("training_step", lambda: "loss") == "loss"
     coordinator.agree_on_signal("the transition")
     assert coordinator.stopping_signal == 0 and not coordinator.failing_together
+
+
+def _devices(*names: str) -> tuple[tuple[str, ...], ...]:
+    return tuple((name,) for name in names)
+
+
+def test_the_allocators_cache_is_emptied_only_for_the_devices_blocks_left(monkeypatch):
+    """Issue 40, item 7: a plan change that moves no block keeps the allocator's cache; one that moves blocks off a
+    device of this process empties it, naming the devices left (here rank 0 of 4, pipe length 2 -> 1, on virtual
+    devices). Before, every plan applied on an active rank emptied it."""
+    from lightning_pipetransformer import coordinator as coordinator_module
+    from lightning_pipetransformer.devices import VirtualDevices
+
+    released: list[tuple[torch.device, ...]] = []
+    monkeypatch.setattr(coordinator_module.dev, "release_cached_memory", lambda left: released.append(tuple(left)))
+    _, engine = engine_for(pipe_len=2)
+    cpu = [torch.device("cpu", i) for i in range(4)]
+    ranks = Ranks(global_rank=0, local_rank=0, num_processes=4, root_device=cpu[0], distributed=True)
+    coordinator = Coordinator(
+        engine, Elastic(0, 4, "gloo", None), _loop([]), stack=engine.stack, cache=None, ranks=ranks,
+        signals=SignalNotice(), self_check=False, announce=lambda text: None,
+    )  # fmt: skip
+    pipelined = Plan(num_frozen=0, pipe_len=2, chunks=1, partition=(2, 2), devices=(("cpu:0", "cpu:1"), ("cpu:2", "cpu:3")), active_ranks=(0, 2))
+    with VirtualDevices():
+        for block in engine.stack.blocks:
+            coordinator_module.dev.place_module(block, cpu[0])  # where model_to_device leaves the blocks
+        coordinator.apply(pipelined)
+        assert released == [(cpu[0],)]  # blocks 2 and 3 left cpu:0 for cpu:1
+        released.clear()
+        freeze(engine, 1)
+        coordinator.apply(dataclasses.replace(pipelined, num_frozen=1))  # the boundary moves, no block does
+        coordinator.apply(dataclasses.replace(pipelined, num_frozen=1))  # the same plan applied again
+        assert released == []
+        coordinator.apply(Plan(num_frozen=1, pipe_len=1, chunks=1, partition=(4,), devices=_devices(*map(str, cpu)), active_ranks=(0, 1, 2, 3)))
+        assert released == [(cpu[1],)]  # K 2 -> 1: blocks 2 and 3 left cpu:1, which rank 1's replica takes over
+        assert {coordinator_module.dev.device_of(p) for p in engine.stack.container.parameters()} == {cpu[0]}
+

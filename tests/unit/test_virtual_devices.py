@@ -196,7 +196,8 @@ def test_blocks_moved_between_gpus_release_cublas_workspaces_then_the_cache(monk
     calls = []
     monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("workspaces"), raising=False)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
-    dev.release_cached_memory(torch.device("cpu"))
+    dev.release_cached_memory([torch.device("cpu")])
+    dev.release_cached_memory([])  # no block left a device
     assert calls == []
-    dev.release_cached_memory(torch.device("cuda", 0))
+    dev.release_cached_memory([torch.device("cpu"), torch.device("cuda", 0)])  # one of them a GPU
     assert calls == ["workspaces", "empty_cache"]  # the workspaces go back to the allocator first, then to the driver

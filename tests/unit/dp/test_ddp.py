@@ -13,7 +13,7 @@ CPU = torch.device("cpu")
 
 def wrap(sync: GradientSync, module: nn.Module, **overrides):
     kwargs = dict(
-        group="active", world_size=4, active=True, pipe_len=1, num_replicas=4, root_device=CPU, stage_devices=(CPU,), init_sync=True,
+        group="active", host_group="host", world_size=4, active=True, pipe_len=1, num_replicas=4, root_device=CPU, stage_devices=(CPU,), init_sync=True,
     )
     kwargs.update(overrides)
     return sync.wrap(module, **kwargs)
@@ -30,10 +30,12 @@ def test_a_replica_of_several_stages_is_averaged_by_hand_over_the_active_group(m
     assert wrap(sync, module, pipe_len=2, num_replicas=2) is module
     assert sync.by_hand and sync.group == "active" and sync.gradient_group(module) == "active"
     calls = []
-    monkeypatch.setattr(ddp.averaging, "average_gradients", lambda params, group, device: calls.append((len(params), group, device)))
+    monkeypatch.setattr(
+        ddp.averaging, "average_gradients", lambda params, group, device, host: calls.append((len(params), group, device, host))
+    )
     module.bias.requires_grad_(False)
     sync.average(module.parameters(), CPU)
-    assert calls == [(1, "active", CPU)]  # the frozen bias is not averaged
+    assert calls == [(1, "active", CPU, "host")]  # the frozen bias is not averaged; which are used: over the gloo twin
     assert wrap(sync, module, pipe_len=2, num_replicas=1) is module and not sync.by_hand  # the only replica
 
 

@@ -78,7 +78,7 @@ def _replicas(rank: int, world: int) -> None:
                 dev.place_module(module, CPU1)
             sync = GradientSync()
             wrapped = sync.wrap(
-                model, group=dist.group.WORLD, world_size=world, active=True, pipe_len=2, num_replicas=world,
+                model, group=dist.group.WORLD, host_group=dist.group.WORLD, world_size=world, active=True, pipe_len=2, num_replicas=world,
                 root_device=CPU0, stage_devices=(CPU0, CPU1), init_sync=False,
             )
             assert wrapped is model and sync.by_hand  # K = 2: averaged by hand, not DDP

@@ -37,6 +37,10 @@ class FakeGroups:
         self.calls.append(("active_group", tuple(ranks), backend))
         return f"active{self.made}"
 
+    def host_twin(self, group, ranks, backend, timeout):
+        self.calls.append(("host_twin", group, tuple(ranks), backend))
+        return group if backend == "gloo" else f"host{self.made}"
+
     def broadcast_object(self, obj, src, group):
         self.calls.append(("broadcast", src, group))
         return obj if self.sent is None else self.sent
@@ -51,7 +55,7 @@ class FakeGroups:
 @pytest.fixture
 def fake(monkeypatch):
     groups = FakeGroups()
-    for name in ("control_group", "active_group", "broadcast_object", "destroy_group", "barrier"):
+    for name in ("control_group", "active_group", "host_twin", "broadcast_object", "destroy_group", "barrier"):
         monkeypatch.setattr(replicas_module.groups, name, getattr(groups, name))
     monkeypatch.setattr(replicas_module.faults, "peer_processes", lambda group: [("host", 1), ("host", 2)])
     return groups
@@ -99,6 +103,13 @@ def test_regroup_returns_the_old_group_and_release_frees_it_only_for_its_members
     old = elastic.regroup((0, 2))
     assert old == "active1" and elastic.active_group == "active2"
     assert ("active_group", (0, 2), "nccl") in fake.calls
+    # The gloo twin of each active group, for the host's flags; the old one freed at once (nothing averages then).
+    assert ("host_twin", "active2", (0, 2), "nccl") in fake.calls and elastic.active_host_group == "host2"
+    assert ("destroy", "host1") in fake.calls
+    gloo = Elastic(0, 4, "gloo", timedelta(seconds=5))
+    gloo.regroup((0, 2))
+    assert gloo.active_host_group == gloo.active_group  # gloo already: the group itself, nothing freed
+    assert ("destroy", gloo.active_group) not in fake.calls
     elastic.release(old, was_member=False)
     assert ("destroy", "active1") not in fake.calls  # a non-member holds no communicator to free
     elastic.release(elastic.active_group, was_member=True)
@@ -128,8 +139,10 @@ def test_close_frees_the_calls_groups_so_the_next_trainer_call_starts_clean(fake
         elastic.close()
         made = [c for c in fake.calls if c[0] in ("control_group", "active_group")]
         destroyed = [c[1] for c in fake.calls if c[0] == "destroy"]
-        assert len(made) == 2 and destroyed == [f"active{fake.made}", "control"]  # every group it made, active first
-        assert elastic.control_group is None and elastic.active_group is None and elastic.peers == []
+        # every group it made, the active group's twin and the active group first
+        assert len(made) == 2 and destroyed == [f"host{fake.made}", f"active{fake.made}", "control"]
+        assert elastic.control_group is None and elastic.active_group is None and elastic.active_host_group is None
+        assert elastic.peers == []
 
 
 def test_sending_goes_over_the_active_group_to_the_joining_ranks_only(monkeypatch):
