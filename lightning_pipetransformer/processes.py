@@ -258,7 +258,8 @@ class ProcessLayout(ParallelStrategy):
             return self._handled[1]
         together = self._ended_together(exception)
         self._handled, self._posted = (exception, together), False
-        if not together and self._board is not None:
+        # Rank 0's PeerFailedAtEndError names a peer's failure: rank 0 did not fail first, and posts nothing.
+        if not together and self._board is not None and not isinstance(exception, faults.PeerFailedAtEndError):
             try:
                 if not self._board.failures() and not _broken_collective(exception):
                     self._stop_watch(finished=False)

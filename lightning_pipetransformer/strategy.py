@@ -172,9 +172,6 @@ class PipeTransformerStrategy(ProcessLayout):
             raise ValueError("strategy='pipetransformer' with several processes supports automatic optimization only.")
         module = self.lightning_module
         assert module is not None
-        if self.is_distributed:  # Lightning's handler would run collectives inside the signal handler
-            self._signals.reset()
-            lightning_internals.replace_sigterm_notifier(trainer, self._signals)
         autofreeze = trainer_side.autofreeze_of(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         previous_stack = self._stack
@@ -182,9 +179,12 @@ class PipeTransformerStrategy(ProcessLayout):
         # chunks="auto" measured in an earlier fit of this strategy still holds (validate after fit).
         measured = dict(self.engine.auto_chunks) if self.engine is not None else {}
         self.engine, self._report, self._coordinator = None, None, None
-        if self._stack is None:  # nothing to freeze or pipeline: plain single-device / DDP training
+        if self._stack is None:  # nothing to freeze or pipeline: plain single-device / DDP training (Lightning's SIGTERM handling)
             self._setup_model_and_optimizers(trainer, None)
             return
+        if self.is_distributed:  # Lightning's handler would run collectives inside the signal handler; the coordinator reads ours
+            self._signals.reset()
+            lightning_internals.replace_sigterm_notifier(trainer, self._signals)
         stack = self._stack
         # Which inputs of the stack require grad only because a hook marked them (gradient checkpointing, PEFT).
         self._frozen_outputs = FrozenOutputs(m for _, m in stack.pre)

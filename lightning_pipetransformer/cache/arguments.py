@@ -46,6 +46,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from lightning_pipetransformer import tree
+from lightning_pipetransformer.cache.rows import take_rows
 from lightning_pipetransformer.pipe.microbatch import per_sample_view
 from lightning_pipetransformer.stack.stack_call import BlockArgs
 
@@ -272,9 +273,9 @@ def select_rows(value: Any, mask: Tensor, batch_size: int) -> Any:
         # Only a keyword's own value is a folded argument; an element nested inside it is cut by rows.
         folded = per_sample_view(path[-1].key, v, batch_size) if path and isinstance(path[-1], pytree.MappingKey) else v
         if folded is not v:
-            return folded[mask.to(v.device)].flatten(0, 1)
+            return take_rows(folded, mask).flatten(0, 1)
         if v.dim() > 0 and v.shape[0] == batch_size:
-            return v[mask.to(v.device)]
+            return take_rows(v, mask)
         return v
 
     return tree.map_tensors_with_paths(cut, value, memo={})

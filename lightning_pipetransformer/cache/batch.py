@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from lightning_pipetransformer.cache.arguments import select_rows
 from lightning_pipetransformer.cache.prefix import run_blocks
+from lightning_pipetransformer.cache.rows import put_rows, take_rows
 from lightning_pipetransformer.cache.store import ActivationStore
 from lightning_pipetransformer.devices.timing import DeviceSpan
 from lightning_pipetransformer.stack.input_grad import needs_no_gradient
@@ -63,7 +64,7 @@ class StackInput:
         if self.skipped is not None:
             return self.skipped.rows(mask)
         source = self.hidden.detach() if self.grad_free else self.hidden
-        return source[mask.to(source.device)]
+        return take_rows(source, mask)
 
     def full(self) -> Tensor:
         """Never the placeholder: where the cache stands aside, the real embeddings run."""
@@ -191,7 +192,7 @@ class CachedBatch:
             return self.prefix(hidden, select_rows(self.calls, rows, rows.numel()))
 
     def _store(self, miss: Tensor, miss_keys: list[str], computed: Tensor) -> None:
-        self.store.store(miss_keys, computed, {n: t[miss.to(t.device)] for n, t in self.extras.items()})
+        self.store.store(miss_keys, computed, {n: take_rows(t, miss) for n, t in self.extras.items()})
 
 
 def _in_batch_order(miss: Tensor, parts: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
@@ -199,8 +200,8 @@ def _in_batch_order(miss: Tensor, parts: Sequence[tuple[Tensor, Tensor]]) -> Ten
     at = torch.cumsum(miss, 0) - 1  # a batch row's position among the misses
     first = parts[0][1]
     out = torch.empty((int(miss.sum()), *first.shape[1:]), dtype=first.dtype, device=first.device)
-    for rows, values in parts:
-        out[at[rows].to(out.device)] = values
+    for rows, values in parts:  # positions known on the host: scattered by index, without a count on the device
+        out.index_copy_(0, at[rows].to(out.device, non_blocking=True), values)
     return out
 
 
@@ -218,8 +219,7 @@ def merge_rows(hit_mask: Tensor, hits: Tensor, computed: Tensor) -> Tensor:
         return hits
     if n_hit == 0:
         return computed
-    mask = hit_mask.to(computed.device)
     out = computed.new_empty((hit_mask.numel(), *computed.shape[1:]))
-    out[mask] = hits.to(device=computed.device, dtype=computed.dtype)
-    out[~mask] = computed
+    put_rows(out, hit_mask, hits)
+    put_rows(out, ~hit_mask, computed)
     return out

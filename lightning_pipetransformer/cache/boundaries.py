@@ -304,6 +304,10 @@ class Boundaries:
         import torch.distributed as dist
 
         previous, self._replaced = self._replaced, None
+        if previous is not None:
+            # This rank's last misses may still be on their way to the host (cache/host_copy.py): they become
+            # entries (files, for the others to list) before the all-gather below orders every rank's listing after them.
+            previous.finish_copies()
         if self.deferred is not None:
             self._open_deferred()
         store = self.current

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_pipetransformer.cache.rows import take_rows
 from lightning_pipetransformer.stack.input_grad import needs_no_gradient
 from lightning_pipetransformer.stack.observers import BlockHooks
 from lightning_pipetransformer.stack.placeholders import make_placeholder
@@ -92,7 +93,7 @@ class Skipped:
         """
         with torch.no_grad():
             out = self.forward(*self.args, **self.kwargs)
-        return out if mask is None else out[mask.to(out.device)]
+        return out if mask is None else take_rows(out, mask)
 
 
 class EmbeddingSkipper:

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from lightning_pipetransformer.cache.arguments import select_rows
 from lightning_pipetransformer.cache.prefix import StaleCacheError
+from lightning_pipetransformer.cache.rows import take_rows
 from lightning_pipetransformer.stack.stack_call import BlockArgs
 from lightning_pipetransformer.stack.tolerance import precisions_in_play, verification_tolerance
 
@@ -46,7 +47,7 @@ class FirstHitCheck:
         self.done = True
         with torch.no_grad():
             fresh = prefix(rows(hit_mask), select_rows(calls, hit_mask, hit_mask.numel()))
-        cached = boundary[hit_mask.to(boundary.device)]
+        cached = take_rows(boundary, hit_mask)
         # The precision the prefix really computed at (autocast, TF32): the shared rule of stack/tolerance.py.
         rtol, atol = verification_tolerance(fresh.dtype, cached.dtype, *precisions_in_play(fresh.device, blocks))
         # equal_nan: a NaN computed the same way both times is the same value (a NaN input feature).

@@ -8,7 +8,7 @@ instead:
 1. casts on the device, on the producer's stream, to the storage dtype (fewer bytes cross the bus),
    and makes a private device copy where the copy is asynchronous (``copy=True``): the compute
    stream's later kernels may write the caller's tensor in place while the copy still reads it;
-2. lets the device's outgoing copy stream (:func:`~lightning_pipetransformer.devices.streams.copy_streams`)
+2. lets the device's copy stream to the host (:func:`~lightning_pipetransformer.devices.streams.host_copy_stream`)
    wait for the producer, and copies into pinned host memory with ``non_blocking=True`` there;
 3. tells the caching allocator that the copy stream reads the device copy (``record``: its memory
    is not handed to other work before the copy ran, though this module drops it at once), and
@@ -38,7 +38,6 @@ from lightning_pipetransformer.devices import streams
 
 __all__ = ["HostCopy", "IncompleteCopyError", "start_host_copy"]
 
-_HOST = torch.device("cpu")
 
 
 class IncompleteCopyError(RuntimeError):
@@ -97,7 +96,7 @@ def start_host_copy(activations: Tensor, dtype: torch.dtype, extras: Mapping[str
     used: list[Any] = []  # the copy streams, in first-use order (an event on each)
     for name, (tensor, to) in wanted.items():
         device = tensor.device
-        stream = streams.copy_streams(device, _HOST)[0]
+        stream = streams.host_copy_stream(device)
         # On the producer's stream: the cast on the device, and (asynchronous copy) a private copy.
         source = tensor.detach().to(dtype=to, copy=stream is not None)
         if stream is None:  # a CPU tensor, no stand-in: already host memory, nothing to order

@@ -281,11 +281,13 @@ class ActivationStore:
         target = torch.device(device) if device is not None else torch.device("cpu")
         if not rows:
             return hit_mask, torch.empty((0, *(want or ())), dtype=out_dtype, device=target)
-        if target.type == "cuda" and all(r.dtype == out_dtype for r in rows):
-            # Stack into pinned memory so the copy to the device is asynchronous.
-            staged = torch.empty((len(rows), *want), dtype=out_dtype, pin_memory=True)  # type: ignore[misc]
+        stored = rows[0].dtype
+        if target.type == "cuda" and all(r.dtype == stored for r in rows):
+            # Stack into pinned memory in the stored dtype (half the bytes under storage_dtype=bf16), copy
+            # without waiting (from pageable memory the copy would make the host wait), cast on the device.
+            staged = torch.empty((len(rows), *want), dtype=stored, pin_memory=True)  # type: ignore[misc]
             torch.stack(rows, out=staged)
-            return hit_mask, staged.to(target, non_blocking=True)
+            return hit_mask, staged.to(target, non_blocking=True).to(out_dtype)
         return hit_mask, torch.stack(rows).to(device=target, dtype=out_dtype)
 
     def store(

@@ -22,7 +22,7 @@ from torch import Tensor
 
 __all__ = [
     "Stream", "StreamBackend", "copy_between_devices", "copy_streams", "current_stream", "event_done", "event_wait",
-    "host_buffer", "host_catches_up", "new_event", "new_stream", "record", "record_event", "release_cached_memory", "stage_streams",
+    "host_buffer", "host_catches_up", "host_copy_stream", "new_event", "new_stream", "record", "record_event", "release_cached_memory", "stage_streams",
     "stand_in_streams", "until_done", "use_stream", "use_streams", "wait",
 ]  # fmt: skip
 
@@ -190,9 +190,9 @@ def record(tensor: Tensor, *streams: Stream) -> None:
             tensor.record_stream(stream)
 
 
-#: The pool's slots of a device's two copy streams (stage streams take slots 0, 1, ...): one for
-#: the copies that leave the device, one for those that arrive.
-_COPY_OUT, _COPY_IN = -1, -2
+#: The pool's slots of a device's copy streams (stage streams take slots 0, 1, ...): one for the
+#: hand-overs that leave the device, one for those that arrive, one for the cache's copies to the host.
+_COPY_OUT, _COPY_IN, _COPY_HOST = -1, -2, -3
 
 
 def copy_streams(src: torch.device, dst: torch.device) -> tuple[Stream, Stream]:
@@ -210,6 +210,15 @@ def copy_streams(src: torch.device, dst: torch.device) -> tuple[Stream, Stream]:
             _pool[key] = new_stream(key[0])
     return _pool[src, _COPY_OUT], _pool[dst, _COPY_IN]
 
+
+def host_copy_stream(device: torch.device) -> Stream:
+    """The stream of ``device``'s copies to the host (the cache's misses), from the per-process pool; ``None``
+    off CUDA. Not the hand-overs' outgoing stream: a batch's misses (tens of MB over PCIe) would hold the
+    next micro-batch's hand-over to the next stage behind them."""
+    key = (device, _COPY_HOST)
+    if key not in _pool:
+        _pool[key] = new_stream(device)
+    return _pool[key]
 
 
 def copy_between_devices(x: Tensor, src_device: torch.device, device: torch.device) -> Tensor:

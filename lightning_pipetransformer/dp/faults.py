@@ -235,7 +235,12 @@ class FaultBoard:
 
     def finish(self) -> None:
         with contextlib.suppress(Exception):
+            self._store.set(f"finished/{self.rank}", "1")  # before the count: whoever counts this rank finds it
             self._store.add("finished", 1)
+
+    def finished(self, rank: int) -> bool:
+        """Whether ``rank`` finished its fit (an exit after that, in the interpreter's or NCCL's teardown, is no failure of the fit)."""
+        return bool(self._store.check([f"finished/{rank}"]))
 
     def wait_finished(self, timeout: float, exited: Callable[[], dict[int, str]] = dict) -> dict[int, str]:
         """Rank 0 hosts the store under Lightning's launcher: at a normal end it waits (bounded) for
@@ -249,7 +254,8 @@ class FaultBoard:
         deadline = time.monotonic() + timeout
         try:
             while self._store.add("finished", 0) < self.world_size and time.monotonic() < deadline:
-                gone = exited()  # read before the board: a child that posted, then exited, is named by its post
+                # Read before the board: a child that posted, then exited, is named by its post.
+                gone = {rank: how for rank, how in exited().items() if not self.finished(rank)}
                 posted = self.failures() if self._store.add("posted", 0) else {}
                 if gone or posted:
                     return {**gone, **posted}

@@ -14,6 +14,7 @@ import torch
 
 from lightning_pipetransformer.cache.host_copy import IncompleteCopyError, start_host_copy
 from lightning_pipetransformer.cache.store import MAX_COPIES_IN_FLIGHT, ActivationStore
+from lightning_pipetransformer.devices import streams
 
 FP = "0123456789abcdef0123456789abcdef"
 
@@ -35,6 +36,9 @@ def test_a_miss_leaves_the_device_non_blocking_into_pinned_memory_and_is_read_af
     store.store(keys, acts, {"mask": mask})
 
     copies = gpu.copies()
+    # Not the pipeline's outgoing hand-over stream: a batch's misses must not queue ahead of the next micro-batch's hand-over.
+    handover_out = streams.copy_streams(torch.device("cpu"), torch.device("cpu"))[0]
+    assert streams.host_copy_stream(torch.device("cpu")) is not handover_out
     # Both tensors (the activation, the stored block input): non-blocking, into pinned buffers, on the copy stream.
     assert [c[1:4] for c in copies] == [("copy1", True, True)] * 2, gpu.log
     log = gpu.log

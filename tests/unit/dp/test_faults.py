@@ -236,6 +236,18 @@ def test_rank_0_at_the_end_names_a_child_killed_without_posting():
     assert found == {1: f"(pid {child.pid}) was killed by SIGKILL"} and time.monotonic() - start < 5
 
 
+@pytest.mark.timeout(60)
+def test_a_child_that_finished_its_fit_and_then_exited_non_zero_fails_nothing():
+    """An exit after ``finish()`` (the interpreter's or NCCL's teardown) is no failure of the fit: the wait ends
+    at the count, with no rank named."""
+    rank0, rank1, _ = boards(world=3)
+    rank1.finish()
+    child = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])  # rank 1's process, after its finish
+    child.wait(timeout=10)
+    rank0.finish()  # rank 2 is still finishing: rank 0 waits, and sees rank 1's exit meanwhile
+    assert rank0.wait_finished(timeout=0.5, exited=lambda: faults.exited_children({1: child})) == {}
+
+
 def test_exit_status_names_the_signal():
     assert faults.exit_status(3) == "exited with status 3"
     assert faults.exit_status(-signal.SIGKILL) == "was killed by SIGKILL"
