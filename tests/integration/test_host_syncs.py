@@ -145,9 +145,8 @@ def _count_cached_passes(monkeypatch, model) -> tuple[list[list[str]], list[torc
     """From now on, the host waits of each cached stack's pass (keys, lookup, misses, merge), one list a
     pass, counted by :class:`OnDevice`; the second list takes the tensors that stand for the device
     copy of the next batch (with the model's parameters and buffers)."""
-    from lightning_pipetransformer.cache.cached_stack import CachedStack
-
     from lightning_pipetransformer.cache import store
+    from lightning_pipetransformer.cache.cached_stack import CachedStack
 
     counts: list[list[str]] = []
     on_device: list[torch.Tensor] = []
