@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from lightning_pipetransformer.devices import streams
+from lightning_pipetransformer.devices.streams import Stream, current_stream, new_event
 
 __all__ = ["DeviceSpan", "HostEvent"]
 
@@ -44,11 +44,11 @@ class HostEvent:
         return (end.at - self.at) * 1e3
 
 
-def _timing_event(stream: streams.Stream) -> Any:
+def _timing_event(stream: Stream) -> Any:
     """An event that can time: the stand-in's (tests), CUDA's with timing on, else the host clock."""
     if stream is None:  # off CUDA (a stand-in backend gives every device a stream)
         return HostEvent()
-    return streams.new_event(timing=True)
+    return new_event(timing=True)
 
 
 class DeviceSpan:
@@ -63,7 +63,7 @@ class DeviceSpan:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._stream = streams.current_stream(device)
+        self._stream = current_stream(device)
         self._start = _timing_event(self._stream)
         self._end = _timing_event(self._stream)
         self._closed = False
