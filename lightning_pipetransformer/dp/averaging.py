@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_pipetransformer import devices as dev
-from lightning_pipetransformer.dp.state_transfer import CHUNK_BYTES, _pack, _pieces, _StagingRing, _unpack
+from lightning_pipetransformer.dp.pieces import CHUNK_BYTES, StagingRing, pack, pieces, unpack
 
 __all__ = ["average_gradients", "average_op", "used_anywhere"]
 
@@ -81,16 +81,16 @@ def average_gradients(
     world = dist.get_world_size(group)
     # One staging buffer per device, reused: pack, all-reduce and unpack all run in order on the
     # current stream (a blocking collective makes it wait for NCCL), so reuse needs no host wait.
-    staging = _StagingRing(1)
+    staging = StagingRing(1)
     with torch.no_grad():
-        for piece in _pieces(grads, chunk_bytes, via):
+        for piece in pieces(grads, chunk_bytes, via):
             message = piece.direct
             if message is None:
                 _, message = staging.take(piece)
-                _pack(message, piece.targets)
+                pack(message, piece.targets)
             dev.check_collective(message, "gradient averaging")
             dist.all_reduce(message, op=op, group=group)
             if divide_after:
                 message.div_(world)
             if piece.direct is None:
-                _unpack(message, piece.targets)
+                unpack(message, piece.targets)

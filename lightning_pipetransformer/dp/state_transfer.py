@@ -2,33 +2,23 @@
 
 When the pipeline shrinks, shadow ranks become replicas: they receive the model, optimizer,
 scheduler and AutoFreeze state from global rank 0, in pieces of bounded size along a tree. The
-pieces and the staging ring are shared with the gradient average by hand
-(:mod:`~lightning_pipetransformer.dp.averaging`).
+pieces and the staging ring (:mod:`~lightning_pipetransformer.dp.pieces`) are shared with the
+gradient average by hand (:mod:`~lightning_pipetransformer.dp.averaging`).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_pipetransformer import devices as dev
+from lightning_pipetransformer.dp.pieces import CHUNK_BYTES, Piece, Request, StagingRing, pack, pieces, unpack
 from lightning_pipetransformer.freeze.seam import FreezeSource
-
-#: Tensors are sent in pieces of at most this many bytes, so that a rank that has received a piece
-#: forwards it while the next one arrives (a pipelined tree, see :func:`transfer_tree`).
-CHUNK_BYTES = 16 << 20
-
-
-#: Tensors smaller than this are copied together into one staging buffer per piece (one message
-#: instead of hundreds of tiny ones); larger contiguous tensors go straight from and into their
-#: own memory, with no staging copy.
-COALESCE_BYTES = 1 << 20
-
 
 #: Optimizer-state tensors smaller than this ('step' counters, tiny buffers) travel (on the CPU)
 #: inside the pickled structure of :func:`broadcast_state` instead of as messages.
@@ -78,7 +68,7 @@ def send_tensors(
     if rank not in tree or len(tree) == 1:
         return
     parent, children = tree[rank]
-    _relay(_pieces(tensors, chunk_bytes, via), parent, children, group)
+    _relay(pieces(tensors, chunk_bytes, via), parent, children, group)
 
 
 #: Pieces a rank holds at once (receives posted ahead, and pieces still being sent on): the
@@ -86,108 +76,30 @@ def send_tensors(
 IN_FLIGHT = 4
 
 
-class _Piece(NamedTuple):
-    """One message: a slice of a large tensor sent from (received into) its own memory
-    (``direct``), or a staging buffer of ``numel`` elements standing for ``targets`` in order."""
-
-    direct: torch.Tensor | None
-    targets: list[torch.Tensor]
-    dtype: torch.dtype
-    numel: int
-    #: Where the message lives: the tensor's device (direct), or the staging device.
-    device: torch.device
-
-
-class _Request:
-    """A point-to-point request, waited at most once: gloo's ``wait`` is not idempotent (a second
-    call waits for another message)."""
-
-    def __init__(self, work: Any) -> None:
-        self.work, self.waited = work, False
-
-    def wait(self) -> None:
-        if not self.waited:
-            self.work.wait()
-            self.waited = True
-
-
-class _StagingRing:
-    """``slots`` staging buffers per device, taken in turn; a slot is handed out again only after
-    every transfer that used it is known done.
-
-    Why a ring and why "known done": under NCCL ``Work.wait()`` returns at once (it only makes the
-    current stream wait) and the caching allocator keeps a buffer a point-to-point op used until
-    the NCCL stream has passed it, so dropping each piece's buffer and allocating the next bounds
-    nothing: the host runs ahead and every piece is staged at once. Here the memory is fixed
-    (``slots`` buffers of the largest piece) whatever the backend, and before a slot is reused the
-    host waits for its last transfers (:func:`~lightning_pipetransformer.devices.host_catches_up`
-    after ``Work.wait()``: on CUDA an event recorded after the waits, synchronised).
-    """
-
-    def __init__(self, slots: int) -> None:
-        self._buffers: list[dict[torch.device, torch.Tensor]] = [{} for _ in range(slots)]
-        self._users: list[list[tuple[_Request, torch.device]]] = [[] for _ in range(slots)]
-        self._next = 0
-
-    def take(self, piece: _Piece) -> tuple[int, torch.Tensor]:
-        """The next slot (waiting for its last transfers), viewed as ``piece``'s message."""
-        slot = self._next
-        self._next = (slot + 1) % len(self._buffers)
-        self.settle(slot)
-        nbytes = piece.numel * _itemsize(piece.dtype)
-        buffer = self._buffers[slot].get(piece.device)
-        if buffer is None or buffer.numel() < nbytes:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, device=piece.device)
-            dev.tag_as(buffer, piece.device)
-            self._buffers[slot][piece.device] = buffer
-        message = buffer[:nbytes].view(piece.dtype)
-        dev.tag_as(message, piece.device)
-        return slot, message
-
-    def used_by(self, slot: int, requests: list[_Request], device: torch.device) -> None:
-        """``requests`` read or write slot ``slot``: it is not handed out again before they are done."""
-        self._users[slot].extend((request, device) for request in requests)
-
-    def settle(self, slot: int | None = None) -> None:
-        """Block until the transfers of ``slot`` (default: of every slot) are done."""
-        devices: set[torch.device] = set()
-        for index in range(len(self._users)) if slot is None else (slot,):
-            for request, device in self._users[index]:
-                request.wait()
-                devices.add(device)
-            self._users[index] = []
-        for device in devices:
-            dev.host_catches_up(device)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _relay(
-    pieces: Iterator[_Piece], parent: int | None, children: list[int], group: Any, in_flight: int = IN_FLIGHT,
+    messages: Iterator[Piece], parent: int | None, children: list[int], group: Any, in_flight: int = IN_FLIGHT,
 ) -> None:
-    """Receive each piece from ``parent`` (none at the root), then send it to ``children``, in order.
+    """Receive each of ``messages`` from ``parent`` (none at the root), then send it to ``children``, in order.
 
     A window of ``in_flight`` pieces: the next pieces' receives are posted while the current one
     is unpacked and sent on, so the tree stays pipelined. Staged pieces live in a fixed ring of
-    ``in_flight`` buffers on the process's device (:class:`_StagingRing`): peak staging is
+    ``in_flight`` buffers on the process's device (:class:`StagingRing`): peak staging is
     ``in_flight`` pieces on every backend, whether or not ``Work.wait()`` blocks the host.
     """
-    ring = _StagingRing(in_flight)
+    ring = StagingRing(in_flight)
     # Posted, oldest first: (message, piece, slot or None, receive or None).
-    receiving: deque[tuple[torch.Tensor, _Piece, int | None, _Request | None]] = deque()
-    sending: deque[list[_Request]] = deque()  # sent on, not yet delivered
+    receiving: deque[tuple[torch.Tensor, Piece, int | None, Request | None]] = deque()
+    sending: deque[list[Request]] = deque()  # sent on, not yet delivered
     pending = True
     while True:
         while pending and len(receiving) + len(sending) < in_flight:
-            piece = next(pieces, None)
+            piece = next(messages, None)
             if piece is None:
                 pending = False
                 break
             slot, message = (None, piece.direct) if piece.direct is not None else ring.take(piece)
             dev.check_collective(message, "state transfer to a joining replica")
-            work = _Request(dist.irecv(message, src=parent, group=group)) if parent is not None else None
+            work = Request(dist.irecv(message, src=parent, group=group)) if parent is not None else None
             receiving.append((message, piece, slot, work))
         if not receiving:
             break
@@ -196,10 +108,10 @@ def _relay(
             work.wait()  # the unpack and the sends below are ordered after the receive (the stream waits on NCCL)
             if slot is not None:
                 ring.used_by(slot, [work], piece.device)
-                _unpack(message, piece.targets)
+                unpack(message, piece.targets)
         elif slot is not None:
-            _pack(message, piece.targets)
-        works = [_Request(dist.isend(message, dst=child, group=group)) for child in children]
+            pack(message, piece.targets)
+        works = [Request(dist.isend(message, dst=child, group=group)) for child in children]
         sending.append(works)
         if slot is not None:
             ring.used_by(slot, works, piece.device)
@@ -210,82 +122,6 @@ def _relay(
         for done in works:
             done.wait()
     ring.settle()  # the next transfer starts from a free ring; an error leaves the buffers to the group's abort
-
-
-def _pieces(
-    tensors: Sequence[torch.Tensor], chunk_bytes: int, via: torch.device | None = None,
-) -> Iterator[_Piece]:
-    """The messages for ``tensors``, in order: slices of large contiguous tensors sent from their
-    own memory, and staged pieces (coalesced small tensors of one dtype, or slices that are not
-    contiguous or not on ``via``) that the caller gives a staging buffer. With ``via``, every
-    tensor not on ``via`` is staged through buffers there. No memory is allocated here."""
-    small: list[torch.Tensor] = []
-
-    def staged(targets: list[torch.Tensor], dtype: torch.dtype) -> _Piece:
-        device = via if via is not None else dev.device_of(targets[0])
-        return _Piece(None, list(targets), dtype, sum(t.numel() for t in targets), device)
-
-    def flush() -> Iterator[_Piece]:
-        if small:
-            yield staged(small, small[0].dtype)
-            small.clear()
-
-    for t in tensors:
-        if t.numel() == 0:
-            continue
-        direct = via is None or dev.device_of(t) == via
-        nbytes = t.numel() * t.element_size()
-        if nbytes >= COALESCE_BYTES or nbytes > chunk_bytes:
-            yield from flush()
-            for block in _blocks(t, max(1, chunk_bytes // t.element_size())):
-                if direct and block.is_contiguous():
-                    dev.tag_as(block, dev.device_of(t))
-                    yield _Piece(block, [], t.dtype, block.numel(), dev.device_of(t))
-                else:  # on another device, or not contiguous: through a buffer of one piece
-                    yield staged([block], t.dtype)
-            continue
-        if small and (
-            small[0].dtype != t.dtype
-            or (via is None and dev.device_of(small[0]) != dev.device_of(t))
-            or (sum(s.numel() for s in small) + t.numel()) * t.element_size() > chunk_bytes
-        ):
-            yield from flush()
-        small.append(t)
-    yield from flush()
-
-
-def _blocks(t: torch.Tensor, numel: int) -> Iterator[torch.Tensor]:
-    """Views covering ``t`` in order, of at most ``numel`` elements each (one element at least):
-    runs of rows, or the rows' own blocks where one row is larger.
-
-    The cut depends on the shape alone, so sender and receiver cut alike whatever their strides;
-    the views of a contiguous tensor are contiguous (and can be sent from its own memory).
-    """
-    if t.numel() <= numel or t.dim() == 0:
-        yield t
-        return
-    row = t[0].numel()
-    if row <= numel:
-        rows = numel // row
-        for start in range(0, t.shape[0], rows):
-            yield t[start : start + rows]
-        return
-    for index in range(t.shape[0]):
-        yield from _blocks(t[index], numel)
-
-
-def _pack(buffer: torch.Tensor, targets: list[torch.Tensor]) -> None:
-    offset = 0
-    for t in targets:
-        buffer[offset : offset + t.numel()].view(t.shape).copy_(t)
-        offset += t.numel()
-
-
-def _unpack(buffer: torch.Tensor, targets: list[torch.Tensor]) -> None:
-    offset = 0
-    for t in targets:
-        t.copy_(buffer[offset : offset + t.numel()].view(t.shape))
-        offset += t.numel()
 
 
 def module_state_tensors(module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

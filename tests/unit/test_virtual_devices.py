@@ -15,7 +15,7 @@ from torch import nn
 from lightning_pipetransformer import devices as dev
 from lightning_pipetransformer.devices import VirtualDeviceError, VirtualDevices, optimizer_state_to_param_devices
 from lightning_pipetransformer.devices.handover import _Hop
-from lightning_pipetransformer.dp import state_transfer
+from lightning_pipetransformer.dp import pieces
 
 CPU0, CPU1, CPU2 = (torch.device("cpu", i) for i in range(3))
 
@@ -92,11 +92,11 @@ def test_a_collective_on_a_tensor_off_the_process_device_fails_and_staging_avoid
         dev.tag_as(on_stage, CPU1)  # a tensor of a pipeline stage on another device
         with pytest.raises(VirtualDeviceError, match="bound to cpu:0"):
             dev.check_collective(on_stage, "test")
-        pieces = list(state_transfer._pieces([on_stage], state_transfer.CHUNK_BYTES))  # without via: straight from cpu:1
+        direct = list(pieces.pieces([on_stage], pieces.CHUNK_BYTES))  # without via: straight from cpu:1
         with pytest.raises(VirtualDeviceError):
-            dev.check_collective(pieces[0].direct, "test")
-        ring = state_transfer._StagingRing(1)
-        for piece in state_transfer._pieces([on_stage], state_transfer.CHUNK_BYTES, via=CPU0):
+            dev.check_collective(direct[0].direct, "test")
+        ring = pieces.StagingRing(1)
+        for piece in pieces.pieces([on_stage], pieces.CHUNK_BYTES, via=CPU0):
             assert piece.direct is None and piece.device == CPU0
             _, message = ring.take(piece)
             dev.check_collective(message, "test")  # staged through a buffer on the process's device
